@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""Quantize a Hugging Face checkpoint with llm-compressor (peer runner).
+
+Runs INSIDE benchmarks/.venvs/llmcompressor (see setup_llmcompressor.sh); it is
+never imported by llmq. Loads the model in float32 on CPU, runs llm-compressor's
+``oneshot`` with the modifier matching ``--method``, saves the compressed
+checkpoint (compressed-tensors format) plus the tokenizer to ``--out`` and
+prints ONE JSON line with timings on stdout. Everything else (llm-compressor's
+logs, progress bars, warnings) goes to stderr.
+
+Example:
+    benchmarks/.venvs/llmcompressor/bin/python benchmarks/peers/llmcompressor_quantize.py \
+        --model /tmp/peer-model --out /tmp/out-w4 --scheme W4A16 --method gptq \
+        --group-size 64 --calib /tmp/calib.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC")
+METHODS = ("rtn", "gptq", "awq", "smoothquant-gptq")
+NEEDS_CALIB = ("gptq", "awq", "smoothquant-gptq")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF float32 checkpoint folder")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--scheme", required=True, choices=SCHEMES)
+    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="override the preset's weight group size for group-wise presets "
+        "(W4A16, W4A16_ASYM and, in compressed-tensors 0.19, W8A16: all default to "
+        "128, which does not divide hidden size 576); 0 = per-output-channel "
+        "weights instead of groups. Ignored with a warning for presets that are "
+        "already per-channel (W8A8, FP8_DYNAMIC)",
+    )
+    p.add_argument(
+        "--calib",
+        default=None,
+        help="safetensors file with one int64 tensor `input_ids` [num_samples, seq_len] "
+        "(required for gptq/awq/smoothquant-gptq, optional for rtn)",
+    )
+    p.add_argument(
+        "--ignore",
+        action="append",
+        default=None,
+        help="module name/pattern to leave unquantized (repeatable; default: lm_head)",
+    )
+    p.add_argument(
+        "--smoothing-strength",
+        type=float,
+        default=0.8,
+        help="SmoothQuant alpha for smoothquant-gptq (default 0.8)",
+    )
+    args = p.parse_args(argv)
+    if args.ignore is None:
+        args.ignore = ["lm_head"]
+    if args.method in NEEDS_CALIB and not args.calib:
+        p.error(f"--calib is required for --method {args.method}")
+    if args.group_size is not None and args.group_size < 0:
+        p.error("--group-size must be >= 0 (0 = per-channel)")
+    return args
+
+
+def log(msg: str) -> None:
+    print(f"[llmcompressor_quantize] {msg}", file=sys.stderr, flush=True)
+
+
+def build_quant_kwargs(scheme: str, group_size: int | None, ignore: list[str]):
+    """kwargs for QuantizationModifier / GPTQModifier and the effective group size."""
+    from compressed_tensors.quantization import (
+        QuantizationStrategy,
+        preset_name_to_scheme,
+    )
+
+    preset = preset_name_to_scheme(scheme, ["Linear"])
+    is_group = preset.weights is not None and preset.weights.strategy in (
+        QuantizationStrategy.GROUP,
+        QuantizationStrategy.TENSOR_GROUP,
+    )
+    if group_size is not None and not is_group:
+        log(
+            f"WARNING: --group-size {group_size} ignored: {scheme} quantizes weights "
+            f"per {preset.weights.strategy.value}, not per group"
+        )
+        group_size = None
+    if group_size is None:
+        effective = preset.weights.group_size if is_group else None
+        return dict(targets="Linear", scheme=scheme, ignore=list(ignore)), effective
+    if group_size == 0:  # per-output-channel scales instead of groups
+        preset.weights.strategy = QuantizationStrategy.CHANNEL
+        preset.weights.group_size = None
+        return dict(config_groups={"group_0": preset}, ignore=list(ignore)), None
+    preset.weights.group_size = group_size
+    return (
+        dict(config_groups={"group_0": preset}, ignore=list(ignore)),
+        group_size,
+    )
+
+
+def patch_cpu_only() -> None:
+    """Work around llm-compressor 0.14.0.1 on machines without an accelerator.
+
+    AWQModifier._apply_smoothing pins the cached activations
+    (IntermediatesCache.pin_memory) "for faster onloading"; on a CPU-only
+    torch build Tensor.pin_memory() raises "Cannot access accelerator device
+    when none is available". Pinning only speeds up host->device copies, so
+    without an accelerator it is skipped. Numerics are unchanged.
+    """
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if torch.accelerator.is_available():
+        return
+
+    def _no_pin(self, batch_index, input_names=None):
+        return None
+
+    IntermediatesCache.pin_memory = _no_pin
+
+
+def build_recipe(args):
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+
+    qkw, effective_gs = build_quant_kwargs(args.scheme, args.group_size, args.ignore)
+    if args.method == "rtn":
+        recipe = [QuantizationModifier(**qkw)]
+    elif args.method == "gptq":
+        recipe = [GPTQModifier(**qkw)]
+    elif args.method == "awq":
+        # llm-compressor >= 0.10: AWQ is a transform; quantization is done by a
+        # following QuantizationModifier (the old AWQModifier(scheme=...) is a
+        # deprecated shim that expands to exactly this pair).
+        from llmcompressor.modifiers.transform import AWQModifier
+
+        recipe = [AWQModifier(), QuantizationModifier(**qkw)]
+    elif args.method == "smoothquant-gptq":
+        from llmcompressor.modifiers.transform import SmoothQuantModifier
+
+        recipe = [
+            SmoothQuantModifier(smoothing_strength=args.smoothing_strength),
+            GPTQModifier(**qkw),
+        ]
+    else:  # argparse already restricts this
+        raise ValueError(args.method)
+    return recipe, effective_gs
+
+
+def load_calibration(path: str):
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    if "input_ids" not in tensors:
+        raise SystemExit(f"{path}: no tensor named 'input_ids' (have {list(tensors)})")
+    ids = tensors["input_ids"]
+    if ids.ndim != 2:
+        raise SystemExit(f"{path}: input_ids must be 2-D [num_samples, seq_len], got {tuple(ids.shape)}")
+    ids = ids.to(torch.int64)
+    num_samples, seq_len = ids.shape
+    ds = Dataset.from_dict(
+        {
+            "input_ids": ids.tolist(),
+            "attention_mask": torch.ones_like(ids).tolist(),
+        }
+    )
+    return ds, int(num_samples), int(seq_len)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+    # Keep stdout clean for the single JSON result line: point fd 1 at stderr
+    # while the libraries run (they print/log/progress-bar freely), restore after.
+    sys.stdout.flush()
+    saved_stdout_fd = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        result = run(args)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved_stdout_fd, 1)
+        os.close(saved_stdout_fd)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def run(args) -> dict:
+    t_start = time.perf_counter()
+    import torch
+    from importlib.metadata import version
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmcompressor import oneshot
+
+    import_s = time.perf_counter() - t_start
+    patch_cpu_only()
+    torch.manual_seed(0)
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=torch.float32, device_map=None
+    )
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    load_s = time.perf_counter() - t0
+
+    recipe, effective_gs = build_recipe(args)
+    log(f"recipe: {recipe}")
+
+    oneshot_kwargs = {}
+    num_samples = seq_len = None
+    if args.calib:
+        dataset, num_samples, seq_len = load_calibration(args.calib)
+        oneshot_kwargs.update(
+            dataset=dataset,
+            num_calibration_samples=num_samples,
+            max_seq_length=seq_len,
+            shuffle_calibration_samples=False,
+            batch_size=1,
+        )
+        log(f"calibration: {num_samples} samples x {seq_len} tokens from {args.calib}")
+
+    t0 = time.perf_counter()
+    model = oneshot(model=model, tokenizer=tokenizer, recipe=recipe, **oneshot_kwargs)
+    oneshot_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    model.save_pretrained(args.out, save_compressed=True)
+    tokenizer.save_pretrained(args.out)
+    save_s = time.perf_counter() - t0
+
+    return {
+        "tool": "llm-compressor",
+        "version": version("llmcompressor"),
+        "compressed_tensors_version": version("compressed-tensors"),
+        "transformers_version": version("transformers"),
+        "torch_version": torch.__version__,
+        "scheme": args.scheme,
+        "method": args.method,
+        "group_size": effective_gs,
+        "num_samples": num_samples,
+        "seq_len": seq_len,
+        "ignore": args.ignore,
+        "threads": torch.get_num_threads(),
+        "import_s": round(import_s, 3),
+        "load_s": round(load_s, 3),
+        "oneshot_s": round(oneshot_s, 3),
+        "save_s": round(save_s, 3),
+        "total_s": round(time.perf_counter() - t_start, 3),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

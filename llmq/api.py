@@ -1,0 +1,310 @@
+"""llmq's public Python API. The CLI is a thin layer over these functions.
+
+    from llmq import quantize, calibrate, evaluate
+    result = quantize("smollm2-135m", "out/w4a16", scheme="w4a16")
+    report = evaluate("out/w4a16", baseline="smollm2-135m", max_ppl_increase=0.03)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmq.config import CalibConfig, Recipe, build, get_scheme
+from llmq.errors import InputError
+from llmq.models import BUILTIN_MODELS, cache_dir, resolve_model
+from llmq.progress import NO_PROGRESS, Progress
+from llmq.texts import DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT
+
+__version__ = "0.1.0"
+
+DEFAULT_REPORT_SAMPLES = 4
+"""Calibration windows RTN uses by default: it needs no data, so they only feed the per-layer
+output-error report (0 skips it)."""
+DEFAULT_CALIB_SAMPLES = 128
+
+
+def _tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{folder}: cannot load a tokenizer ({exc})") from None
+
+
+def _open(model: str | Path) -> Any:
+    from llmq.io.checkpoint import open_checkpoint
+
+    return open_checkpoint(resolve_model(model))
+
+
+def list_models() -> list[dict[str, str]]:
+    """The built-in models: name, description, and whether they are already cached."""
+    return [
+        {
+            "name": m.name,
+            "description": m.description,
+            "cached": str((cache_dir() / "models" / m.name / "config.json").is_file()).lower(),
+        }
+        for m in BUILTIN_MODELS.values()
+    ]
+
+
+def make_recipe(
+    *,
+    scheme: str = "w4a16",
+    method: str = "rtn",
+    group_size: int | None = None,
+    strict_group_size: bool = False,
+    ignore: tuple[str, ...] | list[str] = ("lm_head",),
+    clip: str = "none",
+    calib_text: str = DEFAULT_CALIBRATION_TEXT,
+    num_samples: int | None = None,
+    seq_len: int = 512,
+    seed: int = 0,
+) -> Recipe:
+    """Validate options into a Recipe (InputError naming the option on bad values)."""
+    from llmq.quant.methods import get_method, method_names
+
+    if num_samples is None:
+        num_samples = DEFAULT_REPORT_SAMPLES if method == "rtn" else DEFAULT_CALIB_SAMPLES
+    if num_samples < 0:
+        raise InputError(f"--num-samples {num_samples}: must be >= 0")
+    if group_size is not None and group_size != -1 and (group_size < 16 or group_size & (group_size - 1)):
+        raise InputError(
+            f"--group-size {group_size}: must be -1 (per-channel) or a power of two >= 16",
+            hint="e.g. 32, 64 or 128",
+        )
+    if method not in method_names():
+        get_method(Recipe(scheme=get_scheme(scheme), method=method))  # raises the listing error
+    calibration = None
+    if num_samples > 0:
+        calibration = build(
+            CalibConfig, text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed
+        )
+    recipe = build(
+        Recipe,
+        scheme=get_scheme(scheme),
+        method=method,
+        group_size=group_size,
+        strict_group_size=strict_group_size,
+        ignore=tuple(ignore),
+        clip=clip,
+        calibration=calibration,
+    )
+    assert isinstance(recipe, Recipe)
+    return recipe
+
+
+def quantize(
+    model: str | Path,
+    out: str | Path,
+    *,
+    recipe: Recipe | None = None,
+    calib_stats: str | Path | None = None,
+    overwrite: bool = False,
+    resume: bool = False,
+    progress: Progress = NO_PROGRESS,
+    **options: Any,
+) -> Any:
+    """Quantize MODEL (a folder or built-in name) into a compressed-tensors checkpoint at OUT.
+
+    Options are those of `make_recipe` (scheme, method, group_size, ignore, clip, calib_text,
+    num_samples, seq_len, seed); or pass a ready `recipe`. Returns a `QuantizeResult`.
+    """
+    from llmq.calib.data import calibration_windows
+    from llmq.calib.stats import CalibStats
+    from llmq.io.atomic import check_output_dir
+    from llmq.pipeline.plan import plan_quantization
+    from llmq.pipeline.quantize import run_quantization
+
+    recipe = recipe or make_recipe(**options)
+    ckpt = _open(model)
+    plan = plan_quantization(ckpt, recipe)
+    out = Path(out)
+    check_output_dir(out, overwrite=overwrite, sources=(ckpt.path,))
+    stats = CalibStats.load(Path(calib_stats)) if calib_stats else None
+    ids = None
+    record: dict[str, Any] = {
+        "llmq_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source_model": str(model),
+        "recipe": recipe.model_dump(mode="json"),
+        "calibration": None,
+    }
+    if recipe.calibration is not None:
+        cal = recipe.calibration
+        windows = calibration_windows(
+            _tokenizer(ckpt.path), cal.text, num_samples=cal.num_samples, seq_len=cal.seq_len, seed=cal.seed
+        )
+        ids = windows.input_ids
+        record["calibration"] = {**cal.model_dump(), "tokens": windows.num_tokens, "bos": windows.add_bos}
+    if stats is not None:
+        record["calib_stats"] = {"file": str(calib_stats), **stats.metadata}
+    return run_quantization(
+        ckpt, plan, recipe, out,
+        calibration_ids=ids, calib_stats=stats, resume=resume, progress=progress, record=record,
+    )  # fmt: skip
+
+
+@dataclass(slots=True)
+class CalibrateResult:
+    out: Path
+    model: str
+    linears: int
+    hessian: bool
+    calibration: dict[str, Any]
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "out": str(self.out)}
+
+
+def calibrate(
+    model: str | Path,
+    out: str | Path,
+    *,
+    calib_text: str = DEFAULT_CALIBRATION_TEXT,
+    num_samples: int = DEFAULT_CALIB_SAMPLES,
+    seq_len: int = 512,
+    seed: int = 0,
+    hessian: bool = False,
+    overwrite: bool = False,
+    progress: Progress = NO_PROGRESS,
+) -> CalibrateResult:
+    """Collect per-linear input statistics (absmax, mean |x|, optionally XᵀX) into a
+    .safetensors file that `quantize(calib_stats=...)` reuses."""
+    from llmq.calib.collect import collect_stats
+    from llmq.calib.data import calibration_windows
+
+    started = time.perf_counter()
+    cal = build(CalibConfig, text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed)
+    assert isinstance(cal, CalibConfig)
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise InputError(f"{out}: already exists", hint="choose another path or pass --overwrite")
+    if out.suffix != ".safetensors":
+        raise InputError(f"{out}: statistics are written as .safetensors", hint=f"use {out.stem}.safetensors")
+    ckpt = _open(model)
+    windows = calibration_windows(
+        _tokenizer(ckpt.path), cal.text, num_samples=cal.num_samples, seq_len=cal.seq_len, seed=cal.seed
+    )
+    stats = collect_stats(ckpt, windows.input_ids, hessian=hessian, progress=progress)
+    stats.metadata = {"model": str(model), **cal.model_dump(), "tokens": windows.num_tokens, "hessian": hessian}
+    stats.save(out)
+    return CalibrateResult(
+        out=out,
+        model=str(model),
+        linears=len(stats.inputs),
+        hessian=hessian,
+        calibration=stats.metadata,
+        seconds=time.perf_counter() - started,
+    )
+
+
+@dataclass(slots=True)
+class EvalResult:
+    """Perplexities under one protocol, the baseline's if given, and the gate's verdict."""
+
+    protocol: dict[str, Any]
+    model: Any  # Perplexity
+    baseline: Any | None = None
+    max_ppl_increase: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def increase(self) -> float | None:
+        if self.baseline is None:
+            return None
+        return self.model.perplexity / self.baseline.perplexity - 1.0
+
+    @property
+    def passed(self) -> bool | None:
+        if self.max_ppl_increase is None or self.increase is None:
+            return None
+        return self.increase <= self.max_ppl_increase
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "protocol": self.protocol,
+            "model": asdict(self.model),
+            "baseline": None if self.baseline is None else asdict(self.baseline),
+            "increase": self.increase,
+            "max_ppl_increase": self.max_ppl_increase,
+            "passed": self.passed,
+        }
+
+
+def evaluate(
+    model: str | Path,
+    *,
+    baseline: str | Path | None = None,
+    text: str = DEFAULT_EVAL_TEXT,
+    seq_len: int = 512,
+    max_windows: int | None = 40,
+    max_ppl_increase: float | None = None,
+    use_cache: bool = True,
+    progress: Progress = NO_PROGRESS,
+) -> EvalResult:
+    """Token perplexity of MODEL on held-out text, optionally against BASELINE (same windows).
+
+    max_ppl_increase (e.g. 0.03 for 3%) makes it a gate: `result.passed` is False when the
+    relative increase over the baseline exceeds it. Baseline results are cached per
+    (checkpoint, windows), so repeated gates against one baseline score it once.
+    """
+    from llmq.calib.data import evaluation_windows
+    from llmq.eval.ppl import cached_perplexity
+
+    if seq_len < 8:
+        raise InputError(f"--seq-len {seq_len}: must be >= 8")
+    if max_windows is not None and max_windows < 1:
+        raise InputError(f"--max-windows {max_windows}: must be >= 1")
+    if max_ppl_increase is not None and baseline is None:
+        raise InputError("--max-ppl-increase needs --baseline")
+    if max_ppl_increase is not None and not 0 <= max_ppl_increase < 100:
+        raise InputError(f"--max-ppl-increase {max_ppl_increase}: out of range")
+    ckpt = _open(model)
+    base_ckpt = _open(baseline) if baseline is not None else None
+    windows = evaluation_windows(_tokenizer(ckpt.path), text, seq_len=seq_len, max_windows=max_windows)
+    cache = cache_dir() / "ppl" if use_cache else None
+    base = None
+    if base_ckpt is not None:
+        base = cached_perplexity(base_ckpt, windows, cache, progress=progress)
+    result = cached_perplexity(ckpt, windows, None, progress=progress)
+    protocol = {
+        "metric": "token perplexity",
+        "text": f"{text} (held-out split)",
+        "windows": int(windows.input_ids.shape[0]),
+        "seq_len": seq_len,
+        "stride": seq_len,
+        "bos": windows.add_bos,
+        "dtype": "float32",
+        "tokens_scored": result.tokens,
+    }
+    return EvalResult(protocol=protocol, model=result, baseline=base, max_ppl_increase=max_ppl_increase)
+
+
+def load_dequantized(path: str | Path) -> Any:
+    """A transformers model with every quantized weight dequantized (float32), for comparison
+    and inspection. Activations are not quantized by this model."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmq.pack.reader import QuantizedView
+
+    ckpt = _open(path)
+    view = QuantizedView(ckpt)
+    config = AutoConfig.for_model(**{k: v for k, v in ckpt.config.items() if k != "quantization_config"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = {k: v.to(torch.float32) for k, v in view.read_state(ckpt, "").items()}
+    if ckpt.tied_embeddings:
+        state[f"{ckpt.layout.lm_head}.weight"] = state[f"{ckpt.layout.embed}.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    rotary = model.get_submodule(ckpt.layout.rotary)  # its buffers are computed, not stored
+    model.set_submodule(ckpt.layout.rotary, type(rotary)(model.config))
+    model.tie_weights()
+    return model.eval()

@@ -1,0 +1,118 @@
+"""Per-linear input statistics, accumulated over calibration batches and saved as safetensors.
+
+Linears that read the same activations (q/k/v, gate/up) share one `InputStats` object, so a
+Hessian is computed and stored once per input, not once per projection.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from llmq.errors import InputError
+from llmq.quant.primitives import ACCUM_DTYPE
+
+STATS_FORMAT = "llmq-calib-stats/1"
+
+
+@dataclass(slots=True)
+class InputStats:
+    """Running statistics of one linear input x [tokens, in_features] (float32 accumulators)."""
+
+    absmax: Tensor  # [in] max |x_j|
+    abs_sum: Tensor  # [in] sum |x_j|
+    num_tokens: int = 0
+    hessian: Tensor | None = None  # [in, in] running mean of 2 x^T x / tokens (GPTQ's H)
+
+    @classmethod
+    def empty(cls, in_features: int, *, hessian: bool, device: torch.device) -> InputStats:
+        zeros = torch.zeros(in_features, dtype=ACCUM_DTYPE, device=device)
+        h = torch.zeros(in_features, in_features, dtype=ACCUM_DTYPE, device=device)
+        return cls(absmax=zeros.clone(), abs_sum=zeros, hessian=h if hessian else None)
+
+    def update(self, x: Tensor) -> None:
+        rows = x.reshape(-1, x.shape[-1]).to(ACCUM_DTYPE)
+        n = rows.shape[0]
+        self.absmax = torch.maximum(self.absmax, rows.abs().amax(dim=0))
+        self.abs_sum += rows.abs().sum(dim=0)
+        if self.hessian is not None:
+            total = self.num_tokens + n
+            self.hessian *= self.num_tokens / total
+            self.hessian += (2.0 / total) * (rows.T @ rows)
+        self.num_tokens += n
+
+    @property
+    def mean_abs(self) -> Tensor:
+        return self.abs_sum / max(self.num_tokens, 1)
+
+
+@dataclass(slots=True)
+class CalibStats:
+    """Statistics for every quantizable linear, by module name, plus how they were collected."""
+
+    inputs: dict[str, InputStats] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, path: Path) -> None:
+        """One safetensors file: `<linear>.absmax|mean_abs|hessian` for the first linear of each
+        shared input, and the aliases of the others in the metadata."""
+        from safetensors.torch import save_file
+
+        tensors: dict[str, Tensor] = {}
+        owners: dict[int, str] = {}
+        aliases: dict[str, str] = {}
+        for name, stats in self.inputs.items():
+            owner = owners.setdefault(id(stats), name)
+            if owner != name:
+                aliases[name] = owner
+                continue
+            tensors[f"{name}.absmax"] = stats.absmax.contiguous().cpu()
+            tensors[f"{name}.mean_abs"] = stats.mean_abs.contiguous().cpu()
+            tensors[f"{name}.num_tokens"] = torch.tensor([stats.num_tokens], dtype=torch.int64)
+            if stats.hessian is not None:
+                tensors[f"{name}.hessian"] = stats.hessian.contiguous().cpu()
+        metadata = {
+            "format": STATS_FORMAT,
+            "aliases": json.dumps(aliases),
+            "metadata": json.dumps(self.metadata),
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.partial")
+        save_file(tensors, str(partial), metadata=metadata)
+        partial.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> CalibStats:
+        from safetensors import safe_open
+
+        from llmq.io.checkpoint import read_safetensors_header
+
+        if not path.is_file():
+            raise InputError(f"{path}: no such statistics file")
+        read_safetensors_header(path)  # clear errors for truncated/corrupt files
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != STATS_FORMAT:
+                raise InputError(
+                    f"{path}: not an llmq statistics file", hint="create one with `llmq calibrate`"
+                )
+            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+        inputs: dict[str, InputStats] = {}
+        for key in tensors:
+            if key.endswith(".absmax"):
+                name = key.removesuffix(".absmax")
+                count = int(tensors[f"{name}.num_tokens"].item())
+                inputs[name] = InputStats(
+                    absmax=tensors[key],
+                    abs_sum=tensors[f"{name}.mean_abs"] * count,
+                    num_tokens=count,
+                    hessian=tensors.get(f"{name}.hessian"),
+                )
+        for alias, owner in json.loads(meta.get("aliases", "{}")).items():
+            inputs[alias] = inputs[owner]
+        return cls(inputs=inputs, metadata=json.loads(meta.get("metadata", "{}")))

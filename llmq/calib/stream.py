@@ -1,0 +1,161 @@
+"""LayerStream: run a decoder-only model one layer at a time, never holding the whole model.
+
+The skeleton is built on the meta device (no memory); each decoder layer is materialized from
+the memory-mapped shards when it is needed and dropped afterwards. Every pipeline in llmq
+(calibration, quantization, evaluation) walks a model through this one class.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from llmq.config import QuantArgs
+from llmq.io.checkpoint import Checkpoint
+from llmq.quant.primitives import fake_quantize
+
+StateLoader = Callable[[Checkpoint, str], dict[str, Tensor]]
+"""Reads the float state dict of one module prefix (e.g. "model.layers.3.") from a checkpoint."""
+
+ACTIVATION_DTYPE = torch.float32
+
+
+def read_plain_state(ckpt: Checkpoint, prefix: str) -> dict[str, Tensor]:
+    """The tensors under `prefix`, as stored (an unquantized checkpoint)."""
+    return {name[len(prefix) :]: ckpt.read(name) for name in ckpt.names_with_prefix(prefix)}
+
+
+class LayerStream:
+    """Embeddings, decoder layers and the LM head of one checkpoint, materialized on demand."""
+
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = ACTIVATION_DTYPE,
+        state_loader: StateLoader = read_plain_state,
+        batch_size: int = 4,
+    ) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.ckpt = ckpt
+        self.layout = ckpt.layout
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.batch_size = batch_size
+        self._load_state = state_loader
+        config_dict = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
+        self.config = AutoConfig.for_model(**config_dict)
+        with torch.device("meta"):
+            self._skeleton = AutoModelForCausalLM.from_config(
+                self.config, attn_implementation="sdpa"
+            )
+        rotary_meta = self._skeleton.get_submodule(self.layout.rotary)
+        self._rotary = type(rotary_meta)(self._skeleton.config).to(self.device)
+
+    @property
+    def num_layers(self) -> int:
+        return self.ckpt.num_layers
+
+    def _materialize(self, module_name: str, prefix: str) -> nn.Module:
+        module = copy.deepcopy(self._skeleton.get_submodule(module_name))
+        state = {
+            key: tensor.to(device=self.device, dtype=self.dtype)
+            for key, tensor in self._load_state(self.ckpt, prefix).items()
+        }
+        module.load_state_dict(state, strict=True, assign=True)
+        return module.eval()
+
+    def load_layer(self, index: int) -> nn.Module:
+        """Decoder layer `index`, materialized on the stream's device in its compute dtype."""
+        prefix = self.layout.layer_prefix(index)
+        return self._materialize(prefix.rstrip("."), prefix)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Token embeddings [batch, seq, hidden]; the table is read, used and dropped."""
+        weight = self._read_weight(self.layout.embed)
+        return nn.functional.embedding(input_ids.to(self.device), weight)
+
+    def _read_weight(self, module: str) -> Tensor:
+        state = self._load_state(self.ckpt, f"{module}.")
+        return state["weight"].to(device=self.device, dtype=self.dtype)
+
+    def _position_embeddings(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        positions = torch.arange(hidden.shape[1], device=self.device).unsqueeze(0)
+        return self._rotary(hidden, positions)
+
+    def batches(self, hidden: Tensor) -> Iterator[slice]:
+        for start in range(0, hidden.shape[0], self.batch_size):
+            yield slice(start, min(start + self.batch_size, hidden.shape[0]))
+
+    @torch.inference_mode()
+    def run_layer(
+        self, layer: nn.Module, hidden: Tensor, *, on_batch: Callable[[], Any] | None = None
+    ) -> Tensor:
+        """Apply one decoder layer to `hidden` [samples, seq, hidden], in micro-batches.
+
+        Attention is causal: with no mask, SDPA applies its own causal masking, which is exact
+        for unpadded windows of equal length (all llmq calibration and evaluation windows).
+        """
+        out = torch.empty_like(hidden)
+        position_embeddings = self._position_embeddings(hidden[:1])
+        for rows in self.batches(hidden):
+            result = layer(
+                hidden[rows], attention_mask=None, position_embeddings=position_embeddings
+            )
+            out[rows] = result[0] if isinstance(result, tuple) else result
+            if on_batch is not None:
+                on_batch()
+        return out
+
+    @torch.inference_mode()
+    def token_nll(self, hidden: Tensor, input_ids: Tensor) -> tuple[float, int]:
+        """Sum of next-token negative log-likelihoods (float64) and the number of tokens scored."""
+        norm = self._materialize(self.layout.final_norm, f"{self.layout.final_norm}.")
+        head_name = self.layout.embed if self.ckpt.tied_embeddings else self.layout.lm_head
+        head = self._read_weight(head_name)
+        total, count = 0.0, 0
+        for row in range(hidden.shape[0]):  # one window at a time: logits are vocab-wide
+            logits = norm(hidden[row, :-1]) @ head.T
+            targets = input_ids[row, 1:].to(self.device)
+            nll = nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
+            total += float(nll.double())
+            count += targets.numel()
+        return total, count
+
+
+@contextmanager
+def input_hooks(
+    layer: nn.Module, names: list[str], hook: Callable[[str, Tensor], Tensor | None]
+) -> Iterator[None]:
+    """Call `hook(name, input)` before each named linear of `layer`; a returned tensor replaces
+    the input (activation fake quantization), None leaves it (observation)."""
+
+    def make(name: str) -> Callable[[nn.Module, tuple[Tensor, ...]], Any]:
+        def pre_hook(_module: nn.Module, args: tuple[Tensor, ...]) -> Any:
+            replaced = hook(name, args[0])
+            return None if replaced is None else (replaced, *args[1:])
+
+        return pre_hook
+
+    handles = [layer.get_submodule(name).register_forward_pre_hook(make(name)) for name in names]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def activation_quantization(
+    layer: nn.Module, args_by_name: dict[str, QuantArgs]
+) -> AbstractContextManager[None]:
+    """Fake-quantize the inputs of the given linears per token while the context is open."""
+    return input_hooks(
+        layer, list(args_by_name), lambda name, x: fake_quantize(x, args_by_name[name])
+    )

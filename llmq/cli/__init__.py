@@ -1,0 +1,1 @@
+"""The `llmq` command line: one module per command, each a thin layer over `llmq.api`."""

@@ -1,0 +1,41 @@
+"""`llmq calibrate`: collect per-linear input statistics once, reuse them in many recipes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from llmq.cli.console import cli_errors, out_console, print_json, progress_bars, quiet_libraries
+from llmq.texts import DEFAULT_CALIBRATION_TEXT
+
+
+def calibrate(
+    model: Annotated[str, typer.Argument(help="Checkpoint folder, or a built-in name (`llmq models`).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Statistics file to write (.safetensors).")],
+    calib_text: Annotated[str, typer.Option(help="Calibration text: shakespeare, pydoc, news (joined with +), a .txt/.jsonl/.parquet file, or a dataset in the local HF cache.")] = DEFAULT_CALIBRATION_TEXT,
+    num_samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
+    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 512,
+    seed: Annotated[int, typer.Option(help="Seed for sampling windows.")] = 0,
+    hessian: Annotated[bool, typer.Option(help="Also accumulate the Hessian XᵀX per input (GPTQ), [in, in] float32 each.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing statistics file.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Collect per-channel absmax and mean |x| (and optionally XᵀX) of every linear's input."""
+    quiet_libraries()
+    from llmq import api
+
+    with cli_errors(), progress_bars(json_out=json_out) as progress:
+        result = api.calibrate(
+            model, out, calib_text=calib_text, num_samples=num_samples, seq_len=seq_len,
+            seed=seed, hessian=hessian, overwrite=overwrite, progress=progress,
+        )  # fmt: skip
+    if json_out:
+        print_json(result.to_dict())
+    else:
+        out_console.print(
+            f"wrote {result.out}: statistics of {result.linears} linears from "
+            f"{result.calibration['tokens']} tokens of {result.calibration['text']} "
+            f"(seed {seed}) in {result.seconds:.1f} s"
+        )

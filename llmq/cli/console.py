@@ -1,0 +1,110 @@
+"""Consoles, progress bars and error rendering shared by the commands.
+
+Diagnostics and progress go to stderr; results (tables or --json) go to stdout. Library errors
+become `error:` / `hint:` lines and exit codes: 1 a gate failed, 2 bad input or usage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.progress import Progress as RichBars
+
+from llmq.errors import LlmqError
+
+out_console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+def quiet_libraries() -> None:
+    """No hub calls (llmq reads local folders) and no third-party progress bars."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import datasets
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+
+
+class RichProgress:
+    """llmq.progress.Progress drawn with Rich on stderr: one bar per stage, inner ones transient."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.bars = RichBars(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=err_console,
+            disable=not enabled,
+        )
+
+    @contextmanager
+    def stage(
+        self, description: str, total: int | None = None, *, transient: bool = False
+    ) -> Iterator[Any]:
+        task = self.bars.add_task(description, total=total)
+        try:
+            yield lambda steps=1: self.bars.advance(task, steps)
+        finally:
+            if transient:
+                self.bars.remove_task(task)
+
+
+@contextmanager
+def progress_bars(*, json_out: bool) -> Iterator[RichProgress]:
+    progress = RichProgress(enabled=not json_out and err_console.is_terminal)
+    with progress.bars:
+        yield progress
+
+
+@contextmanager
+def cli_errors() -> Iterator[None]:
+    """Turn llmq errors into one `error:` line (plus `hint:`) and their exit code."""
+    try:
+        yield
+    except LlmqError as exc:
+        err_console.print(f"[bold red]error:[/] {exc.message}", soft_wrap=True)
+        if exc.hint:
+            err_console.print(f"  [bold]hint:[/] {exc.hint}", soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        err_console.print("[bold red]interrupted[/]")
+        raise typer.Exit(130) from None
+
+
+def print_json(data: Any) -> None:
+    """Machine-readable output on stdout, nothing else."""
+    typer.echo(json.dumps(data, indent=2, default=str))
+
+
+def parse_fraction(text: str | None, option: str) -> float | None:
+    """'3%' -> 0.03, '0.03' -> 0.03."""
+    if text is None:
+        return None
+    try:
+        value = float(text[:-1]) / 100 if text.strip().endswith("%") else float(text)
+    except ValueError:
+        raise LlmqError(f"{option} {text!r}: expected a percentage like 3% or a fraction like 0.03") from None
+    return value

@@ -1,0 +1,28 @@
+"""`llmq`: the Typer app. Importing this module must not import torch (`llmq --help` is fast)."""
+
+from __future__ import annotations
+
+import typer
+
+from llmq.cli import calibrate, evaluate, models, quantize
+
+app = typer.Typer(
+    name="llmq",
+    help="Make LLM checkpoints smaller and faster without losing their accuracy.\n\n"
+    "Exit codes: 0 ok, 1 an accuracy gate failed, 2 bad input or usage.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("quantize")(quantize.quantize)
+app.command("calibrate")(calibrate.calibrate)
+app.command("eval")(evaluate.evaluate)
+app.command("models")(models.models)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""`llmq models`: the built-in models."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from llmq.cli.console import out_console, print_json
+
+
+def models(
+    json_out: Annotated[bool, typer.Option("--json", help="Print the list as JSON.")] = False,
+) -> None:
+    """List the built-in models: use their names wherever a MODEL folder is expected."""
+    from llmq.api import list_models
+
+    rows = list_models()
+    if json_out:
+        print_json(rows)
+        return
+    table = Table(title="built-in models")
+    for column in ("name", "description", "cached"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["name"], row["description"], row["cached"])
+    out_console.print(table)

@@ -1,0 +1,96 @@
+"""`llmq quantize`: a checkpoint in, a compressed-tensors checkpoint out."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from llmq.cli.console import (
+    cli_errors,
+    err_console,
+    out_console,
+    print_json,
+    progress_bars,
+    quiet_libraries,
+)
+from llmq.config import scheme_names
+from llmq.texts import DEFAULT_CALIBRATION_TEXT
+
+
+def quantize(
+    model: Annotated[str, typer.Argument(help="Checkpoint folder, or a built-in name (`llmq models`).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder (compressed-tensors); must not exist unless --overwrite.")],
+    scheme: Annotated[str, typer.Option(help=f"Preset: {', '.join(scheme_names())}. w4a16: int4 weights, group 128, symmetric; w8a8: int8 per-channel weights + dynamic per-token int8 activations; fp8: E4M3 per-channel weights + dynamic per-token activations.")] = "w4a16",
+    method: Annotated[str, typer.Option(help="Weight quantization method: rtn.")] = "rtn",
+    group_size: Annotated[int | None, typer.Option(help="Override the scheme's group size: -1 (per-channel) or a power of two >= 16. A layer whose in_features it does not divide uses the largest power-of-two divisor (listed in the summary).")] = None,
+    strict_group_size: Annotated[bool, typer.Option(help="Refuse, before any work, when the group size does not divide some layer.")] = False,
+    ignore: Annotated[list[str] | None, typer.Option(help="Linears to keep in full precision: a name or suffix (mlp.down_proj) or a `re:` pattern; repeatable. lm_head is always kept.")] = None,
+    clip: Annotated[str, typer.Option(help="RTN range: none (min/max) or mse (per-group MSE-optimal clipping search).")] = "none",
+    calib_text: Annotated[str, typer.Option(help="Calibration text: shakespeare, pydoc, news (joined with +), a .txt/.jsonl/.parquet file, or a dataset in the local HF cache.")] = DEFAULT_CALIBRATION_TEXT,
+    num_samples: Annotated[int | None, typer.Option(help="Calibration windows. Default 4 for rtn (used only for the per-layer output-error report; 0 skips it), 128 otherwise.")] = None,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 512,
+    seed: Annotated[int, typer.Option(help="Seed for sampling calibration windows.")] = 0,
+    calib_stats: Annotated[Path | None, typer.Option(help="Reuse statistics saved by `llmq calibrate` instead of collecting them.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing OUT (only once the new one is complete).")] = False,
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted run into the same OUT with the same options.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (no progress bars).")] = False,
+) -> None:
+    """Quantize MODEL and write a checkpoint that transformers and vLLM load.
+
+    One decoder layer at a time is loaded, quantized, checked against its float output and
+    written, so memory stays near one layer whatever the model size.
+    """
+    quiet_libraries()
+    from llmq import api
+
+    with cli_errors():
+        recipe = api.make_recipe(
+            scheme=scheme, method=method, group_size=group_size,
+            strict_group_size=strict_group_size, ignore=("lm_head", *(ignore or [])), clip=clip,
+            calib_text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed,
+        )  # fmt: skip
+        with progress_bars(json_out=json_out) as progress:
+            try:
+                result = api.quantize(
+                    model, out, recipe=recipe, calib_stats=calib_stats,
+                    overwrite=overwrite, resume=resume, progress=progress,
+                )  # fmt: skip
+            except KeyboardInterrupt:
+                err_console.print(f"partial output kept; continue with: --out {out} --resume")
+                raise
+    if json_out:
+        print_json(result.to_dict())
+    else:
+        render(result)
+
+
+def render(result: Any) -> None:
+    table = Table(title=f"{result.scheme} ({result.method}) per-layer report")
+    table.add_column("layer", justify="right")
+    table.add_column("output rel. RMSE", justify="right")
+    table.add_column("worst linear (weight NRMSE)")
+    table.add_column("seconds", justify="right")
+    for layer in result.layers:
+        worst = max(layer.linears, key=lambda linear: linear.weight_nrmse, default=None)
+        error = "-" if layer.output_rel_rmse is None else f"{layer.output_rel_rmse:.4f}"
+        worst_text = "-" if worst is None else f"{worst.name.rsplit('.', 2)[-2:][-1]} {worst.weight_nrmse:.4f}"
+        table.add_row(str(layer.index), error, worst_text, f"{layer.seconds:.1f}")
+    out_console.print(table)
+    adjusted = Counter((a["requested"], a["used"], a["in_features"]) for a in result.group_size_adjustments)
+    for (requested, used, in_features), count in sorted(adjusted.items(), key=str):
+        used_text = "per-channel" if used is None else f"group {used}"
+        out_console.print(
+            f"group size {requested} does not divide in_features {in_features}: "
+            f"{count} linears use {used_text} (own config group)"
+        )
+    if result.resumed_layers:
+        out_console.print(f"resumed after {result.resumed_layers} finished layers")
+    sizes = result.size_bytes
+    out_console.print(
+        f"wrote {result.out_dir} ({sizes['output'] / 1e6:.1f} MB, source {sizes['source'] / 1e6:.1f} MB) "
+        f"in {result.seconds:.1f} s; kept in full precision: {len(result.ignored)} linears"
+    )

@@ -1,0 +1,168 @@
+"""Validated configuration: what to quantize and how. No torch here (configs say what, not how).
+
+Field names are compressed-tensors' (`num_bits`, `strategy`, `group_size`, `symmetric`,
+`dynamic`, `ignore`) so that what a user types, what Python builds and what lands in
+config.json read the same.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from llmq.errors import InputError
+
+Strategy = Literal["tensor", "channel", "group", "token"]
+
+
+class QuantArgs(BaseModel):
+    """How one tensor is quantized (a subset of compressed-tensors' QuantizationArgs)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_bits: Literal[4, 8]
+    type: Literal["int", "float"] = "int"
+    symmetric: bool = True
+    strategy: Strategy
+    group_size: int | None = None
+    dynamic: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> QuantArgs:
+        if self.strategy == "group":
+            if self.group_size is None or not is_valid_group_size(self.group_size):
+                raise ValueError(f"group_size {self.group_size} is not a power of two >= 16")
+        elif self.group_size is not None:
+            raise ValueError(f"group_size is only used with strategy 'group', not {self.strategy}")
+        if self.type == "float" and (self.num_bits != 8 or not self.symmetric):
+            raise ValueError("float quantization is FP8 E4M3: num_bits 8, symmetric")
+        return self
+
+    @property
+    def label(self) -> str:
+        kind = "fp8" if self.type == "float" else f"int{self.num_bits}"
+        side = "" if self.symmetric else " asym"
+        detail = f"g{self.group_size}" if self.strategy == "group" else self.strategy
+        return f"{kind} {detail}{side}"
+
+
+def is_valid_group_size(group_size: int) -> bool:
+    """Group sizes llmq accepts: powers of two from 16 (kernels and packing need them)."""
+    return group_size >= 16 and group_size & (group_size - 1) == 0
+
+
+class Scheme(BaseModel):
+    """A preset: weight arguments, optional input-activation arguments, and the on-disk format."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    weights: QuantArgs
+    input_activations: QuantArgs | None = None
+
+    @property
+    def format(self) -> str:
+        """compressed-tensors' CompressionFormat value for this scheme."""
+        if self.weights.type == "float":
+            return "float-quantized"
+        if self.input_activations is not None:
+            return "int-quantized"
+        return "pack-quantized"
+
+
+_TOKEN_INT8 = QuantArgs(num_bits=8, strategy="token", dynamic=True)
+_TOKEN_FP8 = QuantArgs(num_bits=8, type="float", strategy="token", dynamic=True)
+
+SCHEMES: dict[str, Scheme] = {
+    scheme.name: scheme
+    for scheme in (
+        Scheme(name="W4A16", weights=QuantArgs(num_bits=4, strategy="group", group_size=128)),
+        Scheme(
+            name="W4A16_ASYM",
+            weights=QuantArgs(num_bits=4, strategy="group", group_size=128, symmetric=False),
+        ),
+        Scheme(name="W8A16", weights=QuantArgs(num_bits=8, strategy="channel")),
+        Scheme(
+            name="W8A8",
+            weights=QuantArgs(num_bits=8, strategy="channel"),
+            input_activations=_TOKEN_INT8,
+        ),
+        Scheme(
+            name="FP8_DYNAMIC",
+            weights=QuantArgs(num_bits=8, type="float", strategy="channel"),
+            input_activations=_TOKEN_FP8,
+        ),
+    )
+}
+SCHEME_ALIASES = {"fp8": "FP8_DYNAMIC"}
+
+
+def scheme_names() -> list[str]:
+    """CLI spellings: lower-case aliases of the preset names."""
+    return [name.lower().replace("_", "-") for name in SCHEMES] + list(SCHEME_ALIASES)
+
+
+def get_scheme(name: str) -> Scheme:
+    key = SCHEME_ALIASES.get(name.lower(), name.upper().replace("-", "_"))
+    try:
+        return SCHEMES[key]
+    except KeyError:
+        raise InputError(
+            f"unknown scheme {name!r}", hint=f"choose one of: {', '.join(scheme_names())}"
+        ) from None
+
+
+class CalibConfig(BaseModel):
+    """Which calibration text, and how it is sampled (reproducibly, from `seed`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    text: str = "shakespeare+pydoc"
+    num_samples: int = Field(128, ge=1, le=100_000)
+    seq_len: int = Field(512, ge=8, le=131_072)
+    seed: int = 0
+
+
+class Recipe(BaseModel):
+    """Everything `quantize` needs to reproduce a checkpoint; written into the output folder."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    scheme: Scheme
+    method: str = "rtn"
+    group_size: int | None = None  # override of the scheme's group size; -1 is per-channel
+    strict_group_size: bool = False
+    ignore: tuple[str, ...] = ("lm_head",)
+    clip: Literal["none", "mse"] = "none"
+    calibration: CalibConfig | None = None  # None: no forward passes, no per-layer error report
+
+    @model_validator(mode="after")
+    def _group_size(self) -> Recipe:
+        g = self.group_size
+        if g is not None and g != -1 and not is_valid_group_size(g):
+            raise ValueError(f"group_size {g} is not -1 or a power of two >= 16")
+        if g is not None and g != -1 and self.scheme.weights.type == "float":
+            raise ValueError("FP8 weights have no group size")
+        return self
+
+    @property
+    def weight_args(self) -> QuantArgs:
+        """The scheme's weight arguments after the --group-size override."""
+        args = self.scheme.weights
+        if self.group_size is None:
+            return args
+        if self.group_size == -1:
+            return args.model_copy(update={"strategy": "channel", "group_size": None})
+        return args.model_copy(update={"strategy": "group", "group_size": self.group_size})
+
+
+def build(model_cls: type[BaseModel], /, **fields: object) -> BaseModel:
+    """Build a config, turning pydantic's validation errors into one-line InputErrors."""
+    try:
+        return model_cls(**fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        raise InputError(f"{where + ': ' if where else ''}{message}") from None

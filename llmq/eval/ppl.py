@@ -1,0 +1,106 @@
+"""Token perplexity of a checkpoint (float or compressed-tensors), one layer at a time.
+
+Quantized linears are dequantized as they are loaded; linears whose scheme quantizes input
+activations get them quantized per token at run time, exactly as the format specifies, so a
+W8A8 or FP8 checkpoint is scored as a kernel would run it. Memory stays near one layer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmq.calib.data import TokenWindows
+from llmq.calib.stream import LayerStream, activation_quantization
+from llmq.io.checkpoint import Checkpoint
+from llmq.pack.reader import QuantizedView
+from llmq.progress import NO_PROGRESS, Progress
+
+EVAL_DTYPE = torch.float32
+
+
+@dataclass(frozen=True, slots=True)
+class Perplexity:
+    model: str
+    perplexity: float
+    nll_per_token: float
+    tokens: int
+    quantized: str  # what was simulated, e.g. "weights int4 g64; activations none"
+    seconds: float
+    cached: bool = False
+
+
+def describe_quantization(view: QuantizedView) -> str:
+    if not view.groups:
+        return "none (float checkpoint)"
+    weights = sorted({scheme.weights.label for _, scheme in view.groups})
+    acts = sorted({s.input_activations.label for _, s in view.groups if s.input_activations})
+    act_text = f"activations {', '.join(acts)} (dynamic, per token)" if acts else "activations float"
+    return f"weights {', '.join(weights)}; {act_text}"
+
+
+def perplexity(
+    ckpt: Checkpoint, windows: TokenWindows, *, progress: Progress = NO_PROGRESS
+) -> Perplexity:
+    started = time.perf_counter()
+    view = QuantizedView(ckpt)
+    stream = LayerStream(ckpt, dtype=EVAL_DTYPE, state_loader=view.read_state)
+    hidden = stream.embed(windows.input_ids)
+    with progress.stage(f"perplexity {ckpt.path.name}", total=ckpt.num_layers) as advance:
+        for index in range(ckpt.num_layers):
+            layer = stream.load_layer(index)
+            act = view.activation_schemes(ckpt, stream.layout.layer_prefix(index))
+            with activation_quantization(layer, act):
+                hidden = stream.run_layer(layer, hidden)
+            advance(1)
+    nll, count = stream.token_nll(hidden, windows.input_ids)
+    return Perplexity(
+        model=str(ckpt.path),
+        perplexity=math.exp(nll / count),
+        nll_per_token=nll / count,
+        tokens=count,
+        quantized=describe_quantization(view),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def cache_key(ckpt: Checkpoint, windows: TokenWindows) -> str:
+    """Identifies (checkpoint files, exact windows, dtype): a cached result is reused only for
+    the very same model and tokens."""
+    shards = sorted({info.shard for info in ckpt.tensors.values()})
+    h = hashlib.sha256()
+    h.update(str(ckpt.path.resolve()).encode())
+    for shard in shards:
+        stat = shard.stat()
+        h.update(f"{shard.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    h.update(windows.input_ids.numpy().tobytes())
+    h.update(str(EVAL_DTYPE).encode())
+    return h.hexdigest()[:32]
+
+
+def cached_perplexity(
+    ckpt: Checkpoint, windows: TokenWindows, cache: Path | None, *, progress: Progress = NO_PROGRESS
+) -> Perplexity:
+    """`perplexity`, reusing an earlier result for the same checkpoint and windows."""
+    if cache is None:
+        return perplexity(ckpt, windows, progress=progress)
+    path = cache / f"{cache_key(ckpt, windows)}.json"
+    if path.is_file():
+        try:
+            return Perplexity(**{**json.loads(path.read_text()), "cached": True})
+        except (json.JSONDecodeError, TypeError):
+            path.unlink(missing_ok=True)
+    result = perplexity(ckpt, windows, progress=progress)
+    from dataclasses import asdict
+
+    from llmq.io.atomic import write_json
+
+    cache.mkdir(parents=True, exist_ok=True)
+    write_json(path, asdict(result))
+    return result

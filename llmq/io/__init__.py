@@ -1,0 +1,1 @@
+"""Checkpoint discovery and reading, the family layer table and atomic writes."""

@@ -1,0 +1,209 @@
+"""Open a Hugging Face checkpoint folder without reading its tensors.
+
+`open_checkpoint` validates everything that can be validated cheaply (config.json, the shard
+index, every shard's header against its file size) so that bad input fails before any work.
+Tensors are read later, one at a time, from the memory-mapped shards.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmq.errors import InputError
+from llmq.io.family import DecoderLayout, layout_for
+
+if TYPE_CHECKING:
+    import torch
+
+INDEX_FILE = "model.safetensors.index.json"
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8,
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """A tensor's entry in a shard header: enough to plan work without reading data."""
+
+    shard: Path
+    dtype: str  # safetensors dtype string, e.g. "F32", "BF16", "I32"
+    shape: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """A checkpoint folder: config, family layout and where every tensor lives."""
+
+    path: Path
+    config: dict[str, Any]
+    layout: DecoderLayout
+    tensors: dict[str, TensorInfo]
+    _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def quantization_config(self) -> dict[str, Any] | None:
+        return self.config.get("quantization_config")
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return f"{self.layout.lm_head}.weight" not in self.tensors
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor, as stored, read from the memory-mapped shard."""
+        try:
+            info = self.tensors[name]
+        except KeyError:
+            raise InputError(f"{self.path}: tensor {name!r} is missing") from None
+        handle = self._handles.get(info.shard)
+        if handle is None:
+            from safetensors import safe_open
+
+            handle = safe_open(str(info.shard), framework="pt")
+            self._handles[info.shard] = handle
+        return handle.get_tensor(name)
+
+    def names_with_prefix(self, prefix: str) -> Iterator[str]:
+        return (name for name in self.tensors if name.startswith(prefix))
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Validate a checkpoint folder and index its tensors; reads headers only."""
+    folder = Path(path)
+    if not folder.exists():
+        raise InputError(f"{folder}: no such folder")
+    if not folder.is_dir():
+        raise InputError(f"{folder}: not a folder", hint="MODEL is a Hugging Face checkpoint folder")
+    config = _read_config(folder)
+    layout = layout_for(config.get("model_type"))
+    tensors: dict[str, TensorInfo] = {}
+    for shard in _shard_files(folder):
+        for name, (dtype, shape) in read_safetensors_header(shard).items():
+            tensors[name] = TensorInfo(shard=shard, dtype=dtype, shape=shape)
+    _check_index_matches(folder, tensors)
+    return Checkpoint(path=folder, config=config, layout=layout, tensors=tensors)
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise InputError(
+            f"{folder}: no config.json", hint="MODEL is a Hugging Face checkpoint folder"
+        )
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{config_path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{config_path}: expected a JSON object")
+    return config
+
+
+def _shard_files(folder: Path) -> list[Path]:
+    index_path = folder / INDEX_FILE
+    if index_path.is_file():
+        shards = sorted({folder / shard for shard in _read_index(index_path).values()})
+        for shard in shards:
+            if not shard.is_file():
+                raise InputError(f"{shard}: listed in {INDEX_FILE} but missing")
+        return shards
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise InputError(
+            f"{folder}: no .safetensors files", hint="llmq reads safetensors checkpoints only"
+        )
+    return shards
+
+
+def _read_index(index_path: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        raise InputError(f"{index_path}: not a valid safetensors index (no weight_map)") from None
+    if not isinstance(weight_map, dict):
+        raise InputError(f"{index_path}: weight_map is not an object")
+    return weight_map
+
+
+def _check_index_matches(folder: Path, tensors: dict[str, TensorInfo]) -> None:
+    index_path = folder / INDEX_FILE
+    if not index_path.is_file():
+        return
+    for name, shard in _read_index(index_path).items():
+        info = tensors.get(name)
+        if info is None or info.shard.name != Path(shard).name:
+            raise InputError(f"{index_path}: tensor {name!r} is not in {shard}")
+
+
+def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Parse and check one safetensors header: name -> (dtype, shape).
+
+    Catches truncated and corrupt files up front: a header length beyond the file, a header that is
+    not JSON, and tensor offsets outside the data section or disagreeing with dtype x shape.
+    """
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise InputError(f"{path}: truncated safetensors file ({size} bytes)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > min(size - 8, _MAX_HEADER_BYTES):
+                raise InputError(
+                    f"{path}: corrupt safetensors file "
+                    f"(header length {header_len} exceeds file size {size})"
+                )
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InputError(f"{path}: corrupt safetensors file (header is not valid JSON)") from None
+    if not isinstance(header, dict):
+        raise InputError(f"{path}: corrupt safetensors file (header is not an object)")
+    data_size = size - 8 - header_len
+    entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        entries[name] = _check_entry(path, name, entry, data_size)
+    return entries
+
+
+def _check_entry(
+    path: Path, name: str, entry: Any, data_size: int
+) -> tuple[str, tuple[int, ...]]:
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+    except (KeyError, TypeError, ValueError):
+        raise InputError(f"{path}: corrupt header entry for tensor {name!r}") from None
+    numel = 1
+    for dim in shape:
+        numel *= int(dim)
+    width = _DTYPE_BYTES.get(dtype)
+    if width is None:
+        raise InputError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+    if not 0 <= begin <= end <= data_size or end - begin != numel * width:
+        raise InputError(
+            f"{path}: tensor {name!r} has offsets [{begin}, {end}) outside the "
+            f"{data_size}-byte data section or not matching {dtype}{list(shape)}",
+            hint="the file is truncated or corrupt; re-download or re-convert it",
+        )
+    return dtype, shape

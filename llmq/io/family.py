@@ -1,0 +1,66 @@
+"""What llmq knows about each decoder-only family, as data: one table of module names.
+
+Every family listed here stores its weights under the same Hugging Face names
+(`model.embed_tokens`, `model.layers.N.self_attn.q_proj`, ...). Algorithms ask this table which
+linears share an input and which norm feeds them; nothing else in llmq names a module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmq.errors import UnsupportedModelError
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderLayout:
+    """Module names of one decoder-only family, relative to the checkpoint root or to one layer."""
+
+    embed: str
+    layers: str  # prefix of the decoder layers: f"{layers}.{i}."
+    final_norm: str
+    lm_head: str
+    rotary: str  # the model-level rotary embedding module (cos/sin shared by all layers)
+    # Linears of one layer, grouped by shared input, in execution order. Members of a group read
+    # the same activations, so they share calibration statistics (and a GPTQ Hessian).
+    sequential: tuple[tuple[str, ...], ...]
+    # (norm, linears it feeds): where SmoothQuant/AWQ fold their per-channel scales.
+    smooth: tuple[tuple[str, tuple[str, ...]], ...]
+
+    @property
+    def linears(self) -> tuple[str, ...]:
+        return tuple(name for group in self.sequential for name in group)
+
+    def layer_prefix(self, index: int) -> str:
+        return f"{self.layers}.{index}."
+
+
+_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_MLP_IN = ("mlp.gate_proj", "mlp.up_proj")
+_LLAMA_LIKE = DecoderLayout(
+    embed="model.embed_tokens",
+    layers="model.layers",
+    final_norm="model.norm",
+    lm_head="lm_head",
+    rotary="model.rotary_emb",
+    sequential=(_ATTENTION, ("self_attn.o_proj",), _MLP_IN, ("mlp.down_proj",)),
+    smooth=(("input_layernorm", _ATTENTION), ("post_attention_layernorm", _MLP_IN)),
+)
+
+FAMILY_LAYOUT: dict[str, DecoderLayout] = {
+    "llama": _LLAMA_LIKE,
+    "mistral": _LLAMA_LIKE,
+    "qwen2": _LLAMA_LIKE,
+    "qwen3": _LLAMA_LIKE,
+}
+
+
+def layout_for(model_type: str | None) -> DecoderLayout:
+    """The layout of a `model_type` from config.json; an unknown one names the supported ones."""
+    try:
+        return FAMILY_LAYOUT[str(model_type)]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported",
+            hint=f"supported: {', '.join(sorted(FAMILY_LAYOUT))}",
+        ) from None

@@ -1,0 +1,133 @@
+"""compressed-tensors, exactly: packing, per-linear tensor names, and `quantization_config`.
+
+Tensors of one quantized linear `P` (e.g. `model.layers.0.mlp.down_proj`):
+- pack-quantized (W4A16, W8A16):  P.weight_packed int32 [out, ceil(in * bits / 32)],
+  P.weight_scale [out, groups], P.weight_shape int64 [2], and for asymmetric weights
+  P.weight_zero_point int32 [ceil(out * bits / 32), groups] (codes packed along dim 0).
+- int-quantized (W8A8):  P.weight int8 [out, in], P.weight_scale [out, 1].
+- float-quantized (FP8): P.weight float8_e4m3fn [out, in], P.weight_scale [out, 1].
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from llmq.config import QuantArgs, Scheme
+from llmq.quant.primitives import QuantizedWeight, dequantize
+
+
+class PackFormat(str, Enum):
+    """The `format` field of quantization_config (compressed-tensors' CompressionFormat)."""
+
+    # weight_packed: int32 [out, ceil(in * bits / 32)]; code v is stored as v + 2**(bits-1) in
+    # bits [j*bits, (j+1)*bits) of word j // (32 // bits) (W4: 8 codes per int32, low bits first).
+    PACK_QUANTIZED = "pack-quantized"
+    INT_QUANTIZED = "int-quantized"  # weight: int8 codes as-is
+    FLOAT_QUANTIZED = "float-quantized"  # weight: float8_e4m3fn values as-is
+
+
+def pack_int32(codes: Tensor, num_bits: int, *, packed_dim: int = 1) -> Tensor:
+    """Pack signed int8 codes [rows, cols] into int32 words along `packed_dim`."""
+    if num_bits not in (4, 8):
+        raise ValueError(f"packing supports 4 and 8 bits, not {num_bits}")
+    values = codes.to(torch.int32) + (1 << (num_bits - 1))
+    if packed_dim == 0:
+        values = values.T
+    per_word = 32 // num_bits
+    rows, cols = values.shape
+    pad = -cols % per_word
+    values = torch.nn.functional.pad(values, (0, pad)).reshape(rows, -1, per_word)
+    shifts = torch.arange(per_word, dtype=torch.int32, device=codes.device) * num_bits
+    # Shifted fields occupy disjoint bits, so their sum is their bitwise OR; int32 wraps
+    # the top field into the sign bit exactly as the on-disk layout requires.
+    packed = (values << shifts).sum(dim=-1, dtype=torch.int32)
+    return (packed.T if packed_dim == 0 else packed).contiguous()
+
+
+def unpack_int32(
+    packed: Tensor, num_bits: int, shape: tuple[int, int], *, packed_dim: int = 1
+) -> Tensor:
+    """Inverse of `pack_int32`: signed int8 codes of the original `shape`."""
+    per_word = 32 // num_bits
+    words = packed.T if packed_dim == 0 else packed
+    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * num_bits
+    fields = (words.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
+    values = fields.reshape(words.shape[0], -1) - (1 << (num_bits - 1))
+    rows, cols = (shape[1], shape[0]) if packed_dim == 0 else shape
+    values = values[:rows, :cols]
+    return (values.T if packed_dim == 0 else values).to(torch.int8).contiguous()
+
+
+def scheme_format(scheme: Scheme) -> PackFormat:
+    return PackFormat(scheme.format)
+
+
+def compress(q: QuantizedWeight, fmt: PackFormat) -> dict[str, Tensor]:
+    """On-disk tensors of one quantized linear, keyed by suffix (`weight_packed`, ...)."""
+    out: dict[str, Tensor] = {"weight_scale": q.scale.contiguous()}
+    if fmt is PackFormat.PACK_QUANTIZED:
+        out["weight_packed"] = pack_int32(q.codes, q.args.num_bits)
+        out["weight_shape"] = torch.tensor(q.codes.shape, dtype=torch.int64)
+        if q.zero_point is not None:
+            out["weight_zero_point"] = pack_int32(q.zero_point, q.args.num_bits, packed_dim=0)
+    else:
+        out["weight"] = q.codes.contiguous()
+        if q.zero_point is not None:
+            out["weight_zero_point"] = q.zero_point.contiguous()
+    return out
+
+
+def decompress(tensors: dict[str, Tensor], args: QuantArgs) -> Tensor:
+    """Float32 weight [out, in] from the on-disk tensors of one linear (any of the formats)."""
+    scale = tensors["weight_scale"]
+    zero = tensors.get("weight_zero_point")
+    if "weight_packed" in tensors:
+        shape = tuple(int(d) for d in tensors["weight_shape"].tolist())
+        codes = unpack_int32(tensors["weight_packed"], args.num_bits, shape)
+        if zero is not None:
+            zero = unpack_int32(zero, args.num_bits, (shape[0], scale.shape[-1]), packed_dim=0)
+    else:
+        codes = tensors["weight"]
+    return dequantize(codes, scale, zero, args)
+
+
+def quantization_config(
+    groups: list[tuple[QuantArgs, QuantArgs | None, list[str]]],
+    *,
+    ignore: list[str],
+    fmt: PackFormat,
+) -> dict[str, Any]:
+    """config.json's `quantization_config`, built with compressed-tensors' own types.
+
+    groups: (weight args, input activation args, targets) per config group; each linear must
+    match exactly one group's targets.
+    """
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+
+    def ct_args(args: QuantArgs | None) -> QuantizationArgs | None:
+        return None if args is None else QuantizationArgs(**args.model_dump())
+
+    config_groups = {
+        f"group_{i}": QuantizationScheme(
+            targets=targets,
+            weights=ct_args(weights),
+            input_activations=ct_args(activations),
+            format=fmt.value,
+        )
+        for i, (weights, activations, targets) in enumerate(groups)
+    }
+    config = QuantizationConfig(
+        config_groups=config_groups,
+        format=fmt.value,
+        quantization_status="compressed",
+        ignore=ignore,
+    )
+    return config.to_dict()

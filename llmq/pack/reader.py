@@ -1,0 +1,116 @@
+"""Read a compressed-tensors checkpoint back: which linears are quantized, how, and their
+dequantized weights. Works on llmq's output and on other tools' (targets by name, `re:` regex
+or class name `Linear`, as compressed-tensors matches them)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from torch import Tensor
+
+from llmq.config import QuantArgs
+from llmq.errors import InputError
+from llmq.io.checkpoint import Checkpoint
+from llmq.pack.format import decompress
+
+_ARG_FIELDS = ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic")
+_COMPRESSED_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+
+
+@dataclass(frozen=True, slots=True)
+class LinearScheme:
+    weights: QuantArgs
+    input_activations: QuantArgs | None
+
+
+def _matches(target: str, name: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target in (name, "Linear")
+
+
+def _quant_args(raw: dict[str, Any] | None, where: str) -> QuantArgs | None:
+    if raw is None:
+        return None
+    if raw.get("strategy") not in ("tensor", "channel", "group", "token"):
+        raise InputError(f"{where}: strategy {raw.get('strategy')!r} is not supported by llmq")
+    if raw.get("actorder") not in (None, "static", False):
+        raise InputError(f"{where}: actorder {raw.get('actorder')!r} is not supported by llmq yet")
+    try:
+        return QuantArgs(**{k: raw[k] for k in _ARG_FIELDS if k in raw})
+    except ValidationError as exc:
+        raise InputError(f"{where}: unsupported quantization args ({exc.errors()[0]['msg']})") from None
+
+
+class QuantizedView:
+    """The quantization_config of a checkpoint, resolved per linear module name."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        config = ckpt.quantization_config or {}
+        if config and config.get("quant_method") != "compressed-tensors":
+            raise InputError(
+                f"{ckpt.path}: quant_method {config.get('quant_method')!r} is not supported",
+                hint="llmq reads compressed-tensors checkpoints",
+            )
+        self.ignore: list[str] = list(config.get("ignore") or [])
+        self.groups: list[tuple[list[str], LinearScheme]] = []
+        for group_name, group in (config.get("config_groups") or {}).items():
+            where = f"{ckpt.path}: quantization_config.config_groups.{group_name}"
+            weights = _quant_args(group.get("weights"), where)
+            if weights is None:
+                continue
+            scheme = LinearScheme(weights, _quant_args(group.get("input_activations"), where))
+            self.groups.append((list(group.get("targets") or []), scheme))
+
+    def scheme_for(self, module: str) -> LinearScheme | None:
+        if any(_matches(target, module) for target in self.ignore):
+            return None
+        # Exact names win over regexes, which win over class names (compressed-tensors' rule).
+        for rank in (_is_exact, _is_regex, _is_class):
+            for targets, scheme in self.groups:
+                if any(rank(t) and _matches(t, module) for t in targets):
+                    return scheme
+        return None
+
+    def read_state(self, ckpt: Checkpoint, prefix: str) -> dict[str, Tensor]:
+        """The float state dict under `prefix`, quantized linears dequantized (float32)."""
+        state: dict[str, Tensor] = {}
+        pending: dict[str, dict[str, Tensor]] = {}
+        for name in ckpt.names_with_prefix(prefix):
+            module, _, leaf = name.rpartition(".")
+            scheme = self.scheme_for(module) if ckpt.has(f"{module}.weight_scale") else None
+            if scheme is not None and (leaf in _COMPRESSED_SUFFIXES or leaf == "weight"):
+                pending.setdefault(module, {})[leaf] = ckpt.read(name)
+            elif leaf not in ("input_scale", "weight_g_idx"):
+                state[name[len(prefix) :]] = ckpt.read(name)
+        for module, tensors in pending.items():
+            scheme = self.scheme_for(module)
+            assert scheme is not None  # pending only holds modules with a scheme
+            state[f"{module[len(prefix):]}.weight"] = decompress(tensors, scheme.weights)
+        return state
+
+    def activation_schemes(self, ckpt: Checkpoint, prefix: str) -> dict[str, QuantArgs]:
+        """Linears under `prefix` (names relative to it) whose inputs are quantized at run time."""
+        out: dict[str, QuantArgs] = {}
+        for name in ckpt.names_with_prefix(prefix):
+            if name.endswith(".weight_scale"):
+                module = name.removesuffix(".weight_scale")
+                scheme = self.scheme_for(module)
+                if scheme is not None and scheme.input_activations is not None:
+                    out[module[len(prefix) :]] = scheme.input_activations
+        return out
+
+
+def _is_exact(target: str) -> bool:
+    return not target.startswith("re:") and target != "Linear"
+
+
+def _is_regex(target: str) -> bool:
+    return target.startswith("re:")
+
+
+def _is_class(target: str) -> bool:
+    return target == "Linear"

@@ -1,0 +1,1 @@
+"""The layer-by-layer pipeline that carries every calibrated method (plan, run, resume)."""

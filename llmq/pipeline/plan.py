@@ -1,0 +1,156 @@
+"""Plan a quantization run before any work: which linears, with which arguments, in which
+config group, and what gets adjusted. Everything that can be wrong with the input fails here."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from llmq.config import QuantArgs, Recipe, is_valid_group_size
+from llmq.errors import InputError
+from llmq.io.checkpoint import Checkpoint
+
+_FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSizeAdjustment:
+    """A linear whose in_features the requested group size does not divide."""
+
+    name: str
+    in_features: int
+    requested: int
+    used: int | None  # None: fell back to per-channel
+
+
+@dataclass(slots=True)
+class LinearPlan:
+    name: str  # full module name, e.g. model.layers.0.self_attn.q_proj
+    args: QuantArgs
+    out_features: int
+    in_features: int
+    dtype: str  # the stored weight's safetensors dtype; scales are stored in it too
+
+
+@dataclass(slots=True)
+class Plan:
+    layers: list[list[LinearPlan]]  # per decoder layer, the linears to quantize
+    ignored: list[str]  # linear module names kept in full precision
+    adjustments: list[GroupSizeAdjustment] = field(default_factory=list)
+
+    @property
+    def linears(self) -> list[LinearPlan]:
+        return [linear for layer in self.layers for linear in layer]
+
+
+def matches_any(patterns: tuple[str, ...], name: str) -> bool:
+    """`re:` patterns match from the start of the name; plain ones match it or its suffix."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], name):
+                return True
+        elif name == pattern or name.endswith(f".{pattern}"):
+            return True
+    return False
+
+
+def plan_quantization(ckpt: Checkpoint, recipe: Recipe) -> Plan:
+    if ckpt.quantization_config:
+        raise InputError(
+            f"{ckpt.path}: already quantized ({ckpt.quantization_config.get('format')})",
+            hint="quantize the original float checkpoint",
+        )
+    _check_ignore_patterns(recipe.ignore)
+    layout = ckpt.layout
+    layers: list[list[LinearPlan]] = []
+    ignored = [layout.lm_head]
+    adjustments: list[GroupSizeAdjustment] = []
+    for index in range(ckpt.num_layers):
+        planned = []
+        for suffix in layout.linears:
+            name = layout.layer_prefix(index) + suffix
+            if matches_any(recipe.ignore, name):
+                ignored.append(name)
+                continue
+            linear = _plan_linear(ckpt, name, recipe, adjustments)
+            planned.append(linear)
+        layers.append(planned)
+    if recipe.strict_group_size and adjustments:
+        _refuse_non_dividing(adjustments)
+    return Plan(layers=layers, ignored=ignored, adjustments=adjustments)
+
+
+def _check_ignore_patterns(patterns: tuple[str, ...]) -> None:
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as exc:
+                raise InputError(f"--ignore {pattern!r}: invalid regular expression ({exc})") from None
+
+
+def _plan_linear(
+    ckpt: Checkpoint, name: str, recipe: Recipe, adjustments: list[GroupSizeAdjustment]
+) -> LinearPlan:
+    key = f"{name}.weight"
+    if not ckpt.has(key):
+        raise InputError(f"{ckpt.path}: tensor {key!r} is missing", hint="the checkpoint is incomplete")
+    info = ckpt.tensors[key]
+    if info.dtype not in _FLOAT_DTYPES or len(info.shape) != 2:
+        raise InputError(
+            f"{ckpt.path}: {key} is {info.dtype}{list(info.shape)}; expected a 2-D float weight "
+            f"({', '.join(_FLOAT_DTYPES)})"
+        )
+    out_features, in_features = info.shape
+    args = recipe.weight_args
+    if args.strategy == "group" and in_features % int(args.group_size or 0):
+        args = _divisible_args(name, in_features, args, adjustments)
+    return LinearPlan(name, args, out_features, in_features, info.dtype)
+
+
+def _divisible_args(
+    name: str, in_features: int, args: QuantArgs, adjustments: list[GroupSizeAdjustment]
+) -> QuantArgs:
+    """The largest power-of-two divisor of in_features (below the request), else per-channel."""
+    requested = int(args.group_size or 0)
+    divisor = in_features & -in_features  # largest power of two dividing in_features
+    if is_valid_group_size(divisor):
+        adjustments.append(GroupSizeAdjustment(name, in_features, requested, divisor))
+        return args.model_copy(update={"group_size": divisor})
+    adjustments.append(GroupSizeAdjustment(name, in_features, requested, None))
+    return args.model_copy(update={"strategy": "channel", "group_size": None})
+
+
+def _refuse_non_dividing(adjustments: list[GroupSizeAdjustment]) -> None:
+    first = adjustments[0]
+    usable = [g for g in (16, 32, 64, 128, 256, 512, 1024) if first.in_features % g == 0]
+    raise InputError(
+        f"group_size {first.requested} does not divide in_features {first.in_features} of "
+        f"{first.name} ({len(adjustments)} linears affected)",
+        hint=f"usable group sizes: {', '.join(map(str, usable)) or 'none'}, or --group-size -1 "
+        "for per-channel; without --strict-group-size llmq picks the largest usable one per layer",
+    )
+
+
+def config_groups(plan: Plan) -> list[tuple[QuantArgs, list[str]]]:
+    """Config groups with disjoint targets: per argument set, regexes over module-name suffixes
+    where a suffix always has the same arguments, exact names where it does not."""
+    suffix_args: dict[str, set[QuantArgs]] = defaultdict(set)
+    for linear in plan.linears:
+        suffix_args[_suffix(linear.name)].add(linear.args)
+    targets: dict[QuantArgs, list[str]] = defaultdict(list)
+    for linear in plan.linears:
+        suffix = _suffix(linear.name)
+        if len(suffix_args[suffix]) == 1:
+            target = f"re:.*{re.escape(suffix)}$"
+            if target not in targets[linear.args]:
+                targets[linear.args].append(target)
+        else:
+            targets[linear.args].append(linear.name)
+    return list(targets.items())
+
+
+def _suffix(name: str) -> str:
+    """`self_attn.q_proj` from `model.layers.12.self_attn.q_proj`."""
+    return re.sub(r"^.*?\.\d+\.", "", name)

@@ -1,0 +1,71 @@
+"""Resume state of an interrupted run, kept in the staging folder.
+
+After each finished layer the pipeline writes that layer's shard, then the hidden states that
+feed the next layer, then `state.json` listing the finished layers. A run with --resume checks
+that the recipe and the source are the same and continues after the last finished layer;
+outputs are identical to an uninterrupted run because the next layer sees the same inputs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from llmq.errors import InputError
+from llmq.io.atomic import save_safetensors, write_json
+
+STATE_FILE = "llmq-state.json"
+HIDDEN_FILE = "llmq-hidden.safetensors"
+
+
+@dataclass(slots=True)
+class RunState:
+    staging: Path
+    fingerprint: dict[str, Any]
+    layers: list[dict[str, Any]] = field(default_factory=list)  # reports of finished layers
+
+    @property
+    def done(self) -> int:
+        return len(self.layers)
+
+    def record(self, report: dict[str, Any], hidden: Tensor | None) -> None:
+        if hidden is not None:
+            save_safetensors(
+                self.staging / HIDDEN_FILE,
+                {"hidden": hidden},
+                metadata={"after_layer": str(report["index"])},
+            )
+        self.layers.append(report)
+        write_json(self.staging / STATE_FILE, {"fingerprint": self.fingerprint, "layers": self.layers})
+
+    def hidden(self) -> Tensor | None:
+        path = self.staging / HIDDEN_FILE
+        if not path.exists():
+            return None
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("after_layer") != str(self.done - 1):
+                raise InputError(f"{self.staging}: resume state is inconsistent", hint="rerun without --resume")
+            return f.get_tensor("hidden")
+
+
+def load_state(staging: Path, fingerprint: dict[str, Any]) -> RunState | None:
+    """The state of a partial run with the same fingerprint, or None when there is none."""
+    path = staging / STATE_FILE
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise InputError(f"{path}: corrupt resume state", hint="rerun without --resume") from None
+    if saved.get("fingerprint") != fingerprint:
+        raise InputError(
+            f"{staging}: the partial run used a different model or recipe",
+            hint="rerun without --resume to start over",
+        )
+    return RunState(staging=staging, fingerprint=fingerprint, layers=saved["layers"])

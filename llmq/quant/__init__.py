@@ -1,0 +1,1 @@
+"""Quantization primitives and methods: pure tensor functions, no modules, no files."""

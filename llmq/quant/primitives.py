@@ -1,0 +1,149 @@
+"""Quantization primitives, with compressed-tensors' conventions so that what we write is what
+vLLM and transformers read back.
+
+Integer:  scale = absmax / ((qmax - qmin) / 2)                     (symmetric)
+          scale = (max - min) / (qmax - qmin), zero = qmin - round(min / scale)   (asymmetric;
+          min <= 0 <= max so that 0.0 is exact)
+          code  = clamp(round(x / scale) + zero, qmin, qmax);  x' = (code - zero) * scale
+FP8 E4M3: scale = absmax / 448;  code = float8_e4m3fn(clamp(x / scale, -448, 448))  (saturating)
+
+Scales are rounded to their storage dtype *before* codes are computed, so dequantizing the
+stored tensors reproduces exactly the weights llmq evaluated. Rounding divides in float64 so
+that integer codes are exact, whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from llmq.config import QuantArgs
+
+ACCUM_DTYPE = torch.float32
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+
+
+def int_range(num_bits: int) -> tuple[int, int]:
+    """Signed code range, e.g. (-8, 7) for 4 bits."""
+    return -(1 << (num_bits - 1)), (1 << (num_bits - 1)) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    """A quantized [out, in] weight. codes: int8 (integer types) or float8_e4m3fn, [out, in].
+    scale: [out, groups] ([out, 1] per channel, [1] per tensor), in its storage dtype.
+    zero_point: int8 like scale, asymmetric only."""
+
+    codes: Tensor
+    scale: Tensor
+    zero_point: Tensor | None
+    args: QuantArgs
+
+    def dequantize(self, dtype: torch.dtype = ACCUM_DTYPE) -> Tensor:
+        return dequantize(self.codes, self.scale, self.zero_point, self.args).to(dtype)
+
+
+def as_groups(x: Tensor, args: QuantArgs) -> Tensor:
+    """View x [rows, cols] as [rows or 1, groups, group_len] for the reduction of `args.strategy`."""
+    rows, cols = x.shape
+    if args.strategy == "tensor":
+        return x.reshape(1, 1, rows * cols)
+    if args.strategy in ("channel", "token"):
+        return x.reshape(rows, 1, cols)
+    group_size = int(args.group_size or 0)
+    if cols % group_size:
+        raise ValueError(f"group_size {group_size} does not divide {cols} columns")
+    return x.reshape(rows, cols // group_size, group_size)
+
+
+def _stored_shape(scale: Tensor, args: QuantArgs) -> Tensor:
+    return scale.reshape(1) if args.strategy == "tensor" else scale
+
+
+def choose_qparams(
+    min_vals: Tensor, max_vals: Tensor, args: QuantArgs, *, scale_dtype: torch.dtype
+) -> tuple[Tensor, Tensor | None]:
+    """Scale (in `scale_dtype`) and integer zero point (asymmetric only) for the given ranges."""
+    min_vals = torch.clamp(min_vals.to(torch.float64), max=0.0)
+    max_vals = torch.clamp(max_vals.to(torch.float64), min=0.0)
+    if args.type == "float":
+        scale = torch.maximum(-min_vals, max_vals) / FP8_MAX
+        return _storable(scale, scale_dtype), None
+    qmin, qmax = int_range(args.num_bits)
+    if args.symmetric:
+        scale = torch.maximum(-min_vals, max_vals) / ((qmax - qmin) / 2)
+        return _storable(scale, scale_dtype), None
+    scale = _storable((max_vals - min_vals) / (qmax - qmin), scale_dtype)
+    zero = torch.clamp(torch.round(qmin - min_vals / scale.to(torch.float64)), qmin, qmax)
+    return scale, zero.to(torch.int8)
+
+
+def _storable(scale: Tensor, scale_dtype: torch.dtype) -> Tensor:
+    """Round to the storage dtype; an all-zero range gets the dtype's eps (no division by 0)."""
+    scale = scale.to(scale_dtype)
+    eps = torch.finfo(scale_dtype).eps
+    return torch.where(scale == 0, torch.full_like(scale, eps), scale)
+
+
+def quantize_grouped(
+    groups: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs
+) -> Tensor:
+    """Codes for `groups` [r, g, n] with per-group scale/zero [r, g]: int8 or float8_e4m3fn."""
+    scaled = groups.to(torch.float64) / scale.to(torch.float64).unsqueeze(-1)
+    if args.type == "float":
+        return torch.clamp(scaled, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    qmin, qmax = int_range(args.num_bits)
+    if zero is not None:
+        scaled = scaled + zero.to(torch.float64).unsqueeze(-1)
+    return torch.clamp(torch.round(scaled), qmin, qmax).to(torch.int8)
+
+
+def dequantize(codes: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs) -> Tensor:
+    """Float32 values of `codes` [rows, cols] under `args` (the inverse of `quantize_weight`)."""
+    groups = as_groups(codes.to(ACCUM_DTYPE), args)
+    scale_g = scale.to(ACCUM_DTYPE).reshape(groups.shape[0], groups.shape[1], 1)
+    if zero is not None:
+        groups = groups - zero.to(ACCUM_DTYPE).reshape(scale_g.shape)
+    return (groups * scale_g).reshape(codes.shape)
+
+
+def quantize_weight(
+    weight: Tensor,
+    args: QuantArgs,
+    *,
+    scale_dtype: torch.dtype | None = None,
+    clip_ratio: Tensor | float = 1.0,
+) -> QuantizedWeight:
+    """Round-to-nearest quantization of weight [out, in].
+
+    clip_ratio shrinks each group's range before choosing qparams (1.0: min/max; a tensor of
+    shape [out, groups] holds a ratio per group, as found by the MSE clipping search).
+    """
+    if weight.ndim != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
+    scale_dtype = scale_dtype or (weight.dtype if weight.is_floating_point() else ACCUM_DTYPE)
+    groups = as_groups(weight, args)
+    ratio = torch.as_tensor(clip_ratio, dtype=torch.float64, device=weight.device)
+    min_vals = groups.amin(dim=-1).to(torch.float64) * ratio
+    max_vals = groups.amax(dim=-1).to(torch.float64) * ratio
+    scale, zero = choose_qparams(min_vals, max_vals, args, scale_dtype=scale_dtype)
+    codes = quantize_grouped(groups, scale, zero, args).reshape(weight.shape)
+    return QuantizedWeight(
+        codes=codes,
+        scale=_stored_shape(scale, args),
+        zero_point=None if zero is None else _stored_shape(zero, args),
+        args=args,
+    )
+
+
+def fake_quantize(x: Tensor, args: QuantArgs) -> Tensor:
+    """Quantize-dequantize activations x [..., hidden] per token (dynamic), as a kernel would.
+
+    Rows that are all zero get scale eps and come back as zeros, never NaN.
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    q = quantize_weight(rows, args, scale_dtype=ACCUM_DTYPE)
+    return q.dequantize(ACCUM_DTYPE).to(x.dtype).reshape(x.shape)

@@ -20,9 +20,9 @@ from llmq.texts import DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT
 
 __version__ = "0.1.0"
 
-DEFAULT_REPORT_SAMPLES = 4
+DEFAULT_REPORT_SAMPLES = 2
 """Calibration windows RTN uses by default: it needs no data, so they only feed the per-layer
-output-error report (0 skips it)."""
+output-error report."""
 DEFAULT_CALIB_SAMPLES = 128
 
 
@@ -71,8 +71,8 @@ def make_recipe(
 
     if num_samples is None:
         num_samples = DEFAULT_REPORT_SAMPLES if method == "rtn" else DEFAULT_CALIB_SAMPLES
-    if num_samples < 0:
-        raise InputError(f"--num-samples {num_samples}: must be >= 0")
+    if num_samples < 1:
+        raise InputError(f"--num-samples {num_samples}: must be >= 1")
     if group_size is not None and group_size != -1 and (group_size < 16 or group_size & (group_size - 1)):
         raise InputError(
             f"--group-size {group_size}: must be -1 (per-channel) or a power of two >= 16",
@@ -80,11 +80,9 @@ def make_recipe(
         )
     if method not in method_names():
         get_method(Recipe(scheme=get_scheme(scheme), method=method))  # raises the listing error
-    calibration = None
-    if num_samples > 0:
-        calibration = build(
-            CalibConfig, text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed
-        )
+    calibration = build(
+        CalibConfig, text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed
+    )
     recipe = build(
         Recipe,
         scheme=get_scheme(scheme),

@@ -31,7 +31,7 @@ def quantize(
     ignore: Annotated[list[str] | None, typer.Option(help="Linears to keep in full precision: a name or suffix (mlp.down_proj) or a `re:` pattern; repeatable. lm_head is always kept.")] = None,
     clip: Annotated[str, typer.Option(help="RTN range: none (min/max) or mse (per-group MSE-optimal clipping search).")] = "none",
     calib_text: Annotated[str, typer.Option(help="Calibration text: shakespeare, pydoc, news (joined with +), a .txt/.jsonl/.parquet file, or a dataset in the local HF cache.")] = DEFAULT_CALIBRATION_TEXT,
-    num_samples: Annotated[int | None, typer.Option(help="Calibration windows. Default 4 for rtn (used only for the per-layer output-error report; 0 skips it), 128 otherwise.")] = None,
+    num_samples: Annotated[int | None, typer.Option(help="Calibration windows. Default 2 for rtn (it needs no data: they feed only the per-layer output-error report), 128 otherwise.")] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 512,
     seed: Annotated[int, typer.Option(help="Seed for sampling calibration windows.")] = 0,
     calib_stats: Annotated[Path | None, typer.Option(help="Reuse statistics saved by `llmq calibrate` instead of collecting them.")] = None,

@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny random models of each supported family (mechanics) and the real
+default model (accuracy). Tiny models reuse the default model's tokenizer so that calibration
+runs on real text."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    from llmq.models import builtin_model_path
+
+    return builtin_model_path("smollm2-135m")
+
+
+def make_tiny(
+    dest: Path,
+    tokenizer_from: Path,
+    *,
+    model_type: str = "llama",
+    hidden: int = 192,
+    layers: int = 2,
+    dtype: torch.dtype = torch.float32,
+    shards: str | None = None,
+) -> Path:
+    """A small random decoder of `model_type`, saved as a Hugging Face folder.
+
+    hidden 192 is not divisible by 128 (like SmolLM2's 576), so the group-size fallback runs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=49152,
+        hidden_size=hidden,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Give the weights a realistic scale and a few outlier channels.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.weight"):
+                param.normal_(0, 0.05)
+                param[:, :3] *= 8
+    kwargs = {"max_shard_size": shards} if shards else {}
+    model.save_pretrained(dest, **kwargs)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_from / name, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "llama", default_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_sharded(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Path:
+    return make_tiny(
+        tmp_path_factory.mktemp("tiny") / "llama-sharded",
+        default_model,
+        dtype=torch.bfloat16,
+        shards="5MB",
+    )

@@ -1,0 +1,47 @@
+"""Packing is bit-exact with compressed-tensors' own packing and unpacking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+from llmq.config import QuantArgs
+from llmq.pack.format import PackFormat, compress, decompress, pack_int32, unpack_int32
+from llmq.quant.primitives import quantize_weight
+
+
+@pytest.mark.parametrize("num_bits", [4, 8])
+@pytest.mark.parametrize("shape", [(5, 37), (16, 576), (3, 8), (7, 1)])
+@pytest.mark.parametrize("packed_dim", [0, 1])
+def test_pack_matches_compressed_tensors(num_bits: int, shape: tuple[int, int], packed_dim: int) -> None:
+    low, high = -(1 << (num_bits - 1)), 1 << (num_bits - 1)
+    codes = torch.randint(low, high, shape, dtype=torch.int8)
+    packed = pack_int32(codes, num_bits, packed_dim=packed_dim)
+    assert torch.equal(packed, pack_to_int32(codes, num_bits, packed_dim=packed_dim))
+    assert torch.equal(unpack_int32(packed, num_bits, shape, packed_dim=packed_dim), codes)
+    theirs = unpack_from_int32(packed, num_bits, torch.Size(shape), packed_dim=packed_dim)
+    assert torch.equal(theirs, codes)
+
+
+@pytest.mark.parametrize(
+    ("args", "fmt"),
+    [
+        (QuantArgs(num_bits=4, strategy="group", group_size=32), PackFormat.PACK_QUANTIZED),
+        (QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False), PackFormat.PACK_QUANTIZED),
+        (QuantArgs(num_bits=8, strategy="channel"), PackFormat.PACK_QUANTIZED),
+        (QuantArgs(num_bits=8, strategy="channel"), PackFormat.INT_QUANTIZED),
+        (QuantArgs(num_bits=8, type="float", strategy="channel"), PackFormat.FLOAT_QUANTIZED),
+    ],
+)
+def test_compress_decompress_round_trip(args: QuantArgs, fmt: PackFormat) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(24, 96)
+    q = quantize_weight(w, args)
+    tensors = compress(q, fmt)
+    assert torch.equal(decompress(tensors, args), q.dequantize())
+    if fmt is PackFormat.PACK_QUANTIZED:
+        assert tensors["weight_packed"].dtype == torch.int32
+        assert tensors["weight_packed"].shape == (24, 96 * args.num_bits // 32)
+        assert tensors["weight_shape"].tolist() == [24, 96]
+        assert ("weight_zero_point" in tensors) == (not args.symmetric)

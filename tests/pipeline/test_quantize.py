@@ -1,0 +1,215 @@
+"""The layer pipeline end to end on tiny models: format, reload, fallbacks, resume, failures."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import llmq
+from llmq.errors import InputError, NumericalError
+from llmq.io.atomic import staging_path
+from tests.conftest import make_tiny
+
+FAST = {"num_samples": 2, "seq_len": 64}
+
+
+def logits_pair(out: Path) -> tuple[torch.Tensor, torch.Tensor]:  # weight-only schemes
+    """Logits of OUT loaded by plain transformers (compressed-tensors decompresses it) and of
+    llmq's own dequantized model, on the same tokens."""
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ours = llmq.load_dequantized(out)
+    with torch.no_grad():
+        return theirs(ids).logits, ours(ids).logits
+
+
+def logits_with_activation_quantization(out: Path, ids: torch.Tensor) -> torch.Tensor:
+    """llmq's dequantized model with inputs of quantized linears fake-quantized per token, as
+    `llmq eval` runs it."""
+    from llmq.io.checkpoint import open_checkpoint
+    from llmq.pack.reader import QuantizedView
+    from llmq.quant.primitives import fake_quantize
+
+    ckpt = open_checkpoint(out)
+    view = QuantizedView(ckpt)
+    model = llmq.load_dequantized(out)
+    for name, args in view.activation_schemes(ckpt, "").items():
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda _m, inputs, args=args: (fake_quantize(inputs[0], args),)
+        )
+    with torch.no_grad():
+        return model(ids).logits
+
+
+# transformers + compressed-tensors 0.20 re-quantize int8 weights on every forward with a
+# freshly computed scale (absmax / 127.5 of the already-quantized weight), which moves codes
+# onto a slightly different grid; llmq evaluates the stored codes as written. Bit-exactness of
+# the stored weights is proven by test_compressed_tensors_decompressors_agree.
+LOGIT_TOLERANCE = {"w4a16": 1e-5, "w8a16": 1e-5, "fp8": 1e-5, "w8a8": 0.05}
+
+
+@pytest.mark.parametrize("scheme", list(LOGIT_TOLERANCE))
+def test_every_scheme_reloads_in_transformers(tmp_path: Path, tiny_llama: Path, scheme: str) -> None:
+    out = tmp_path / scheme
+    result = llmq.quantize(tiny_llama, out, scheme=scheme, **FAST)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors"
+    assert config["ignore"] == ["lm_head"]
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        reloaded = theirs(ids).logits
+    ours = logits_with_activation_quantization(out, ids)
+    tol = LOGIT_TOLERANCE[scheme]
+    torch.testing.assert_close(reloaded, ours, rtol=0, atol=tol * float(ours.abs().max()))
+    # the quantized model is close to, but not the same as, the float one
+    assert all(0 < layer.output_rel_rmse < 1 for layer in result.layers)
+    record = json.loads((out / "llmq.json").read_text())
+    assert record["recipe"]["scheme"]["name"] == result.scheme
+    assert record["calibration"]["seed"] == 0
+    assert (out / "tokenizer.json").is_file()
+    assert not staging_path(out).exists()
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym", "w8a16", "w8a8", "fp8"])
+def test_compressed_tensors_decompressors_agree(tmp_path: Path, tiny_llama: Path, scheme: str) -> None:
+    """compressed-tensors' own decompressor for each format reads llmq's tensors bit-exactly
+    (asymmetric included: transformers cannot reload packed zero points with
+    compressed-tensors 0.20, which initializes them unpacked; vLLM reads them packed)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    out = tmp_path / scheme
+    llmq.quantize(tiny_llama, out, scheme=scheme, **FAST)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    ours = llmq.load_dequantized(out).state_dict()
+    tensors = load_file(out / "model-00002-of-00003.safetensors")
+    compressor = BaseCompressor.get_value_from_registry(config["format"])
+    checked = 0
+    for group in config["config_groups"].values():
+        scheme_obj = QuantizationScheme.model_validate(group)
+        patterns = [re.compile(target.removeprefix("re:")) for target in group["targets"]]
+        for name in {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight_scale")}:
+            if any(p.match(name) for p in patterns):
+                local = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(name + ".")}
+                theirs = compressor.decompress(local, scheme_obj)["weight"]
+                assert torch.equal(theirs.float(), ours[f"{name}.weight"]), name
+                checked += 1
+    assert checked == 7
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_other_families_quantize_and_reload(tmp_path: Path, default_model: Path, family: str) -> None:
+    model = make_tiny(tmp_path / family, default_model, model_type=family, layers=1)
+    out = tmp_path / f"{family}-w4a16"
+    llmq.quantize(model, out, scheme="w4a16", **FAST)
+    theirs, ours = logits_pair(out)
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_group_size_fallback_is_listed_and_exact(tmp_path: Path, tiny_llama: Path) -> None:
+    result = llmq.quantize(tiny_llama, tmp_path / "out", scheme="w4a16", **FAST)
+    adjusted = {a["name"].split(".", 3)[-1] for a in result.group_size_adjustments}
+    assert adjusted == {
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj",
+    }  # fmt: skip  (in_features 192 -> group 64; down_proj reads 512, divisible by 128)
+    groups = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    sizes = sorted(g["weights"]["group_size"] for g in groups["config_groups"].values())
+    assert sizes == [64, 128]
+    tensors = load_file(tmp_path / "out" / "model-00002-of-00003.safetensors")
+    assert tensors["model.layers.0.self_attn.q_proj.weight_scale"].shape == (192, 3)
+    assert tensors["model.layers.0.mlp.down_proj.weight_scale"].shape == (192, 4)
+
+
+def test_strict_group_size_refuses_before_work(tmp_path: Path, tiny_llama: Path) -> None:
+    with pytest.raises(InputError, match="does not divide in_features 192") as info:
+        llmq.quantize(tiny_llama, tmp_path / "out", scheme="w4a16", strict_group_size=True, **FAST)
+    assert "64" in (info.value.hint or "")
+    assert not (tmp_path / "out").exists() and not staging_path(tmp_path / "out").exists()
+
+
+def test_bf16_shards_keep_bf16_scales(tmp_path: Path, tiny_llama_sharded: Path) -> None:
+    out = tmp_path / "out"
+    llmq.quantize(tiny_llama_sharded, out, scheme="w4a16", **FAST)
+    tensors = load_file(out / "model-00002-of-00003.safetensors")
+    assert tensors["model.layers.0.mlp.down_proj.weight_scale"].dtype == torch.bfloat16
+    assert tensors["model.layers.0.input_layernorm.weight"].dtype == torch.bfloat16
+    theirs, ours = logits_pair(out)
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+class InterruptAfter:
+    """A progress sink that raises KeyboardInterrupt (as Ctrl-C would) after N finished layers."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+
+    @contextmanager
+    def stage(self, description: str, total: int | None = None, *, transient: bool = False) -> Iterator:
+        def advance(steps: int = 1) -> None:
+            if description == "quantizing layers" and steps:
+                self.layers -= steps
+                if self.layers <= 0:
+                    raise KeyboardInterrupt
+
+        yield advance
+
+
+def checkpoint_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "llmq.json"}
+
+
+def test_resume_after_interrupt_gives_identical_checkpoint(tmp_path: Path, default_model: Path) -> None:
+    model = make_tiny(tmp_path / "model", default_model, layers=4)
+    reference = tmp_path / "reference"
+    llmq.quantize(model, reference, scheme="w8a8", **FAST)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        llmq.quantize(model, out, scheme="w8a8", progress=InterruptAfter(2), **FAST)
+    assert not out.exists()
+    state = json.loads((staging_path(out) / "llmq-state.json").read_text())
+    assert len(state["layers"]) == 2
+    with pytest.raises(InputError, match="different model or recipe"):
+        llmq.quantize(model, out, scheme="w4a16", resume=True, **FAST)
+    result = llmq.quantize(model, out, scheme="w8a8", resume=True, **FAST)
+    assert result.resumed_layers == 2
+    assert checkpoint_bytes(out) == checkpoint_bytes(reference)
+
+
+def test_nan_stops_the_run_naming_the_layer(tmp_path: Path, tiny_llama: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(NumericalError, match="model.layers.1.mlp.up_proj"):
+        llmq.quantize(model, tmp_path / "out", scheme="w8a16", **FAST)
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_needs_overwrite(tmp_path: Path, tiny_llama: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    with pytest.raises(InputError, match="already exists"):
+        llmq.quantize(tiny_llama, out, scheme="w8a16", **FAST)
+    assert (out / "keep.txt").read_text() == "user data"
+    llmq.quantize(tiny_llama, out, scheme="w8a16", overwrite=True, **FAST)
+    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+
+
+def test_quantizing_a_quantized_checkpoint_is_refused(tmp_path: Path, tiny_llama: Path) -> None:
+    out = tmp_path / "out"
+    llmq.quantize(tiny_llama, out, scheme="w8a16", **FAST)
+    with pytest.raises(InputError, match="already quantized"):
+        llmq.quantize(out, tmp_path / "again", scheme="w8a16", **FAST)

@@ -1,0 +1,105 @@
+"""Primitives against a float64 reference: identical integer codes, scales to 1e-6."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmq.config import QuantArgs
+from llmq.quant.primitives import FP8_MAX, fake_quantize, int_range, quantize_weight
+from llmq.quant.rtn import rtn_quantize_weight
+
+ARGS = [
+    QuantArgs(num_bits=4, strategy="group", group_size=32),
+    QuantArgs(num_bits=4, strategy="group", group_size=64, symmetric=False),
+    QuantArgs(num_bits=4, strategy="channel"),
+    QuantArgs(num_bits=8, strategy="channel"),
+    QuantArgs(num_bits=8, strategy="channel", symmetric=False),
+    QuantArgs(num_bits=8, strategy="tensor"),
+    QuantArgs(num_bits=8, strategy="group", group_size=16),
+]
+
+
+def reference_int(w: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Textbook float64 min/max quantization, written independently of llmq's code. The scale is
+    rounded to its storage dtype (the weight's) before codes are computed, as on disk."""
+    storage = w.dtype
+    w = w.double()
+    rows, cols = w.shape
+    if args.strategy == "tensor":
+        groups = w.reshape(1, 1, -1)
+    elif args.strategy == "channel":
+        groups = w.reshape(rows, 1, cols)
+    else:
+        groups = w.reshape(rows, cols // args.group_size, args.group_size)
+    qmin, qmax = int_range(args.num_bits)
+    lo = groups.amin(-1).clamp(max=0)
+    hi = groups.amax(-1).clamp(min=0)
+    if args.symmetric:
+        scale = (torch.maximum(-lo, hi) / ((qmax - qmin) / 2)).to(storage).double()
+        codes = torch.round(groups / scale[..., None]).clamp(qmin, qmax)
+    else:
+        scale = ((hi - lo) / (qmax - qmin)).to(storage).double()
+        zero = torch.round(qmin - lo / scale).clamp(qmin, qmax)
+        codes = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp(qmin, qmax)
+    return codes.reshape(rows, cols), scale
+
+
+@pytest.mark.parametrize("args", ARGS, ids=lambda a: a.label)
+def test_integer_codes_match_float64_reference(args: QuantArgs) -> None:
+    torch.manual_seed(1)
+    w = torch.randn(48, 128) * torch.linspace(0.1, 3, 128)
+    q = quantize_weight(w, args)
+    ref_codes, ref_scale = reference_int(w, args)
+    torch.testing.assert_close(q.scale.double().reshape(ref_scale.shape), ref_scale, rtol=1e-6, atol=0)
+    assert torch.equal(q.codes.double(), ref_codes)
+    error = (q.dequantize() - w).abs()
+    step = q.scale.float().reshape(-1).max()
+    assert float(error.max()) <= float(step) * 0.5 + 1e-6  # never clips: within half a step
+
+
+def test_scale_dtype_rounding_is_consistent() -> None:
+    """Codes are computed from the bf16-rounded scale that is stored."""
+    torch.manual_seed(2)
+    w = torch.randn(8, 64, dtype=torch.bfloat16)
+    args = QuantArgs(num_bits=4, strategy="group", group_size=32)
+    q = quantize_weight(w, args)
+    assert q.scale.dtype == torch.bfloat16
+    codes = torch.round(w.double().reshape(8, 2, 32) / q.scale.double()[..., None]).clamp(-8, 7)
+    assert torch.equal(q.codes.double(), codes.reshape(8, 64))
+
+
+def test_fp8_saturates_and_matches_reference() -> None:
+    w = torch.tensor([[1000.0, -3.0, 0.001, 0.0], [2.0, -2.0, 1.0, 0.5]])
+    args = QuantArgs(num_bits=8, type="float", strategy="channel")
+    q = quantize_weight(w, args)
+    assert q.codes.dtype == torch.float8_e4m3fn
+    assert float(q.codes.float().abs().max()) == FP8_MAX
+    scale = w.double().abs().amax(1, keepdim=True) / FP8_MAX
+    ref = (w.double() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    assert torch.equal(q.codes.view(torch.uint8), ref.view(torch.uint8))
+    # a value beyond the grid saturates at +-448 instead of becoming NaN
+    over = quantize_weight(w, args, clip_ratio=0.5)
+    assert torch.isfinite(over.codes.float()).all() and float(over.codes.float().max()) == FP8_MAX
+
+
+@pytest.mark.parametrize("kind", ["int", "float"])
+def test_fake_quantize_per_token_zero_rows_stay_zero(kind: str) -> None:
+    args = QuantArgs(num_bits=8, type=kind, strategy="token", dynamic=True)
+    x = torch.randn(2, 5, 64)
+    x[0, 2] = 0
+    y = fake_quantize(x, args)
+    assert torch.isfinite(y).all()
+    assert torch.equal(y[0, 2], torch.zeros(64))
+    rel = (y - x).norm() / x.norm()
+    assert 0 < rel < (0.01 if kind == "int" else 0.05)
+
+
+def test_mse_clip_never_worse_than_minmax() -> None:
+    torch.manual_seed(3)
+    w = torch.randn(32, 256)
+    w[:, 7] *= 20  # outliers make plain min/max wasteful
+    args = QuantArgs(num_bits=4, strategy="group", group_size=64)
+    plain = (quantize_weight(w, args).dequantize() - w).pow(2).sum()
+    clipped = (rtn_quantize_weight(w, args, clip="mse").dequantize() - w).pow(2).sum()
+    assert clipped < plain

@@ -1,0 +1,90 @@
+"""The command line: cheap help, exit codes CI can trust, one clear line for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from llmq.cli.main import app
+
+runner = CliRunner()
+
+
+def test_help_does_not_import_torch() -> None:
+    code = (
+        "import sys\nimport llmq.cli.main as m\n"
+        "try:\n    m.app(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "False"
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def assert_bad_input(result, fragment: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert "error:" in result.output and fragment in result.output
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--group-size", "100"], "power of two"),
+        (["--scheme", "w5a16"], "unknown scheme"),
+        (["--num-samples", "0"], "--num-samples 0"),
+        (["--method", "magic"], "unknown method"),
+        (["--clip", "maybe"], "clip"),
+    ],
+)
+def test_bad_options_exit_2(tmp_path: Path, tiny_llama: Path, extra: list[str], fragment: str) -> None:
+    result = run("quantize", str(tiny_llama), "--out", str(tmp_path / "out"), *extra)
+    assert_bad_input(result, fragment)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_paths_exit_2(tmp_path: Path, tiny_llama: Path) -> None:
+    assert_bad_input(run("quantize", str(tmp_path / "missing"), "--out", str(tmp_path / "o")), "no such folder")
+    assert_bad_input(run("quantize", str(tmp_path), "--out", str(tmp_path / "o")), "no config.json")
+    (tmp_path / "exists").mkdir()
+    assert_bad_input(run("quantize", str(tiny_llama), "--out", str(tmp_path / "exists")), "already exists")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    result = run("quantize", str(tiny_llama), "--out", str(tmp_path / "o"), "--calib-text", str(empty))
+    assert_bad_input(result, "empty")
+    result = run("quantize", str(tiny_llama), "--out", str(tmp_path / "o"), "--calib-text", "nope.jsonl")
+    assert_bad_input(result, "no such file")
+    assert not (tmp_path / "o").exists()
+
+
+def test_quantize_json_and_eval_gate(tmp_path: Path, tiny_llama: Path) -> None:
+    out = tmp_path / "q"
+    result = run("quantize", str(tiny_llama), "--out", str(out), "--scheme", "w8a8",
+                 "--num-samples", "1", "--seq-len", "32", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["scheme"] == "W8A8" and len(data["layers"]) == 2
+    gate = ["eval", str(out), "--baseline", str(tiny_llama), "--max-windows", "2", "--seq-len", "64"]
+    failed = run(*gate, "--max-ppl-increase", "0%", "--json")
+    assert failed.exit_code == 1, failed.output
+    report = json.loads(failed.stdout)[0]
+    assert report["passed"] is False and report["increase"] > 0
+    assert "activations int8 token" in report["model"]["quantized"]
+    passed = run(*gate, "--max-ppl-increase", "1000%")
+    assert passed.exit_code == 0, passed.output
+    assert "PASS" in passed.stdout and "BOS no" in passed.stdout
+    assert_bad_input(run(*gate, "--max-ppl-increase", "lots"), "expected a percentage")
+
+
+def test_models_lists_the_default(default_model: Path) -> None:
+    result = run("models", "--json")
+    assert result.exit_code == 0
+    assert {"name": "smollm2-135m"}.items() <= json.loads(result.stdout)[0].items()

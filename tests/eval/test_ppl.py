@@ -1,0 +1,44 @@
+"""Perplexity streamed one layer at a time equals the full model's; gates on the real model."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import llmq
+from llmq.calib.data import evaluation_windows
+from llmq.eval.ppl import perplexity
+from llmq.io.checkpoint import open_checkpoint
+
+
+def test_streamed_perplexity_equals_full_model(tiny_llama: Path) -> None:
+    windows = evaluation_windows(AutoTokenizer.from_pretrained(tiny_llama), "news", seq_len=48, max_windows=3)
+    streamed = perplexity(open_checkpoint(tiny_llama), windows)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(windows.input_ids).logits[:, :-1].double()
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), windows.input_ids[:, 1:].reshape(-1)
+    )
+    assert streamed.tokens == 3 * 47
+    assert math.isclose(streamed.perplexity, math.exp(float(nll)), rel_tol=1e-5)
+
+
+@pytest.mark.integration
+def test_default_model_w8a16_and_fp8_accuracy(tmp_path: Path, default_model: Path) -> None:
+    """On the real model: W8A16 costs < 1% perplexity, FP8 dynamic stays within llm-compressor's
+    FP8_DYNAMIC figure (+3.4% held-out pydoc, +3.1% Hamlet; measured by the peer on its own
+    windows, so this bound is loose: benchmarks/ compares both on the same windows). Protocol:
+    held-out pydoc, 4 windows of 512 tokens, no BOS, float32."""
+    results = {}
+    for scheme in ("w8a16", "fp8"):
+        out = tmp_path / scheme
+        llmq.quantize(default_model, out, scheme=scheme, num_samples=1, seq_len=128)
+        results[scheme] = llmq.evaluate(out, baseline=default_model, text="pydoc", max_windows=4)
+    assert 0 <= results["w8a16"].increase < 0.01
+    assert results["fp8"].increase < 0.05
+    assert "activations fp8 token" in results["fp8"].model.quantized

@@ -1,8 +1,8 @@
 """llmq's public Python API. The CLI is a thin layer over these functions.
 
-    from llmq import quantize, calibrate, evaluate
-    result = quantize("smollm2-135m", "out/w4a16", scheme="w4a16")
-    report = evaluate("out/w4a16", baseline="smollm2-135m", max_ppl_increase=0.03)
+from llmq import quantize, calibrate, evaluate
+result = quantize("smollm2-135m", "out/w4a16", scheme="w4a16")
+report = evaluate("out/w4a16", baseline="smollm2-135m", max_ppl_increase=0.03)
 """
 
 from __future__ import annotations
@@ -73,7 +73,11 @@ def make_recipe(
         num_samples = DEFAULT_REPORT_SAMPLES if method == "rtn" else DEFAULT_CALIB_SAMPLES
     if num_samples < 1:
         raise InputError(f"--num-samples {num_samples}: must be >= 1")
-    if group_size is not None and group_size != -1 and (group_size < 16 or group_size & (group_size - 1)):
+    if (
+        group_size is not None
+        and group_size != -1
+        and (group_size < 16 or group_size & (group_size - 1))
+    ):
         raise InputError(
             f"--group-size {group_size}: must be -1 (per-channel) or a power of two >= 16",
             hint="e.g. 32, 64 or 128",
@@ -136,10 +140,18 @@ def quantize(
     if recipe.calibration is not None:
         cal = recipe.calibration
         windows = calibration_windows(
-            _tokenizer(ckpt.path), cal.text, num_samples=cal.num_samples, seq_len=cal.seq_len, seed=cal.seed
+            _tokenizer(ckpt.path),
+            cal.text,
+            num_samples=cal.num_samples,
+            seq_len=cal.seq_len,
+            seed=cal.seed,
         )
         ids = windows.input_ids
-        record["calibration"] = {**cal.model_dump(), "tokens": windows.num_tokens, "bos": windows.add_bos}
+        record["calibration"] = {
+            **cal.model_dump(),
+            "tokens": windows.num_tokens,
+            "bos": windows.add_bos,
+        }
     if stats is not None:
         record["calib_stats"] = {"file": str(calib_stats), **stats.metadata}
     return run_quantization(
@@ -185,13 +197,24 @@ def calibrate(
     if out.exists() and not overwrite:
         raise InputError(f"{out}: already exists", hint="choose another path or pass --overwrite")
     if out.suffix != ".safetensors":
-        raise InputError(f"{out}: statistics are written as .safetensors", hint=f"use {out.stem}.safetensors")
+        raise InputError(
+            f"{out}: statistics are written as .safetensors", hint=f"use {out.stem}.safetensors"
+        )
     ckpt = _open(model)
     windows = calibration_windows(
-        _tokenizer(ckpt.path), cal.text, num_samples=cal.num_samples, seq_len=cal.seq_len, seed=cal.seed
+        _tokenizer(ckpt.path),
+        cal.text,
+        num_samples=cal.num_samples,
+        seq_len=cal.seq_len,
+        seed=cal.seed,
     )
     stats = collect_stats(ckpt, windows.input_ids, hessian=hessian, progress=progress)
-    stats.metadata = {"model": str(model), **cal.model_dump(), "tokens": windows.num_tokens, "hessian": hessian}
+    stats.metadata = {
+        "model": str(model),
+        **cal.model_dump(),
+        "tokens": windows.num_tokens,
+        "hessian": hessian,
+    }
     stats.save(out)
     return CalibrateResult(
         out=out,
@@ -266,7 +289,9 @@ def evaluate(
         raise InputError(f"--max-ppl-increase {max_ppl_increase}: out of range")
     ckpt = _open(model)
     base_ckpt = _open(baseline) if baseline is not None else None
-    windows = evaluation_windows(_tokenizer(ckpt.path), text, seq_len=seq_len, max_windows=max_windows)
+    windows = evaluation_windows(
+        _tokenizer(ckpt.path), text, seq_len=seq_len, max_windows=max_windows
+    )
     cache = cache_dir() / "ppl" if use_cache else None
     base = None
     if base_ckpt is not None:
@@ -282,7 +307,9 @@ def evaluate(
         "dtype": "float32",
         "tokens_scored": result.tokens,
     }
-    return EvalResult(protocol=protocol, model=result, baseline=base, max_ppl_increase=max_ppl_increase)
+    return EvalResult(
+        protocol=protocol, model=result, baseline=base, max_ppl_increase=max_ppl_increase
+    )
 
 
 def load_dequantized(path: str | Path) -> Any:
@@ -295,7 +322,9 @@ def load_dequantized(path: str | Path) -> Any:
 
     ckpt = _open(path)
     view = QuantizedView(ckpt)
-    config = AutoConfig.for_model(**{k: v for k, v in ckpt.config.items() if k != "quantization_config"})
+    config = AutoConfig.for_model(
+        **{k: v for k, v in ckpt.config.items() if k != "quantization_config"}
+    )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = {k: v.to(torch.float32) for k, v in view.read_state(ckpt, "").items()}

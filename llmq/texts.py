@@ -59,7 +59,9 @@ def _package_dir(package: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         text = next(t for t in BUILTIN_TEXTS.values() if package in t.install)
-        raise InputError(f"built-in text {text.name!r} needs package {package!r}", hint=text.install)
+        raise InputError(
+            f"built-in text {text.name!r} needs package {package!r}", hint=text.install
+        )
     return Path(next(iter(spec.submodule_search_locations)))
 
 

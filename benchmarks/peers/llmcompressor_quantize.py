@@ -165,7 +165,9 @@ def load_calibration(path: str):
         raise SystemExit(f"{path}: no tensor named 'input_ids' (have {list(tensors)})")
     ids = tensors["input_ids"]
     if ids.ndim != 2:
-        raise SystemExit(f"{path}: input_ids must be 2-D [num_samples, seq_len], got {tuple(ids.shape)}")
+        raise SystemExit(
+            f"{path}: input_ids must be 2-D [num_samples, seq_len], got {tuple(ids.shape)}"
+        )
     ids = ids.to(torch.int64)
     num_samples, seq_len = ids.shape
     ds = Dataset.from_dict(
@@ -200,20 +202,18 @@ def main(argv=None) -> int:
 
 def run(args) -> dict:
     t_start = time.perf_counter()
-    import torch
     from importlib.metadata import version
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import torch
     from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import_s = time.perf_counter() - t_start
     patch_cpu_only()
     torch.manual_seed(0)
 
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=torch.float32, device_map=None
-    )
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, device_map=None)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     load_s = time.perf_counter() - t0

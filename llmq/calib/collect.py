@@ -26,17 +26,25 @@ def collect_stats(
             owners = {name: group[0] for group in stream.layout.sequential for name in group}
             layer_stats: dict[str, InputStats] = {}
 
-            def observe(name: str, x: Tensor, owners: dict[str, str] = owners,
-                        layer_stats: dict[str, InputStats] = layer_stats) -> None:
+            def observe(
+                name: str,
+                x: Tensor,
+                owners: dict[str, str] = owners,
+                layer_stats: dict[str, InputStats] = layer_stats,
+            ) -> None:
                 if owners[name] != name:
                     return
                 if name not in layer_stats:
-                    layer_stats[name] = InputStats.empty(x.shape[-1], hessian=hessian, device=x.device)
+                    layer_stats[name] = InputStats.empty(
+                        x.shape[-1], hessian=hessian, device=x.device
+                    )
                 layer_stats[name].update(x)
 
             batches = len(list(stream.batches(hidden)))
-            with progress.stage(f"layer {index}", total=batches, transient=True) as step, \
-                    input_hooks(layer, list(owners), observe):
+            with (
+                progress.stage(f"layer {index}", total=batches, transient=True) as step,
+                input_hooks(layer, list(owners), observe),
+            ):
                 hidden = stream.run_layer(layer, hidden, on_batch=lambda: step(1))
             for name, owner in owners.items():
                 stats.inputs[prefix + name] = layer_stats[owner]

@@ -8,6 +8,7 @@ generator (reproducible); evaluation takes consecutive windows from the start (n
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,9 +50,7 @@ def _file_documents(path: Path) -> list[str]:
         raise InputError(f"{path}: no such file")
     builder = _FILE_BUILDERS.get(path.suffix.lower())
     if builder is None:
-        raise InputError(
-            f"{path}: unsupported text file type", hint="use .txt, .jsonl or .parquet"
-        )
+        raise InputError(f"{path}: unsupported text file type", hint="use .txt, .jsonl or .parquet")
     if path.stat().st_size == 0:
         raise InputError(f"{path}: file is empty")
     import datasets
@@ -87,8 +86,32 @@ def _text_column(data: Any, where: str) -> list[str]:
 
 
 def _token_stream(tokenizer: Any, docs: list[str]) -> Tensor:
-    ids = tokenizer("\n\n".join(docs), add_special_tokens=False)["input_ids"]
-    return torch.tensor(ids, dtype=torch.int64)
+    """Token ids of the documents joined by blank lines, cached on disk per (tokenizer, text):
+    tokenizing all of Shakespeare takes seconds, reading it back milliseconds."""
+    text = "\n\n".join(docs)
+    path = _token_cache_path(tokenizer, text)
+    if path is not None and path.is_file():
+        try:
+            return torch.load(path, weights_only=True).to(torch.int64)
+        except (OSError, RuntimeError, EOFError):
+            path.unlink(missing_ok=True)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.partial")
+        torch.save(ids.to(torch.int32), partial)
+        partial.replace(path)
+    return ids
+
+
+def _token_cache_path(tokenizer: Any, text: str) -> Path | None:
+    from llmq.models import cache_dir
+
+    vocab = getattr(tokenizer, "backend_tokenizer", None)
+    if vocab is None:  # slow tokenizers have no stable serialization to key on
+        return None
+    key = hashlib.sha256(vocab.to_str().encode() + b"\0" + text.encode()).hexdigest()[:32]
+    return cache_dir() / "tokens" / f"{key}.pt"
 
 
 def wants_bos(tokenizer: Any) -> bool:
@@ -133,7 +156,9 @@ def evaluation_windows(
     tokenizer: Any, text: str, *, seq_len: int, max_windows: int | None
 ) -> TokenWindows:
     """Consecutive, non-overlapping windows from the start of the held-out split."""
-    docs = [doc for source in text.split("+") if source for doc in load_documents(source, "heldout")]
+    docs = [
+        doc for source in text.split("+") if source for doc in load_documents(source, "heldout")
+    ]
     stream = _token_stream(tokenizer, docs)
     count = stream.numel() // seq_len
     if max_windows is not None:

@@ -12,13 +12,27 @@ from llmq.texts import DEFAULT_CALIBRATION_TEXT
 
 
 def calibrate(
-    model: Annotated[str, typer.Argument(help="Checkpoint folder, or a built-in name (`llmq models`).")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Statistics file to write (.safetensors).")],
-    calib_text: Annotated[str, typer.Option(help="Calibration text: shakespeare, pydoc, news (joined with +), a .txt/.jsonl/.parquet file, or a dataset in the local HF cache.")] = DEFAULT_CALIBRATION_TEXT,
+    model: Annotated[
+        str, typer.Argument(help="Checkpoint folder, or a built-in name (`llmq models`).")
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Statistics file to write (.safetensors).")
+    ],
+    calib_text: Annotated[
+        str,
+        typer.Option(
+            help="Calibration text: shakespeare, pydoc, news (joined with +), a .txt/.jsonl/.parquet file, or a dataset in the local HF cache."
+        ),
+    ] = DEFAULT_CALIBRATION_TEXT,
     num_samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 512,
     seed: Annotated[int, typer.Option(help="Seed for sampling windows.")] = 0,
-    hessian: Annotated[bool, typer.Option(help="Also accumulate the Hessian XᵀX per input (GPTQ), [in, in] float32 each.")] = False,
+    hessian: Annotated[
+        bool,
+        typer.Option(
+            help="Also accumulate the Hessian XᵀX per input (GPTQ), [in, in] float32 each."
+        ),
+    ] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing statistics file.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:

@@ -106,5 +106,7 @@ def parse_fraction(text: str | None, option: str) -> float | None:
     try:
         value = float(text[:-1]) / 100 if text.strip().endswith("%") else float(text)
     except ValueError:
-        raise LlmqError(f"{option} {text!r}: expected a percentage like 3% or a fraction like 0.03") from None
+        raise LlmqError(
+            f"{option} {text!r}: expected a percentage like 3% or a fraction like 0.03"
+        ) from None
     return value

@@ -19,13 +19,40 @@ from llmq.texts import DEFAULT_EVAL_TEXT
 
 
 def evaluate(
-    models: Annotated[list[str], typer.Argument(help="Checkpoint folders (quantized or not) or built-in names; one table for all.")],
-    baseline: Annotated[str | None, typer.Option(help="Reference model scored on the same windows (cached after the first run).")] = None,
-    text: Annotated[str, typer.Option(help="Held-out text: news, pydoc, shakespeare (its held-out splits), or a .txt/.jsonl/.parquet file.")] = DEFAULT_EVAL_TEXT,
+    models: Annotated[
+        list[str],
+        typer.Argument(
+            help="Checkpoint folders (quantized or not) or built-in names; one table for all."
+        ),
+    ],
+    baseline: Annotated[
+        str | None,
+        typer.Option(
+            help="Reference model scored on the same windows (cached after the first run)."
+        ),
+    ] = None,
+    text: Annotated[
+        str,
+        typer.Option(
+            help="Held-out text: news, pydoc, shakespeare (its held-out splits), or a .txt/.jsonl/.parquet file."
+        ),
+    ] = DEFAULT_EVAL_TEXT,
     seq_len: Annotated[int, typer.Option(help="Tokens per window (windows do not overlap).")] = 512,
-    max_windows: Annotated[int, typer.Option(help="Score at most this many windows from the start of the text.")] = 40,
-    max_ppl_increase: Annotated[str | None, typer.Option(help="Gate: exit 1 when perplexity rises more than this over --baseline, e.g. 3% or 0.03.")] = None,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="Score the baseline again instead of reusing a cached result.")] = False,
+    max_windows: Annotated[
+        int, typer.Option(help="Score at most this many windows from the start of the text.")
+    ] = 40,
+    max_ppl_increase: Annotated[
+        str | None,
+        typer.Option(
+            help="Gate: exit 1 when perplexity rises more than this over --baseline, e.g. 3% or 0.03."
+        ),
+    ] = None,
+    no_cache: Annotated[
+        bool,
+        typer.Option(
+            "--no-cache", help="Score the baseline again instead of reusing a cached result."
+        ),
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Token perplexity of MODELS on held-out text; W8A8/FP8 activations really quantized per token."""
@@ -37,9 +64,15 @@ def evaluate(
         with progress_bars(json_out=json_out) as progress:
             results = [
                 api.evaluate(
-                    model, baseline=baseline, text=text, seq_len=seq_len, max_windows=max_windows,
-                    max_ppl_increase=gate, use_cache=not no_cache, progress=progress,
-                )  # fmt: skip
+                    model,
+                    baseline=baseline,
+                    text=text,
+                    seq_len=seq_len,
+                    max_windows=max_windows,
+                    max_ppl_increase=gate,
+                    use_cache=not no_cache,
+                    progress=progress,
+                )
                 for model in models
             ]
     if json_out:
@@ -54,7 +87,9 @@ def render(results: list[Any]) -> None:
     p = results[0].protocol
     table = Table(title="perplexity")
     for column in ("model", "perplexity", "increase", "gate", "quantization simulated"):
-        table.add_column(column, justify="right" if column in ("perplexity", "increase") else "left")
+        table.add_column(
+            column, justify="right" if column in ("perplexity", "increase") else "left"
+        )
     if results[0].baseline is not None:
         b = results[0].baseline
         table.add_row(b.model, f"{b.perplexity:.3f}", "baseline", "", b.quantized)
@@ -62,7 +97,11 @@ def render(results: list[Any]) -> None:
         increase = "-" if result.increase is None else f"{result.increase:+.2%}"
         verdict = {None: "", True: "[green]PASS[/]", False: "[bold red]FAIL[/]"}[result.passed]
         table.add_row(
-            result.model.model, f"{result.model.perplexity:.3f}", increase, verdict, result.model.quantized
+            result.model.model,
+            f"{result.model.perplexity:.3f}",
+            increase,
+            verdict,
+            result.model.quantized,
         )
     out_console.print(table)
     out_console.print(

@@ -22,22 +22,76 @@ from llmq.texts import DEFAULT_CALIBRATION_TEXT
 
 
 def quantize(
-    model: Annotated[str, typer.Argument(help="Checkpoint folder, or a built-in name (`llmq models`).")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder (compressed-tensors); must not exist unless --overwrite.")],
-    scheme: Annotated[str, typer.Option(help=f"Preset: {', '.join(scheme_names())}. w4a16: int4 weights, group 128, symmetric; w8a8: int8 per-channel weights + dynamic per-token int8 activations; fp8: E4M3 per-channel weights + dynamic per-token activations.")] = "w4a16",
+    model: Annotated[
+        str, typer.Argument(help="Checkpoint folder, or a built-in name (`llmq models`).")
+    ],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Output folder (compressed-tensors); must not exist unless --overwrite.",
+        ),
+    ],
+    scheme: Annotated[
+        str,
+        typer.Option(
+            help=f"Preset: {', '.join(scheme_names())}. w4a16: int4 weights, group 128, symmetric; w8a8: int8 per-channel weights + dynamic per-token int8 activations; fp8: E4M3 per-channel weights + dynamic per-token activations."
+        ),
+    ] = "w4a16",
     method: Annotated[str, typer.Option(help="Weight quantization method: rtn.")] = "rtn",
-    group_size: Annotated[int | None, typer.Option(help="Override the scheme's group size: -1 (per-channel) or a power of two >= 16. A layer whose in_features it does not divide uses the largest power-of-two divisor (listed in the summary).")] = None,
-    strict_group_size: Annotated[bool, typer.Option(help="Refuse, before any work, when the group size does not divide some layer.")] = False,
-    ignore: Annotated[list[str] | None, typer.Option(help="Linears to keep in full precision: a name or suffix (mlp.down_proj) or a `re:` pattern; repeatable. lm_head is always kept.")] = None,
-    clip: Annotated[str, typer.Option(help="RTN range: none (min/max) or mse (per-group MSE-optimal clipping search).")] = "none",
-    calib_text: Annotated[str, typer.Option(help="Calibration text: shakespeare, pydoc, news (joined with +), a .txt/.jsonl/.parquet file, or a dataset in the local HF cache.")] = DEFAULT_CALIBRATION_TEXT,
-    num_samples: Annotated[int | None, typer.Option(help="Calibration windows. Default 2 for rtn (it needs no data: they feed only the per-layer output-error report), 128 otherwise.")] = None,
+    group_size: Annotated[
+        int | None,
+        typer.Option(
+            help="Override the scheme's group size: -1 (per-channel) or a power of two >= 16. A layer whose in_features it does not divide uses the largest power-of-two divisor (listed in the summary)."
+        ),
+    ] = None,
+    strict_group_size: Annotated[
+        bool,
+        typer.Option(
+            help="Refuse, before any work, when the group size does not divide some layer."
+        ),
+    ] = False,
+    ignore: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Linears to keep in full precision: a name or suffix (mlp.down_proj) or a `re:` pattern; repeatable. lm_head is always kept."
+        ),
+    ] = None,
+    clip: Annotated[
+        str,
+        typer.Option(
+            help="RTN range: none (min/max) or mse (per-group MSE-optimal clipping search)."
+        ),
+    ] = "none",
+    calib_text: Annotated[
+        str,
+        typer.Option(
+            help="Calibration text: shakespeare, pydoc, news (joined with +), a .txt/.jsonl/.parquet file, or a dataset in the local HF cache."
+        ),
+    ] = DEFAULT_CALIBRATION_TEXT,
+    num_samples: Annotated[
+        int | None,
+        typer.Option(
+            help="Calibration windows. Default 2 for rtn (it needs no data: they feed only the per-layer output-error report), 128 otherwise."
+        ),
+    ] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 512,
     seed: Annotated[int, typer.Option(help="Seed for sampling calibration windows.")] = 0,
-    calib_stats: Annotated[Path | None, typer.Option(help="Reuse statistics saved by `llmq calibrate` instead of collecting them.")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing OUT (only once the new one is complete).")] = False,
-    resume: Annotated[bool, typer.Option(help="Continue an interrupted run into the same OUT with the same options.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (no progress bars).")] = False,
+    calib_stats: Annotated[
+        Path | None,
+        typer.Option(help="Reuse statistics saved by `llmq calibrate` instead of collecting them."),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace an existing OUT (only once the new one is complete).")
+    ] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(help="Continue an interrupted run into the same OUT with the same options."),
+    ] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print the result as JSON on stdout (no progress bars).")
+    ] = False,
 ) -> None:
     """Quantize MODEL and write a checkpoint that transformers and vLLM load.
 
@@ -77,10 +131,16 @@ def render(result: Any) -> None:
     for layer in result.layers:
         worst = max(layer.linears, key=lambda linear: linear.weight_nrmse, default=None)
         error = "-" if layer.output_rel_rmse is None else f"{layer.output_rel_rmse:.4f}"
-        worst_text = "-" if worst is None else f"{worst.name.rsplit('.', 2)[-2:][-1]} {worst.weight_nrmse:.4f}"
+        worst_text = (
+            "-"
+            if worst is None
+            else f"{worst.name.rsplit('.', 2)[-2:][-1]} {worst.weight_nrmse:.4f}"
+        )
         table.add_row(str(layer.index), error, worst_text, f"{layer.seconds:.1f}")
     out_console.print(table)
-    adjusted = Counter((a["requested"], a["used"], a["in_features"]) for a in result.group_size_adjustments)
+    adjusted = Counter(
+        (a["requested"], a["used"], a["in_features"]) for a in result.group_size_adjustments
+    )
     for (requested, used, in_features), count in sorted(adjusted.items(), key=str):
         used_text = "per-channel" if used is None else f"group {used}"
         out_console.print(

@@ -41,7 +41,9 @@ def describe_quantization(view: QuantizedView) -> str:
         return "none (float checkpoint)"
     weights = sorted({scheme.weights.label for _, scheme in view.groups})
     acts = sorted({s.input_activations.label for _, s in view.groups if s.input_activations})
-    act_text = f"activations {', '.join(acts)} (dynamic, per token)" if acts else "activations float"
+    act_text = (
+        f"activations {', '.join(acts)} (dynamic, per token)" if acts else "activations float"
+    )
     return f"weights {', '.join(weights)}; {act_text}"
 
 

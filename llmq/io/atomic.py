@@ -55,7 +55,9 @@ def write_json(path: Path, data: Any) -> None:
     partial.replace(path)
 
 
-def save_safetensors(path: Path, tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> None:
+def save_safetensors(
+    path: Path, tensors: dict[str, Any], metadata: dict[str, str] | None = None
+) -> None:
     """safetensors.save_file, atomically."""
     from safetensors.torch import save_file
 

@@ -89,7 +89,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if not folder.exists():
         raise InputError(f"{folder}: no such folder")
     if not folder.is_dir():
-        raise InputError(f"{folder}: not a folder", hint="MODEL is a Hugging Face checkpoint folder")
+        raise InputError(
+            f"{folder}: not a folder", hint="MODEL is a Hugging Face checkpoint folder"
+        )
     config = _read_config(folder)
     layout = layout_for(config.get("model_type"))
     tensors: dict[str, TensorInfo] = {}
@@ -187,9 +189,7 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
     return entries
 
 
-def _check_entry(
-    path: Path, name: str, entry: Any, data_size: int
-) -> tuple[str, tuple[int, ...]]:
+def _check_entry(path: Path, name: str, entry: Any, data_size: int) -> tuple[str, tuple[int, ...]]:
     try:
         dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
     except (KeyError, TypeError, ValueError):

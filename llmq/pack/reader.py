@@ -42,7 +42,9 @@ def _quant_args(raw: dict[str, Any] | None, where: str) -> QuantArgs | None:
     try:
         return QuantArgs(**{k: raw[k] for k in _ARG_FIELDS if k in raw})
     except ValidationError as exc:
-        raise InputError(f"{where}: unsupported quantization args ({exc.errors()[0]['msg']})") from None
+        raise InputError(
+            f"{where}: unsupported quantization args ({exc.errors()[0]['msg']})"
+        ) from None
 
 
 class QuantizedView:
@@ -89,7 +91,7 @@ class QuantizedView:
         for module, tensors in pending.items():
             scheme = self.scheme_for(module)
             assert scheme is not None  # pending only holds modules with a scheme
-            state[f"{module[len(prefix):]}.weight"] = decompress(tensors, scheme.weights)
+            state[f"{module[len(prefix) :]}.weight"] = decompress(tensors, scheme.weights)
         return state
 
     def activation_schemes(self, ckpt: Checkpoint, prefix: str) -> dict[str, QuantArgs]:

@@ -87,7 +87,9 @@ def _check_ignore_patterns(patterns: tuple[str, ...]) -> None:
             try:
                 re.compile(pattern[3:])
             except re.error as exc:
-                raise InputError(f"--ignore {pattern!r}: invalid regular expression ({exc})") from None
+                raise InputError(
+                    f"--ignore {pattern!r}: invalid regular expression ({exc})"
+                ) from None
 
 
 def _plan_linear(
@@ -95,7 +97,9 @@ def _plan_linear(
 ) -> LinearPlan:
     key = f"{name}.weight"
     if not ckpt.has(key):
-        raise InputError(f"{ckpt.path}: tensor {key!r} is missing", hint="the checkpoint is incomplete")
+        raise InputError(
+            f"{ckpt.path}: tensor {key!r} is missing", hint="the checkpoint is incomplete"
+        )
     info = ckpt.tensors[key]
     if info.dtype not in _FLOAT_DTYPES or len(info.shape) != 2:
         raise InputError(

@@ -175,7 +175,12 @@ def _quantize_layer(
 
 
 def _observe(
-    stream: LayerStream, layer: nn.Module, names: list[str], hidden: Tensor, method: Method, step: Any
+    stream: LayerStream,
+    layer: nn.Module,
+    names: list[str],
+    hidden: Tensor,
+    method: Method,
+    step: Any,
 ) -> tuple[Tensor, dict[str, InputStats]]:
     """Run the full-precision layer once, accumulating statistics of every linear's input."""
     observed: dict[str, InputStats] = {}
@@ -240,7 +245,9 @@ def _quantize_linears(
         )
         _check_finite(q.scale, f"the scales of {linear.name}")
         dequantized = q.dequantize(weight.dtype)
-        nrmse = float((dequantized - weight).double().norm() / weight.double().norm().clamp_min(1e-30))
+        nrmse = float(
+            (dequantized - weight).double().norm() / weight.double().norm().clamp_min(1e-30)
+        )
         reports.append(LinearReport(linear.name, linear.args.label, nrmse))
         module.weight.data = dequantized
         for suffix, tensor in compress(q, fmt).items():
@@ -262,10 +269,14 @@ def _check_finite(tensor: Tensor, what: str) -> None:
         )
 
 
-def _other_layer_tensors(ckpt: Checkpoint, prefix: str, local: dict[str, LinearPlan]) -> dict[str, Tensor]:
+def _other_layer_tensors(
+    ckpt: Checkpoint, prefix: str, local: dict[str, LinearPlan]
+) -> dict[str, Tensor]:
     """Tensors of the layer that are not quantized weights (norms, biases, ignored linears), as stored."""
     quantized = {f"{prefix}{name}.weight" for name in local}
-    return {name: ckpt.read(name) for name in ckpt.names_with_prefix(prefix) if name not in quantized}
+    return {
+        name: ckpt.read(name) for name in ckpt.names_with_prefix(prefix) if name not in quantized
+    }
 
 
 def _non_layer_tensors(ckpt: Checkpoint) -> dict[str, Tensor]:
@@ -284,7 +295,12 @@ class _ShardNames:
 
 
 def _finalize(
-    ckpt: Checkpoint, plan: Plan, recipe: Recipe, staging: Path, shards: _ShardNames, record: dict[str, Any]
+    ckpt: Checkpoint,
+    plan: Plan,
+    recipe: Recipe,
+    staging: Path,
+    shards: _ShardNames,
+    record: dict[str, Any],
 ) -> None:
     from llmq.io.checkpoint import read_safetensors_header
 
@@ -299,7 +315,9 @@ def _finalize(
         staging / "model.safetensors.index.json",
         {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))},
     )
-    groups = [(args, recipe.scheme.input_activations, targets) for args, targets in config_groups(plan)]
+    groups = [
+        (args, recipe.scheme.input_activations, targets) for args, targets in config_groups(plan)
+    ]
     config = dict(ckpt.config)
     config["quantization_config"] = quantization_config(
         groups, ignore=plan.ignored, fmt=scheme_format(recipe.scheme)

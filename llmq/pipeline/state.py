@@ -40,7 +40,9 @@ class RunState:
                 metadata={"after_layer": str(report["index"])},
             )
         self.layers.append(report)
-        write_json(self.staging / STATE_FILE, {"fingerprint": self.fingerprint, "layers": self.layers})
+        write_json(
+            self.staging / STATE_FILE, {"fingerprint": self.fingerprint, "layers": self.layers}
+        )
 
     def hidden(self) -> Tensor | None:
         path = self.staging / HIDDEN_FILE
@@ -50,7 +52,9 @@ class RunState:
 
         with safe_open(str(path), framework="pt") as f:
             if (f.metadata() or {}).get("after_layer") != str(self.done - 1):
-                raise InputError(f"{self.staging}: resume state is inconsistent", hint="rerun without --resume")
+                raise InputError(
+                    f"{self.staging}: resume state is inconsistent", hint="rerun without --resume"
+                )
             return f.get_tensor("hidden")
 
 

@@ -37,7 +37,9 @@ class Method(Protocol):
 _METHODS: dict[str, Callable[[Recipe], Method]] = {}
 
 
-def register_method(name: str) -> Callable[[Callable[[Recipe], Method]], Callable[[Recipe], Method]]:
+def register_method(
+    name: str,
+) -> Callable[[Callable[[Recipe], Method]], Callable[[Recipe], Method]]:
     def add(factory: Callable[[Recipe], Method]) -> Callable[[Recipe], Method]:
         _METHODS[name] = factory
         return factory

@@ -88,9 +88,7 @@ def _storable(scale: Tensor, scale_dtype: torch.dtype) -> Tensor:
     return torch.where(scale == 0, torch.full_like(scale, eps), scale)
 
 
-def quantize_grouped(
-    groups: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs
-) -> Tensor:
+def quantize_grouped(groups: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs) -> Tensor:
     """Codes for `groups` [r, g, n] with per-group scale/zero [r, g]: int8 or float8_e4m3fn."""
     scaled = groups.to(torch.float64) / scale.to(torch.float64).unsqueeze(-1)
     if args.type == "float":

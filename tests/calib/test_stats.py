@@ -22,7 +22,9 @@ def test_accumulators_match_float64_reference() -> None:
     torch.testing.assert_close(stats.absmax.double(), x.abs().amax(0), rtol=1e-6, atol=0)
     torch.testing.assert_close(stats.mean_abs.double(), x.abs().mean(0), rtol=1e-5, atol=1e-7)
     assert stats.hessian is not None
-    torch.testing.assert_close(stats.hessian.double(), 2 * x.T @ x / x.shape[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        stats.hessian.double(), 2 * x.T @ x / x.shape[0], rtol=1e-5, atol=1e-6
+    )
 
 
 def test_calibrate_writes_reusable_stats(tmp_path: Path, tiny_llama: Path) -> None:
@@ -30,11 +32,16 @@ def test_calibrate_writes_reusable_stats(tmp_path: Path, tiny_llama: Path) -> No
     result = llmq.calibrate(tiny_llama, path, num_samples=2, seq_len=32, hessian=True)
     assert result.linears == 14
     stats = CalibStats.load(path)
-    q, k = stats.inputs["model.layers.0.self_attn.q_proj"], stats.inputs["model.layers.0.self_attn.k_proj"]
+    q, k = (
+        stats.inputs["model.layers.0.self_attn.q_proj"],
+        stats.inputs["model.layers.0.self_attn.k_proj"],
+    )
     assert q is k  # shared input, stored once
     assert q.hessian is not None and q.hessian.shape == (192, 192)
     assert stats.metadata["seed"] == 0 and stats.metadata["tokens"] == 64
-    out = llmq.quantize(tiny_llama, tmp_path / "q", scheme="w8a16", calib_stats=path, num_samples=1, seq_len=32)
+    out = llmq.quantize(
+        tiny_llama, tmp_path / "q", scheme="w8a16", calib_stats=path, num_samples=1, seq_len=32
+    )
     assert len(out.layers) == 2
     with pytest.raises(InputError, match="already exists"):
         llmq.calibrate(tiny_llama, path, num_samples=2, seq_len=32)

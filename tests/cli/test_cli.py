@@ -45,22 +45,32 @@ def assert_bad_input(result, fragment: str) -> None:
         (["--clip", "maybe"], "clip"),
     ],
 )
-def test_bad_options_exit_2(tmp_path: Path, tiny_llama: Path, extra: list[str], fragment: str) -> None:
+def test_bad_options_exit_2(
+    tmp_path: Path, tiny_llama: Path, extra: list[str], fragment: str
+) -> None:
     result = run("quantize", str(tiny_llama), "--out", str(tmp_path / "out"), *extra)
     assert_bad_input(result, fragment)
     assert not (tmp_path / "out").exists()
 
 
 def test_bad_paths_exit_2(tmp_path: Path, tiny_llama: Path) -> None:
-    assert_bad_input(run("quantize", str(tmp_path / "missing"), "--out", str(tmp_path / "o")), "no such folder")
+    assert_bad_input(
+        run("quantize", str(tmp_path / "missing"), "--out", str(tmp_path / "o")), "no such folder"
+    )
     assert_bad_input(run("quantize", str(tmp_path), "--out", str(tmp_path / "o")), "no config.json")
     (tmp_path / "exists").mkdir()
-    assert_bad_input(run("quantize", str(tiny_llama), "--out", str(tmp_path / "exists")), "already exists")
+    assert_bad_input(
+        run("quantize", str(tiny_llama), "--out", str(tmp_path / "exists")), "already exists"
+    )
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    result = run("quantize", str(tiny_llama), "--out", str(tmp_path / "o"), "--calib-text", str(empty))
+    result = run(
+        "quantize", str(tiny_llama), "--out", str(tmp_path / "o"), "--calib-text", str(empty)
+    )
     assert_bad_input(result, "empty")
-    result = run("quantize", str(tiny_llama), "--out", str(tmp_path / "o"), "--calib-text", "nope.jsonl")
+    result = run(
+        "quantize", str(tiny_llama), "--out", str(tmp_path / "o"), "--calib-text", "nope.jsonl"
+    )
     assert_bad_input(result, "no such file")
     assert not (tmp_path / "o").exists()
 
@@ -72,7 +82,16 @@ def test_quantize_json_and_eval_gate(tmp_path: Path, tiny_llama: Path) -> None:
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["scheme"] == "W8A8" and len(data["layers"]) == 2
-    gate = ["eval", str(out), "--baseline", str(tiny_llama), "--max-windows", "2", "--seq-len", "64"]
+    gate = [
+        "eval",
+        str(out),
+        "--baseline",
+        str(tiny_llama),
+        "--max-windows",
+        "2",
+        "--seq-len",
+        "64",
+    ]
     failed = run(*gate, "--max-ppl-increase", "0%", "--json")
     assert failed.exit_code == 1, failed.output
     report = json.loads(failed.stdout)[0]

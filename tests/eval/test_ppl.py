@@ -16,7 +16,9 @@ from llmq.io.checkpoint import open_checkpoint
 
 
 def test_streamed_perplexity_equals_full_model(tiny_llama: Path) -> None:
-    windows = evaluation_windows(AutoTokenizer.from_pretrained(tiny_llama), "news", seq_len=48, max_windows=3)
+    windows = evaluation_windows(
+        AutoTokenizer.from_pretrained(tiny_llama), "news", seq_len=48, max_windows=3
+    )
     streamed = perplexity(open_checkpoint(tiny_llama), windows)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     with torch.no_grad():

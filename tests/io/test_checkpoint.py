@@ -33,7 +33,7 @@ def test_sharded_bf16_checkpoint_reads_lazily(tiny_llama_sharded: Path) -> None:
 def test_missing_folder_and_config(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="no such folder"):
         open_checkpoint(tmp_path / "nope")
-    with pytest.raises(InputError, match="no config.json"):
+    with pytest.raises(InputError, match=r"no config\.json"):
         open_checkpoint(tmp_path)
 
 
@@ -84,5 +84,5 @@ def test_shard_listed_in_index_but_missing(tmp_path: Path, tiny_llama_sharded: P
     model = copy_model(tiny_llama_sharded, tmp_path / "m")
     victim = sorted(model.glob("*.safetensors"))[-1]
     victim.unlink()
-    with pytest.raises(InputError, match="listed in model.safetensors.index.json but missing"):
+    with pytest.raises(InputError, match=r"listed in model\.safetensors\.index\.json but missing"):
         open_checkpoint(model)

@@ -14,7 +14,9 @@ from llmq.quant.primitives import quantize_weight
 @pytest.mark.parametrize("num_bits", [4, 8])
 @pytest.mark.parametrize("shape", [(5, 37), (16, 576), (3, 8), (7, 1)])
 @pytest.mark.parametrize("packed_dim", [0, 1])
-def test_pack_matches_compressed_tensors(num_bits: int, shape: tuple[int, int], packed_dim: int) -> None:
+def test_pack_matches_compressed_tensors(
+    num_bits: int, shape: tuple[int, int], packed_dim: int
+) -> None:
     low, high = -(1 << (num_bits - 1)), 1 << (num_bits - 1)
     codes = torch.randint(low, high, shape, dtype=torch.int8)
     packed = pack_int32(codes, num_bits, packed_dim=packed_dim)
@@ -28,7 +30,10 @@ def test_pack_matches_compressed_tensors(num_bits: int, shape: tuple[int, int], 
     ("args", "fmt"),
     [
         (QuantArgs(num_bits=4, strategy="group", group_size=32), PackFormat.PACK_QUANTIZED),
-        (QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False), PackFormat.PACK_QUANTIZED),
+        (
+            QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False),
+            PackFormat.PACK_QUANTIZED,
+        ),
         (QuantArgs(num_bits=8, strategy="channel"), PackFormat.PACK_QUANTIZED),
         (QuantArgs(num_bits=8, strategy="channel"), PackFormat.INT_QUANTIZED),
         (QuantArgs(num_bits=8, type="float", strategy="channel"), PackFormat.FLOAT_QUANTIZED),

@@ -58,7 +58,9 @@ LOGIT_TOLERANCE = {"w4a16": 1e-5, "w8a16": 1e-5, "fp8": 1e-5, "w8a8": 0.05}
 
 
 @pytest.mark.parametrize("scheme", list(LOGIT_TOLERANCE))
-def test_every_scheme_reloads_in_transformers(tmp_path: Path, tiny_llama: Path, scheme: str) -> None:
+def test_every_scheme_reloads_in_transformers(
+    tmp_path: Path, tiny_llama: Path, scheme: str
+) -> None:
     out = tmp_path / scheme
     result = llmq.quantize(tiny_llama, out, scheme=scheme, **FAST)
     config = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -81,7 +83,9 @@ def test_every_scheme_reloads_in_transformers(tmp_path: Path, tiny_llama: Path, 
 
 
 @pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym", "w8a16", "w8a8", "fp8"])
-def test_compressed_tensors_decompressors_agree(tmp_path: Path, tiny_llama: Path, scheme: str) -> None:
+def test_compressed_tensors_decompressors_agree(
+    tmp_path: Path, tiny_llama: Path, scheme: str
+) -> None:
     """compressed-tensors' own decompressor for each format reads llmq's tensors bit-exactly
     (asymmetric included: transformers cannot reload packed zero points with
     compressed-tensors 0.20, which initializes them unpacked; vLLM reads them packed)."""
@@ -100,7 +104,9 @@ def test_compressed_tensors_decompressors_agree(tmp_path: Path, tiny_llama: Path
         patterns = [re.compile(target.removeprefix("re:")) for target in group["targets"]]
         for name in {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight_scale")}:
             if any(p.match(name) for p in patterns):
-                local = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(name + ".")}
+                local = {
+                    k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(name + ".")
+                }
                 theirs = compressor.decompress(local, scheme_obj)["weight"]
                 assert torch.equal(theirs.float(), ours[f"{name}.weight"]), name
                 checked += 1
@@ -108,7 +114,9 @@ def test_compressed_tensors_decompressors_agree(tmp_path: Path, tiny_llama: Path
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
-def test_other_families_quantize_and_reload(tmp_path: Path, default_model: Path, family: str) -> None:
+def test_other_families_quantize_and_reload(
+    tmp_path: Path, default_model: Path, family: str
+) -> None:
     model = make_tiny(tmp_path / family, default_model, model_type=family, layers=1)
     out = tmp_path / f"{family}-w4a16"
     llmq.quantize(model, out, scheme="w4a16", **FAST)
@@ -120,8 +128,12 @@ def test_group_size_fallback_is_listed_and_exact(tmp_path: Path, tiny_llama: Pat
     result = llmq.quantize(tiny_llama, tmp_path / "out", scheme="w4a16", **FAST)
     adjusted = {a["name"].split(".", 3)[-1] for a in result.group_size_adjustments}
     assert adjusted == {
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
     }  # fmt: skip  (in_features 192 -> group 64; down_proj reads 512, divisible by 128)
     groups = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     sizes = sorted(g["weights"]["group_size"] for g in groups["config_groups"].values())
@@ -155,7 +167,9 @@ class InterruptAfter:
         self.layers = layers
 
     @contextmanager
-    def stage(self, description: str, total: int | None = None, *, transient: bool = False) -> Iterator:
+    def stage(
+        self, description: str, total: int | None = None, *, transient: bool = False
+    ) -> Iterator:
         def advance(steps: int = 1) -> None:
             if description == "quantizing layers" and steps:
                 self.layers -= steps
@@ -169,7 +183,9 @@ def checkpoint_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "llmq.json"}
 
 
-def test_resume_after_interrupt_gives_identical_checkpoint(tmp_path: Path, default_model: Path) -> None:
+def test_resume_after_interrupt_gives_identical_checkpoint(
+    tmp_path: Path, default_model: Path
+) -> None:
     model = make_tiny(tmp_path / "model", default_model, layers=4)
     reference = tmp_path / "reference"
     llmq.quantize(model, reference, scheme="w8a8", **FAST)
@@ -192,7 +208,7 @@ def test_nan_stops_the_run_naming_the_layer(tmp_path: Path, tiny_llama: Path) ->
     tensors = load_file(model / "model.safetensors")
     tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
     save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(NumericalError, match="model.layers.1.mlp.up_proj"):
+    with pytest.raises(NumericalError, match=r"model\.layers\.1\.mlp\.up_proj"):
         llmq.quantize(model, tmp_path / "out", scheme="w8a16", **FAST)
     assert not (tmp_path / "out").exists()
 

@@ -51,7 +51,9 @@ def test_integer_codes_match_float64_reference(args: QuantArgs) -> None:
     w = torch.randn(48, 128) * torch.linspace(0.1, 3, 128)
     q = quantize_weight(w, args)
     ref_codes, ref_scale = reference_int(w, args)
-    torch.testing.assert_close(q.scale.double().reshape(ref_scale.shape), ref_scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        q.scale.double().reshape(ref_scale.shape), ref_scale, rtol=1e-6, atol=0
+    )
     assert torch.equal(q.codes.double(), ref_codes)
     error = (q.dequantize() - w).abs()
     step = q.scale.float().reshape(-1).max()

@@ -1,0 +1,140 @@
+"""RTN side by side, in one run: llmq vs llm-compressor's QuantizationModifier.
+
+On the default model (SmolLM2-135M-Instruct, float32) each tool quantizes to the same schemes
+in its own process (llm-compressor in its own virtual environment); wall time and peak RSS are
+those of that process, from start to a saved checkpoint. Every checkpoint, both tools', is then
+scored by the same code (llmq's perplexity, activations quantized per token where the scheme
+says so) on the same held-out windows of two texts.
+
+    python benchmarks/bench_rtn.py [--windows 16] [--out benchmarks/out/rtn]
+
+Perplexity protocol: token perplexity, held-out pydoc topics and Hamlet, non-overlapping
+512-token windows from the start (first --windows of each), no BOS (the tokenizer adds none),
+float32 compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (
+    ensure_peer,
+    llmq_quantize_cmd,
+    peer_quantize_cmd,
+    run_measured,
+    write_json,
+)
+
+TEXTS = ("pydoc", "shakespeare")  # held-out splits: last quarter of pydoc topics; Hamlet
+
+
+@dataclass(frozen=True)
+class Job:
+    tool: str
+    label: str
+    options: list[str]
+
+
+JOBS = [
+    Job("llmq", "W4A16 (g128; g64 where 128 does not divide)", ["--scheme", "w4a16"]),
+    Job("llmq", "W4A16 g64", ["--scheme", "w4a16", "--group-size", "64"]),
+    Job(
+        "llm-compressor",
+        "W4A16 g64",
+        ["--scheme", "W4A16", "--method", "rtn", "--group-size", "64"],
+    ),
+    Job(
+        "llmq", "W4A16 g64 + MSE clip", ["--scheme", "w4a16", "--group-size", "64", "--clip", "mse"]
+    ),
+    Job("llmq", "W8A16", ["--scheme", "w8a16"]),
+    Job("llm-compressor", "W8A16", ["--scheme", "W8A16", "--method", "rtn", "--group-size", "0"]),
+    Job("llmq", "W8A8", ["--scheme", "w8a8"]),
+    Job("llm-compressor", "W8A8", ["--scheme", "W8A8", "--method", "rtn"]),
+    Job("llmq", "FP8_DYNAMIC", ["--scheme", "fp8"]),
+    Job("llm-compressor", "FP8_DYNAMIC", ["--scheme", "FP8_DYNAMIC", "--method", "rtn"]),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--windows", type=int, default=16, help="512-token windows per text")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out/rtn"))
+    parser.add_argument("--only", default=None, help="run only jobs whose label contains this")
+    args = parser.parse_args()
+
+    import llmq
+    from llmq.models import builtin_model_path
+
+    model = builtin_model_path("smollm2-135m")
+    ensure_peer()
+    # Warm llmq's token cache (and the page cache of the model file) outside the timed runs.
+    llmq.quantize(model, args.out / "warmup", scheme="w8a16", overwrite=True)
+    jobs = [j for j in JOBS if args.only is None or args.only in j.label]
+    rows = []
+    for job in jobs:
+        out = (
+            args.out
+            / f"{job.tool}-{job.label.split(' (')[0].replace(' ', '-').replace('+', 'plus')}"
+        )
+        cmd = (llmq_quantize_cmd if job.tool == "llmq" else peer_quantize_cmd)(
+            model, out, job.options
+        )
+        measured = run_measured(cmd)
+        ppl = {}
+        for text in TEXTS:
+            result = llmq.evaluate(out, baseline=model, text=text, max_windows=args.windows)
+            ppl[text] = {"ppl": result.model.perplexity, "base": result.baseline.perplexity,
+                         "increase": result.increase, "simulated": result.model.quantized}  # fmt: skip
+        rows.append({"tool": job.tool, "label": job.label, "wall_s": measured.wall_s,
+                     "peak_rss_gb": measured.peak_rss_bytes / 1e9, "ppl": ppl})  # fmt: skip
+        print(f"done: {job.tool} {job.label}: {measured.wall_s:.1f} s", file=sys.stderr, flush=True)
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.node()} {platform.machine()}, {__import__('os').cpu_count()} cores, CPU",
+        "protocol": f"token perplexity, held-out {' and '.join(TEXTS)} (Hamlet), {args.windows} x 512 "
+        "tokens from the start, no BOS, float32; activations quantized per token where the scheme does",
+        "rows": rows,
+    }
+    write_json(args.out / "results.json", report)
+    print(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    rows = report["rows"]
+    base = rows[0]["ppl"]
+    lines = [
+        f"Protocol: {report['protocol']}. fp32 baseline: pydoc {base['pydoc']['base']:.3f}, "
+        f"Hamlet {base['shakespeare']['base']:.3f}.",
+        "",
+        "| tool | scheme | ppl held-out pydoc | ppl Hamlet | wall s (process) | peak RSS GB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        p, h = r["ppl"]["pydoc"], r["ppl"]["shakespeare"]
+        lines.append(
+            f"| {r['tool']} | {r['label']} | {p['ppl']:.3f} ({p['increase']:+.2%}) | "
+            f"{h['ppl']:.3f} ({h['increase']:+.2%}) | {r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} |"
+        )
+    lines += ["", "| scheme | llmq/peer wall | llmq/peer peak RSS | Δppl pydoc llmq vs peer | Δppl Hamlet llmq vs peer |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    peers = {r["label"]: r for r in rows if r["tool"] == "llm-compressor"}
+    for r in rows:
+        peer = peers.get(r["label"])
+        if r["tool"] != "llmq" or peer is None:
+            continue
+        lines.append(
+            f"| {r['label']} | {r['wall_s'] / peer['wall_s']:.2f}x | {r['peak_rss_gb'] / peer['peak_rss_gb']:.2f}x | "
+            f"{r['ppl']['pydoc']['increase']:+.2%} vs {peer['ppl']['pydoc']['increase']:+.2%} | "
+            f"{r['ppl']['shakespeare']['increase']:+.2%} vs {peer['ppl']['shakespeare']['increase']:+.2%} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

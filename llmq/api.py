@@ -35,10 +35,23 @@ def _tokenizer(folder: Path) -> Any:
         raise InputError(f"{folder}: cannot load a tokenizer ({exc})") from None
 
 
-def _open(model: str | Path) -> Any:
+def _calibration_windows(model_dir: Path, cal: CalibConfig, progress: Progress) -> Any:
+    from llmq.calib.data import calibration_windows
+
+    with progress.stage(f"sampling calibration text {cal.text}"):
+        return calibration_windows(
+            _tokenizer(model_dir),
+            cal.text,
+            num_samples=cal.num_samples,
+            seq_len=cal.seq_len,
+            seed=cal.seed,
+        )
+
+
+def _open(model: str | Path, progress: Progress = NO_PROGRESS) -> Any:
     from llmq.io.checkpoint import open_checkpoint
 
-    return open_checkpoint(resolve_model(model))
+    return open_checkpoint(resolve_model(model, progress=progress))
 
 
 def list_models() -> list[dict[str, str]]:
@@ -117,14 +130,13 @@ def quantize(
     Options are those of `make_recipe` (scheme, method, group_size, ignore, clip, calib_text,
     num_samples, seq_len, seed); or pass a ready `recipe`. Returns a `QuantizeResult`.
     """
-    from llmq.calib.data import calibration_windows
     from llmq.calib.stats import CalibStats
     from llmq.io.atomic import check_output_dir
     from llmq.pipeline.plan import plan_quantization
     from llmq.pipeline.quantize import run_quantization
 
     recipe = recipe or make_recipe(**options)
-    ckpt = _open(model)
+    ckpt = _open(model, progress)
     plan = plan_quantization(ckpt, recipe)
     out = Path(out)
     check_output_dir(out, overwrite=overwrite, sources=(ckpt.path,))
@@ -139,13 +151,7 @@ def quantize(
     }
     if recipe.calibration is not None:
         cal = recipe.calibration
-        windows = calibration_windows(
-            _tokenizer(ckpt.path),
-            cal.text,
-            num_samples=cal.num_samples,
-            seq_len=cal.seq_len,
-            seed=cal.seed,
-        )
+        windows = _calibration_windows(ckpt.path, cal, progress)
         ids = windows.input_ids
         record["calibration"] = {
             **cal.model_dump(),
@@ -188,7 +194,6 @@ def calibrate(
     """Collect per-linear input statistics (absmax, mean |x|, optionally XᵀX) into a
     .safetensors file that `quantize(calib_stats=...)` reuses."""
     from llmq.calib.collect import collect_stats
-    from llmq.calib.data import calibration_windows
 
     started = time.perf_counter()
     cal = build(CalibConfig, text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed)
@@ -200,14 +205,8 @@ def calibrate(
         raise InputError(
             f"{out}: statistics are written as .safetensors", hint=f"use {out.stem}.safetensors"
         )
-    ckpt = _open(model)
-    windows = calibration_windows(
-        _tokenizer(ckpt.path),
-        cal.text,
-        num_samples=cal.num_samples,
-        seq_len=cal.seq_len,
-        seed=cal.seed,
-    )
+    ckpt = _open(model, progress)
+    windows = _calibration_windows(ckpt.path, cal, progress)
     stats = collect_stats(ckpt, windows.input_ids, hessian=hessian, progress=progress)
     stats.metadata = {
         "model": str(model),
@@ -287,8 +286,8 @@ def evaluate(
         raise InputError("--max-ppl-increase needs --baseline")
     if max_ppl_increase is not None and not 0 <= max_ppl_increase < 100:
         raise InputError(f"--max-ppl-increase {max_ppl_increase}: out of range")
-    ckpt = _open(model)
-    base_ckpt = _open(baseline) if baseline is not None else None
+    ckpt = _open(model, progress)
+    base_ckpt = _open(baseline, progress) if baseline is not None else None
     windows = evaluation_windows(
         _tokenizer(ckpt.path), text, seq_len=seq_len, max_windows=max_windows
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmq.errors import InputError
+from llmq.progress import NO_PROGRESS, Progress
 
 CACHE_ENV = "LLMQ_CACHE_DIR"
 
@@ -53,20 +54,21 @@ def is_builtin(name: str | os.PathLike[str]) -> bool:
     return str(name) in BUILTIN_MODELS
 
 
-def builtin_model_path(name: str) -> Path:
+def builtin_model_path(name: str, *, progress: Progress = NO_PROGRESS) -> Path:
     """The cached folder of a built-in model, materializing it on first use."""
     model = BUILTIN_MODELS[name]
     dest = cache_dir() / "models" / model.name
     if (dest / "config.json").is_file():
         return dest
-    _materialize(model, dest)
+    with progress.stage(f"preparing built-in model {name} (first use only)"):
+        _materialize(model, dest)
     return dest
 
 
-def resolve_model(model: str | os.PathLike[str]) -> Path:
+def resolve_model(model: str | os.PathLike[str], *, progress: Progress = NO_PROGRESS) -> Path:
     """A checkpoint folder for MODEL: a built-in name or a path (checked later by the reader)."""
     if is_builtin(model):
-        return builtin_model_path(str(model))
+        return builtin_model_path(str(model), progress=progress)
     return Path(model)
 
 

@@ -8,25 +8,19 @@ from typing import Annotated
 import typer
 
 from llmq.cli.console import cli_errors, out_console, print_json, progress_bars, quiet_libraries
+from llmq.cli.options import CalibText, JsonFlag, ModelArg, Seed
 from llmq.texts import DEFAULT_CALIBRATION_TEXT
 
 
 def calibrate(
-    model: Annotated[
-        str, typer.Argument(help="Checkpoint folder, or a built-in name (`llmq models`).")
-    ],
+    model: ModelArg,
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Statistics file to write (.safetensors).")
     ],
-    calib_text: Annotated[
-        str,
-        typer.Option(
-            help="Calibration text: shakespeare, pydoc, news (joined with +), a .txt/.jsonl/.parquet file, or a dataset in the local HF cache."
-        ),
-    ] = DEFAULT_CALIBRATION_TEXT,
+    calib_text: CalibText = DEFAULT_CALIBRATION_TEXT,
     num_samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 512,
-    seed: Annotated[int, typer.Option(help="Seed for sampling windows.")] = 0,
+    seed: Seed = 0,
     hessian: Annotated[
         bool,
         typer.Option(
@@ -34,7 +28,7 @@ def calibrate(
         ),
     ] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing statistics file.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    json_out: JsonFlag = False,
 ) -> None:
     """Collect per-channel absmax and mean |x| (and optionally XᵀX) of every linear's input."""
     quiet_libraries()

@@ -15,6 +15,7 @@ from llmq.cli.console import (
     progress_bars,
     quiet_libraries,
 )
+from llmq.cli.options import JsonFlag
 from llmq.texts import DEFAULT_EVAL_TEXT
 
 
@@ -53,7 +54,7 @@ def evaluate(
             "--no-cache", help="Score the baseline again instead of reusing a cached result."
         ),
     ] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    json_out: JsonFlag = False,
 ) -> None:
     """Token perplexity of MODELS on held-out text; W8A8/FP8 activations really quantized per token."""
     quiet_libraries()

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
 from rich.table import Table
 
 from llmq.cli.console import out_console, print_json
+from llmq.cli.options import JsonFlag
 
 
 def models(
-    json_out: Annotated[bool, typer.Option("--json", help="Print the list as JSON.")] = False,
+    json_out: JsonFlag = False,
 ) -> None:
     """List the built-in models: use their names wherever a MODEL folder is expected."""
     from llmq.api import list_models

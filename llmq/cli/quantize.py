@@ -17,14 +17,13 @@ from llmq.cli.console import (
     progress_bars,
     quiet_libraries,
 )
+from llmq.cli.options import CalibText, JsonFlag, ModelArg, Seed
 from llmq.config import scheme_names
 from llmq.texts import DEFAULT_CALIBRATION_TEXT
 
 
 def quantize(
-    model: Annotated[
-        str, typer.Argument(help="Checkpoint folder, or a built-in name (`llmq models`).")
-    ],
+    model: ModelArg,
     out: Annotated[
         Path,
         typer.Option(
@@ -64,12 +63,7 @@ def quantize(
             help="RTN range: none (min/max) or mse (per-group MSE-optimal clipping search)."
         ),
     ] = "none",
-    calib_text: Annotated[
-        str,
-        typer.Option(
-            help="Calibration text: shakespeare, pydoc, news (joined with +), a .txt/.jsonl/.parquet file, or a dataset in the local HF cache."
-        ),
-    ] = DEFAULT_CALIBRATION_TEXT,
+    calib_text: CalibText = DEFAULT_CALIBRATION_TEXT,
     num_samples: Annotated[
         int | None,
         typer.Option(
@@ -77,7 +71,7 @@ def quantize(
         ),
     ] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 512,
-    seed: Annotated[int, typer.Option(help="Seed for sampling calibration windows.")] = 0,
+    seed: Seed = 0,
     calib_stats: Annotated[
         Path | None,
         typer.Option(help="Reuse statistics saved by `llmq calibrate` instead of collecting them."),
@@ -89,9 +83,7 @@ def quantize(
         bool,
         typer.Option(help="Continue an interrupted run into the same OUT with the same options."),
     ] = False,
-    json_out: Annotated[
-        bool, typer.Option("--json", help="Print the result as JSON on stdout (no progress bars).")
-    ] = False,
+    json_out: JsonFlag = False,
 ) -> None:
     """Quantize MODEL and write a checkpoint that transformers and vLLM load.
 

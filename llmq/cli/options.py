@@ -1,0 +1,20 @@
+"""Options several commands share, declared once."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+ModelArg = Annotated[
+    str, typer.Argument(help="Checkpoint folder, or a built-in name (`llmq models`).")
+]
+CalibText = Annotated[
+    str,
+    typer.Option(
+        help="Calibration text: shakespeare, pydoc, news (joined with +), a .txt/.jsonl/.parquet "
+        "file, or a dataset in the local HF cache."
+    ),
+]
+Seed = Annotated[int, typer.Option(help="Seed for sampling calibration windows.")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]

@@ -137,7 +137,7 @@ def build_recipe(args):
     elif args.method == "gptq":
         recipe = [GPTQModifier(**qkw)]
     elif args.method == "awq":
-        # llm-compressor >= 0.10: AWQ is a transform; quantization is done by a
+        # llm-compressor 0.14: AWQ is a transform; quantization is done by a
         # following QuantizationModifier (the old AWQModifier(scheme=...) is a
         # deprecated shim that expands to exactly this pair).
         from llmcompressor.modifiers.transform import AWQModifier

@@ -229,3 +229,32 @@ def test_quantizing_a_quantized_checkpoint_is_refused(tmp_path: Path, tiny_llama
     llmq.quantize(tiny_llama, out, scheme="w8a16", **FAST)
     with pytest.raises(InputError, match="already quantized"):
         llmq.quantize(out, tmp_path / "again", scheme="w8a16", **FAST)
+
+
+def test_sigkill_mid_run_then_resume_is_identical(tmp_path: Path, default_model: Path) -> None:
+    """A real kill (SIGKILL: no cleanup runs) half-way, then --resume, equals an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model = make_tiny(tmp_path / "model", default_model, layers=8)
+    options = ["--scheme", "w4a16", "--num-samples", "16", "--seq-len", "256"]
+    reference = tmp_path / "reference"
+    llmq.quantize(model, reference, scheme="w4a16", num_samples=16, seq_len=256)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "llmq.cli.main", "quantize", str(model), "--out", str(out), *options]
+    state = staging_path(out) / "llmq-state.json"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if state.is_file() and len(json.loads(state.read_text())["layers"]) >= 3:
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not out.exists()
+    resumed = subprocess.run([*cmd, "--resume", "--json"], capture_output=True, text=True, check=True)
+    assert json.loads(resumed.stdout)["resumed_layers"] >= 3
+    assert checkpoint_bytes(out) == checkpoint_bytes(reference)

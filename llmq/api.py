@@ -80,23 +80,12 @@ def make_recipe(
     seed: int = 0,
 ) -> Recipe:
     """Validate options into a Recipe (InputError naming the option on bad values)."""
-    from llmq.quant.methods import get_method, method_names
+    from llmq.quant.methods import get_method
 
     if num_samples is None:
         num_samples = DEFAULT_REPORT_SAMPLES if method == "rtn" else DEFAULT_CALIB_SAMPLES
     if num_samples < 1:
         raise InputError(f"--num-samples {num_samples}: must be >= 1")
-    if (
-        group_size is not None
-        and group_size != -1
-        and (group_size < 16 or group_size & (group_size - 1))
-    ):
-        raise InputError(
-            f"--group-size {group_size}: must be -1 (per-channel) or a power of two >= 16",
-            hint="e.g. 32, 64 or 128",
-        )
-    if method not in method_names():
-        get_method(Recipe(scheme=get_scheme(scheme), method=method))  # raises the listing error
     calibration = build(
         CalibConfig, text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed
     )
@@ -111,6 +100,7 @@ def make_recipe(
         calibration=calibration,
     )
     assert isinstance(recipe, Recipe)
+    get_method(recipe)  # an unknown method fails here, before any work
     return recipe
 
 

@@ -12,7 +12,15 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-pip() { python -m pip --disable-pip-version-check -q "$@"; }
+pip() {
+    # Quiet pip; drop the notices some machines print about absent local index folders.
+    local log rc=0
+    log="$(mktemp)"
+    python -m pip --disable-pip-version-check -q "$@" 2>"$log" || rc=$?
+    grep -v "^WARNING: Location 'file:" "$log" >&2 || true
+    rm -f "$log"
+    return "$rc"
+}
 
 if ! python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -84,26 +85,34 @@ def evaluate(
         raise typer.Exit(1)
 
 
+def _name(path: str) -> str:
+    """A folder's last component: enough to tell rows apart, short enough for 80 columns."""
+    return Path(path).name
+
+
 def render(results: list[Any]) -> None:
     p = results[0].protocol
+    gated = results[0].max_ppl_increase is not None
     table = Table(title="perplexity")
-    for column in ("model", "perplexity", "increase", "gate", "quantization simulated"):
-        table.add_column(
-            column, justify="right" if column in ("perplexity", "increase") else "left"
-        )
+    table.add_column("model")
+    table.add_column("perplexity", justify="right")
+    table.add_column("increase", justify="right")
+    if gated:
+        table.add_column("gate")
+    table.add_column("simulated (W: weights, A: activations)")
+    rows = []
     if results[0].baseline is not None:
-        b = results[0].baseline
-        table.add_row(b.model, f"{b.perplexity:.3f}", "baseline", "", b.quantized)
+        base = results[0].baseline
+        rows.append((_name(base.model), f"{base.perplexity:.3f}", "baseline", "", base.quantized))
     for result in results:
         increase = "-" if result.increase is None else f"{result.increase:+.2%}"
         verdict = {None: "", True: "[green]PASS[/]", False: "[bold red]FAIL[/]"}[result.passed]
-        table.add_row(
-            result.model.model,
-            f"{result.model.perplexity:.3f}",
-            increase,
-            verdict,
-            result.model.quantized,
-        )
+        rows.append(
+            (_name(result.model.model), f"{result.model.perplexity:.3f}", increase, verdict,
+             result.model.quantized)
+        )  # fmt: skip
+    for name, ppl, increase, verdict, simulated in rows:
+        table.add_row(name, ppl, increase, *([verdict] if gated else []), simulated)
     out_console.print(table)
     out_console.print(
         f"protocol: {p['metric']}, text {p['text']}, {p['windows']} windows x {p['seq_len']} tokens "

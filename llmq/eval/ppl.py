@@ -37,14 +37,12 @@ class Perplexity:
 
 
 def describe_quantization(view: QuantizedView) -> str:
+    """What evaluation simulates, e.g. "W int4 g128/g64; A int8 token" (A float: not quantized)."""
     if not view.groups:
         return "none (float checkpoint)"
     weights = sorted({scheme.weights.label for _, scheme in view.groups})
     acts = sorted({s.input_activations.label for _, s in view.groups if s.input_activations})
-    act_text = (
-        f"activations {', '.join(acts)} (dynamic, per token)" if acts else "activations float"
-    )
-    return f"weights {', '.join(weights)}; {act_text}"
+    return f"W {' + '.join(weights)}; A {' + '.join(acts) if acts else 'float'}"
 
 
 def perplexity(

@@ -64,7 +64,13 @@ class QuantizedView:
             weights = _quant_args(group.get("weights"), where)
             if weights is None:
                 continue
-            scheme = LinearScheme(weights, _quant_args(group.get("input_activations"), where))
+            activations = _quant_args(group.get("input_activations"), where)
+            if activations is not None and not activations.dynamic:
+                raise InputError(
+                    f"{where}: static input activation scales are not supported by llmq yet",
+                    hint="dynamic per-token activations (w8a8, fp8) are",
+                )
+            scheme = LinearScheme(weights, activations)
             self.groups.append((list(group.get("targets") or []), scheme))
 
     def scheme_for(self, module: str) -> LinearScheme | None:

@@ -96,7 +96,7 @@ def test_quantize_json_and_eval_gate(tmp_path: Path, tiny_llama: Path) -> None:
     assert failed.exit_code == 1, failed.output
     report = json.loads(failed.stdout)[0]
     assert report["passed"] is False and report["increase"] > 0
-    assert "activations int8 token" in report["model"]["quantized"]
+    assert "A int8 token" in report["model"]["quantized"]
     passed = run(*gate, "--max-ppl-increase", "1000%")
     assert passed.exit_code == 0, passed.output
     assert "PASS" in passed.stdout and "BOS no" in passed.stdout

@@ -20,7 +20,7 @@ from llmq.texts import DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT
 
 __version__ = "0.1.0"
 
-DEFAULT_REPORT_SAMPLES = 2
+DEFAULT_REPORT_SAMPLES = 1
 """Calibration windows RTN uses by default: it needs no data, so they only feed the per-layer
 output-error report."""
 DEFAULT_CALIB_SAMPLES = 128

@@ -31,18 +31,19 @@ err_console = Console(stderr=True, highlight=False)
 
 
 def quiet_libraries() -> None:
-    """No hub calls (llmq reads local folders) and no third-party progress bars."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import datasets
-    import transformers
+    """No hub calls (llmq reads local folders) and no third-party progress bars or chatter.
 
-    transformers.utils.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    Environment variables only: importing datasets here would cost a second on every command."""
+    for name, value in {
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "DATASETS_VERBOSITY": "error",
+        "TOKENIZERS_PARALLELISM": "false",
+    }.items():
+        os.environ.setdefault(name, value)
 
 
 class RichProgress:

@@ -67,7 +67,7 @@ def quantize(
     num_samples: Annotated[
         int | None,
         typer.Option(
-            help="Calibration windows. Default 2 for rtn (it needs no data: they feed only the per-layer output-error report), 128 otherwise."
+            help="Calibration windows. Default 1 for rtn (it needs no data: they feed only the per-layer output-error report), 128 otherwise."
         ),
     ] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 512,

@@ -95,14 +95,14 @@ def build_quant_kwargs(scheme: str, group_size: int | None, ignore: list[str]):
         group_size = None
     if group_size is None:
         effective = preset.weights.group_size if is_group else None
-        return dict(targets="Linear", scheme=scheme, ignore=list(ignore)), effective
+        return {"targets": "Linear", "scheme": scheme, "ignore": list(ignore)}, effective
     if group_size == 0:  # per-output-channel scales instead of groups
         preset.weights.strategy = QuantizationStrategy.CHANNEL
         preset.weights.group_size = None
-        return dict(config_groups={"group_0": preset}, ignore=list(ignore)), None
+        return {"config_groups": {"group_0": preset}, "ignore": list(ignore)}, None
     preset.weights.group_size = group_size
     return (
-        dict(config_groups={"group_0": preset}, ignore=list(ignore)),
+        {"config_groups": {"group_0": preset}, "ignore": list(ignore)},
         group_size,
     )
 

@@ -113,12 +113,14 @@ def quantize(
     overwrite: bool = False,
     resume: bool = False,
     progress: Progress = NO_PROGRESS,
+    device: str | None = None,
     **options: Any,
 ) -> Any:
     """Quantize MODEL (a folder or built-in name) into a compressed-tensors checkpoint at OUT.
 
     Options are those of `make_recipe` (scheme, method, group_size, ignore, clip, calib_text,
-    num_samples, seq_len, seed); or pass a ready `recipe`. Returns a `QuantizeResult`.
+    num_samples, seq_len, seed); or pass a ready `recipe`. `device`: where each layer runs
+    (default: the GPU when there is one). Returns a `QuantizeResult`.
     """
     from llmq.calib.stats import CalibStats
     from llmq.io.atomic import check_output_dir
@@ -153,6 +155,7 @@ def quantize(
     return run_quantization(
         ckpt, plan, recipe, out,
         calibration_ids=ids, calib_stats=stats, resume=resume, progress=progress, record=record,
+        device=device,
     )  # fmt: skip
 
 
@@ -180,6 +183,7 @@ def calibrate(
     hessian: bool = False,
     overwrite: bool = False,
     progress: Progress = NO_PROGRESS,
+    device: str | None = None,
 ) -> CalibrateResult:
     """Collect per-linear input statistics (absmax, mean |x|, optionally XᵀX) into a
     .safetensors file that `quantize(calib_stats=...)` reuses."""
@@ -197,7 +201,9 @@ def calibrate(
         )
     ckpt = _open(model, progress)
     windows = _calibration_windows(ckpt.path, cal, progress)
-    stats = collect_stats(ckpt, windows.input_ids, hessian=hessian, progress=progress)
+    stats = collect_stats(
+        ckpt, windows.input_ids, hessian=hessian, progress=progress, device=device
+    )
     stats.metadata = {
         "model": str(model),
         **cal.model_dump(),
@@ -258,6 +264,7 @@ def evaluate(
     max_ppl_increase: float | None = None,
     use_cache: bool = True,
     progress: Progress = NO_PROGRESS,
+    device: str | None = None,
 ) -> EvalResult:
     """Token perplexity of MODEL on held-out text, optionally against BASELINE (same windows).
 
@@ -284,8 +291,8 @@ def evaluate(
     cache = cache_dir() / "ppl" if use_cache else None
     base = None
     if base_ckpt is not None:
-        base = cached_perplexity(base_ckpt, windows, cache, progress=progress)
-    result = cached_perplexity(ckpt, windows, None, progress=progress)
+        base = cached_perplexity(base_ckpt, windows, cache, progress=progress, device=device)
+    result = cached_perplexity(ckpt, windows, None, progress=progress, device=device)
     protocol = {
         "metric": "token perplexity",
         "text": f"{text} (held-out split)",

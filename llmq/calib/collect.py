@@ -11,12 +11,17 @@ from llmq.progress import NO_PROGRESS, Progress
 
 
 def collect_stats(
-    ckpt: Checkpoint, input_ids: Tensor, *, hessian: bool = False, progress: Progress = NO_PROGRESS
+    ckpt: Checkpoint,
+    input_ids: Tensor,
+    *,
+    hessian: bool = False,
+    progress: Progress = NO_PROGRESS,
+    device: str | None = None,
 ) -> CalibStats:
     """Statistics of every linear input of every layer, on the float model's activations.
 
     Linears sharing an input (the family table's groups) share one InputStats."""
-    stream = LayerStream(ckpt)
+    stream = LayerStream(ckpt, device=device)
     hidden = stream.embed(input_ids)
     stats = CalibStats()
     with progress.stage("calibrating layers", total=ckpt.num_layers) as advance:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from llmq.config import QuantArgs
+from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
 from llmq.quant.primitives import fake_quantize
 
@@ -23,6 +24,22 @@ StateLoader = Callable[[Checkpoint, str], dict[str, Tensor]]
 """Reads the float state dict of one module prefix (e.g. "model.layers.3.") from a checkpoint."""
 
 ACTIVATION_DTYPE = torch.float32
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None or "auto": the GPU when there is one, else the CPU. A GPU asked for but absent is
+    bad input, not a silent fallback."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise InputError(
+            f"--device {device!r}: not a device", hint="auto, cpu, cuda or cuda:N"
+        ) from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {device}: no CUDA GPU is available", hint="use --device cpu")
+    return resolved
 
 
 def read_plain_state(ckpt: Checkpoint, prefix: str) -> dict[str, Tensor]:
@@ -37,7 +54,7 @@ class LayerStream:
         self,
         ckpt: Checkpoint,
         *,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         dtype: torch.dtype = ACTIVATION_DTYPE,
         state_loader: StateLoader = read_plain_state,
         batch_size: int = 4,
@@ -46,7 +63,7 @@ class LayerStream:
 
         self.ckpt = ckpt
         self.layout = ckpt.layout
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.dtype = dtype
         self.batch_size = batch_size
         self._load_state = state_loader

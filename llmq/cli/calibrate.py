@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from llmq.cli.console import cli_errors, out_console, print_json, progress_bars, quiet_libraries
-from llmq.cli.options import CalibText, JsonFlag, ModelArg, Seed
+from llmq.cli.options import CalibText, Device, JsonFlag, ModelArg, Seed
 from llmq.texts import DEFAULT_CALIBRATION_TEXT
 
 
@@ -28,6 +28,7 @@ def calibrate(
         ),
     ] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing statistics file.")] = False,
+    device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:
     """Collect per-channel absmax and mean |x| (and optionally XᵀX) of every linear's input."""
@@ -37,7 +38,7 @@ def calibrate(
     with cli_errors(), progress_bars(json_out=json_out) as progress:
         result = api.calibrate(
             model, out, calib_text=calib_text, num_samples=num_samples, seq_len=seq_len,
-            seed=seed, hessian=hessian, overwrite=overwrite, progress=progress,
+            seed=seed, hessian=hessian, overwrite=overwrite, progress=progress, device=device,
         )  # fmt: skip
     if json_out:
         print_json(result.to_dict())

@@ -16,7 +16,7 @@ from llmq.cli.console import (
     progress_bars,
     quiet_libraries,
 )
-from llmq.cli.options import JsonFlag
+from llmq.cli.options import Device, JsonFlag
 from llmq.texts import DEFAULT_EVAL_TEXT
 
 
@@ -55,6 +55,7 @@ def evaluate(
             "--no-cache", help="Score the baseline again instead of reusing a cached result."
         ),
     ] = False,
+    device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:
     """Token perplexity of MODELS on held-out text; W8A8/FP8 activations really quantized per token."""
@@ -74,6 +75,7 @@ def evaluate(
                     max_ppl_increase=gate,
                     use_cache=not no_cache,
                     progress=progress,
+                    device=device,
                 )
                 for model in models
             ]

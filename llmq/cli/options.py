@@ -18,3 +18,7 @@ CalibText = Annotated[
 ]
 Seed = Annotated[int, typer.Option(help="Seed for sampling calibration windows.")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
+Device = Annotated[
+    str,
+    typer.Option(help="Where layers run: auto (the GPU when there is one), cpu, cuda or cuda:N."),
+]

@@ -17,7 +17,7 @@ from llmq.cli.console import (
     progress_bars,
     quiet_libraries,
 )
-from llmq.cli.options import CalibText, JsonFlag, ModelArg, Seed
+from llmq.cli.options import CalibText, Device, JsonFlag, ModelArg, Seed
 from llmq.config import scheme_names
 from llmq.texts import DEFAULT_CALIBRATION_TEXT
 
@@ -83,6 +83,7 @@ def quantize(
         bool,
         typer.Option(help="Continue an interrupted run into the same OUT with the same options."),
     ] = False,
+    device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:
     """Quantize MODEL and write a checkpoint that transformers and vLLM load.
@@ -103,7 +104,7 @@ def quantize(
             try:
                 result = api.quantize(
                     model, out, recipe=recipe, calib_stats=calib_stats,
-                    overwrite=overwrite, resume=resume, progress=progress,
+                    overwrite=overwrite, resume=resume, progress=progress, device=device,
                 )  # fmt: skip
             except KeyboardInterrupt:
                 err_console.print(f"partial output kept; continue with: --out {out} --resume")

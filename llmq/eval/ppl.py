@@ -46,11 +46,15 @@ def describe_quantization(view: QuantizedView) -> str:
 
 
 def perplexity(
-    ckpt: Checkpoint, windows: TokenWindows, *, progress: Progress = NO_PROGRESS
+    ckpt: Checkpoint,
+    windows: TokenWindows,
+    *,
+    progress: Progress = NO_PROGRESS,
+    device: str | None = None,
 ) -> Perplexity:
     started = time.perf_counter()
     view = QuantizedView(ckpt)
-    stream = LayerStream(ckpt, dtype=EVAL_DTYPE, state_loader=view.read_state)
+    stream = LayerStream(ckpt, device=device, dtype=EVAL_DTYPE, state_loader=view.read_state)
     hidden = stream.embed(windows.input_ids)
     with progress.stage(f"perplexity {ckpt.path.name}", total=ckpt.num_layers) as advance:
         for index in range(ckpt.num_layers):
@@ -85,18 +89,23 @@ def cache_key(ckpt: Checkpoint, windows: TokenWindows) -> str:
 
 
 def cached_perplexity(
-    ckpt: Checkpoint, windows: TokenWindows, cache: Path | None, *, progress: Progress = NO_PROGRESS
+    ckpt: Checkpoint,
+    windows: TokenWindows,
+    cache: Path | None,
+    *,
+    progress: Progress = NO_PROGRESS,
+    device: str | None = None,
 ) -> Perplexity:
     """`perplexity`, reusing an earlier result for the same checkpoint and windows."""
     if cache is None:
-        return perplexity(ckpt, windows, progress=progress)
+        return perplexity(ckpt, windows, progress=progress, device=device)
     path = cache / f"{cache_key(ckpt, windows)}.json"
     if path.is_file():
         try:
             return Perplexity(**{**json.loads(path.read_text()), "cached": True})
         except (json.JSONDecodeError, TypeError):
             path.unlink(missing_ok=True)
-    result = perplexity(ckpt, windows, progress=progress)
+    result = perplexity(ckpt, windows, progress=progress, device=device)
     from dataclasses import asdict
 
     from llmq.io.atomic import write_json

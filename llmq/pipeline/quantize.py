@@ -84,6 +84,7 @@ def run_quantization(
     resume: bool,
     progress: Progress = NO_PROGRESS,
     record: dict[str, Any],
+    device: str | None = None,
 ) -> QuantizeResult:
     started = time.perf_counter()
     staging = staging_path(out)
@@ -95,7 +96,7 @@ def run_quantization(
         state = RunState(staging=staging, fingerprint=fingerprint)
     resumed = state.done
     method = get_method(recipe)
-    stream = LayerStream(ckpt)
+    stream = LayerStream(ckpt, device=device)
     shards = _ShardNames(ckpt.num_layers)
     if resumed == 0:
         save_safetensors(staging / shards.name(0), _non_layer_tensors(ckpt))
@@ -135,7 +136,8 @@ def _initial_hidden(stream: LayerStream, state: RunState, ids: Tensor | None) ->
     if ids is None:
         return None
     if state.done:
-        return state.hidden()
+        hidden = state.hidden()
+        return None if hidden is None else hidden.to(stream.device)
     return stream.embed(ids)
 
 

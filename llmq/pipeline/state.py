@@ -36,7 +36,7 @@ class RunState:
         if hidden is not None:
             save_safetensors(
                 self.staging / HIDDEN_FILE,
-                {"hidden": hidden},
+                {"hidden": hidden.cpu()},
                 metadata={"after_layer": str(report["index"])},
             )
         self.layers.append(report)

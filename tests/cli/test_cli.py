@@ -107,3 +107,10 @@ def test_models_lists_the_default(default_model: Path) -> None:
     result = run("models", "--json")
     assert result.exit_code == 0
     assert {"name": "smollm2-135m"}.items() <= json.loads(result.stdout)[0].items()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is present")
+def test_asking_for_an_absent_gpu_is_bad_input(tmp_path: Path, tiny_llama: Path) -> None:
+    result = run("quantize", str(tiny_llama), "--out", str(tmp_path / "o"), "--device", "cuda")
+    assert_bad_input(result, "no CUDA GPU")
+    assert not (tmp_path / "o").exists()

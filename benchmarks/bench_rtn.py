@@ -73,6 +73,7 @@ def main() -> None:
 
     model = builtin_model_path("smollm2-135m")
     ensure_peer()
+    args.out.mkdir(parents=True, exist_ok=True)
     # Warm llmq's token cache (and the page cache of the model file) outside the timed runs.
     llmq.quantize(model, args.out / "warmup", scheme="w8a16", overwrite=True)
     jobs = [j for j in JOBS if args.only is None or args.only in j.label]

@@ -30,8 +30,8 @@ def check_output_dir(out: Path, *, overwrite: bool, sources: tuple[Path, ...] = 
         raise InputError(f"{out}: already exists", hint="choose another --out or pass --overwrite")
     if out.exists() and not out.is_dir():
         raise InputError(f"{out}: exists and is not a folder")
-    if not out.parent.exists():
-        raise InputError(f"{out.parent}: no such folder")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise InputError(f"{out.parent}: not a folder")
 
 
 def publish(staging: Path, out: Path) -> None:

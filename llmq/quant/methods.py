@@ -8,16 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
-from llmq.calib.stats import InputStats
 from llmq.config import QuantArgs, Recipe
 from llmq.errors import InputError
 from llmq.quant.primitives import QuantizedWeight
 from llmq.quant.rtn import rtn_quantize_weight
+
+if TYPE_CHECKING:  # statistics are produced by llmq.calib; methods only read them
+    from llmq.calib.stats import InputStats
 
 
 class Method(Protocol):

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,22 +23,33 @@ class Measured:
 
 
 def run_measured(cmd: list[str]) -> Measured:
-    """Run cmd; its wall time and peak resident set size (wait4's rusage of that child)."""
+    """Run cmd; its wall time and peak resident set size.
+
+    Linux counts the RSS a child inherits at fork in its ru_maxrss, so a command forked from this
+    (large) process would report at least our own peak. It is therefore started by a small
+    launcher (this file run as a script), whose fresh child reports its own peak only."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        started = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - started
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    if proc.returncode != 0:
-        sys.stderr.write(stderr[-4000:])
-        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}")
-    return Measured(wall, usage.ru_maxrss * 1024, stdout)
+    launcher = [sys.executable, str(Path(__file__).resolve()), *cmd]
+    started = time.perf_counter()
+    done = subprocess.run(launcher, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(f"failed ({done.returncode}): {' '.join(cmd)}")
+    marker = done.stderr.strip().splitlines()[-1]
+    return Measured(wall, int(marker.removeprefix(_RSS_MARKER)), done.stdout)
+
+
+_RSS_MARKER = "peak-rss-bytes="
+
+
+def _launch(cmd: list[str]) -> int:
+    """Run cmd as our child and report its peak RSS (from wait4) as the last stderr line."""
+    proc = subprocess.Popen(cmd)
+    _, status, usage = os.wait4(proc.pid, 0)
+    sys.stderr.write(f"\n{_RSS_MARKER}{usage.ru_maxrss * 1024}\n")
+    return os.waitstatus_to_exitcode(status)
 
 
 def ensure_peer() -> None:
@@ -58,3 +68,7 @@ def peer_quantize_cmd(model: Path, out: Path, options: list[str]) -> list[str]:
 def write_json(path: Path, data: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(_launch(sys.argv[1:]))

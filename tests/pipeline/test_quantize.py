@@ -244,7 +244,16 @@ def test_sigkill_mid_run_then_resume_is_identical(tmp_path: Path, default_model:
     reference = tmp_path / "reference"
     llmq.quantize(model, reference, scheme="w4a16", num_samples=16, seq_len=256)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "llmq.cli.main", "quantize", str(model), "--out", str(out), *options]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmq.cli.main",
+        "quantize",
+        str(model),
+        "--out",
+        str(out),
+        *options,
+    ]
     state = staging_path(out) / "llmq-state.json"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -255,6 +264,8 @@ def test_sigkill_mid_run_then_resume_is_identical(tmp_path: Path, default_model:
         time.sleep(0.02)
     assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
     assert not out.exists()
-    resumed = subprocess.run([*cmd, "--resume", "--json"], capture_output=True, text=True, check=True)
+    resumed = subprocess.run(
+        [*cmd, "--resume", "--json"], capture_output=True, text=True, check=True
+    )
     assert json.loads(resumed.stdout)["resumed_layers"] >= 3
     assert checkpoint_bytes(out) == checkpoint_bytes(reference)

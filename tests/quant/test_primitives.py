@@ -36,7 +36,7 @@ def reference_int(w: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch
     lo = groups.amin(-1).clamp(max=0)
     hi = groups.amax(-1).clamp(min=0)
     if args.symmetric:
-        scale = (torch.maximum(-lo, hi) / ((qmax - qmin) / 2)).to(storage).double()
+        scale = torch.maximum(lo / qmin, hi / qmax).to(storage).double()
         codes = torch.round(groups / scale[..., None]).clamp(qmin, qmax)
     else:
         scale = ((hi - lo) / (qmax - qmin)).to(storage).double()
@@ -60,6 +60,34 @@ def test_integer_codes_match_float64_reference(args: QuantArgs) -> None:
     assert float(error.max()) <= float(step) * 0.5 + 1e-6  # never clips: within half a step
 
 
+@pytest.mark.parametrize("num_bits", [4, 8])
+def test_symmetric_extremes_are_exact(num_bits: int) -> None:
+    """The value that sets a group's scale is reproduced exactly (no half-step error)."""
+    torch.manual_seed(4)
+    w = torch.randn(64, 128)
+    args = QuantArgs(num_bits=num_bits, strategy="group", group_size=32)
+    q = quantize_weight(w, args)
+    groups, deq = w.reshape(64, 4, 32), q.dequantize().reshape(64, 4, 32)
+    qmin, qmax = int_range(num_bits)
+    low, high = groups.amin(-1), groups.amax(-1)
+    # the side that sets the scale: the minimum when it needs more of its codes than the maximum
+    low_sets = low / qmin >= high / qmax
+    setter = torch.where(low_sets, groups.argmin(-1), groups.argmax(-1)).unsqueeze(-1)
+    torch.testing.assert_close(deq.gather(-1, setter), groups.gather(-1, setter), rtol=1e-6, atol=0)
+    assert (
+        q.codes.reshape(64, 4, 32).gather(-1, setter).squeeze(-1)
+        == torch.where(low_sets, qmin, qmax)
+    ).all()
+
+
+def test_dynamic_int8_activations_use_the_kernel_scale() -> None:
+    x = torch.tensor([[0.0, -2.54, 1.0]])
+    args = QuantArgs(num_bits=8, strategy="token", dynamic=True)
+    q = quantize_weight(x, args, scale_dtype=torch.float32)
+    torch.testing.assert_close(q.scale, torch.tensor([[2.54 / 127]]))
+    assert q.codes.tolist() == [[0, -127, 50]]
+
+
 def test_scale_dtype_rounding_is_consistent() -> None:
     """Codes are computed from the bf16-rounded scale that is stored."""
     torch.manual_seed(2)
@@ -68,6 +96,7 @@ def test_scale_dtype_rounding_is_consistent() -> None:
     q = quantize_weight(w, args)
     assert q.scale.dtype == torch.bfloat16
     codes = torch.round(w.double().reshape(8, 2, 32) / q.scale.double()[..., None]).clamp(-8, 7)
+    assert q.scale.dtype == torch.bfloat16
     assert torch.equal(q.codes.double(), codes.reshape(8, 64))
 
 

@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=16, help="512-token windows per text")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/rtn"))
     parser.add_argument("--only", default=None, help="run only jobs whose label contains this")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per job (median kept)")
     args = parser.parse_args()
 
     import llmq
@@ -86,14 +87,16 @@ def main() -> None:
         cmd = (llmq_quantize_cmd if job.tool == "llmq" else peer_quantize_cmd)(
             model, out, job.options
         )
-        measured = run_measured(cmd)
+        runs = sorted((run_measured(cmd) for _ in range(args.repeat)), key=lambda m: m.wall_s)
+        measured = runs[len(runs) // 2]
         ppl = {}
         for text in TEXTS:
             result = llmq.evaluate(out, baseline=model, text=text, max_windows=args.windows)
             ppl[text] = {"ppl": result.model.perplexity, "base": result.baseline.perplexity,
                          "increase": result.increase, "simulated": result.model.quantized}  # fmt: skip
         rows.append({"tool": job.tool, "label": job.label, "wall_s": measured.wall_s,
-                     "peak_rss_gb": measured.peak_rss_bytes / 1e9, "ppl": ppl})  # fmt: skip
+                     "wall_s_runs": [m.wall_s for m in runs],
+                     "peak_rss_gb": max(m.peak_rss_bytes for m in runs) / 1e9, "ppl": ppl})  # fmt: skip
         print(f"done: {job.tool} {job.label}: {measured.wall_s:.1f} s", file=sys.stderr, flush=True)
     report = {
         "date": time.strftime("%Y-%m-%d"),
@@ -113,7 +116,7 @@ def markdown(report: dict) -> str:
         f"Protocol: {report['protocol']}. fp32 baseline: pydoc {base['pydoc']['base']:.3f}, "
         f"Hamlet {base['shakespeare']['base']:.3f}.",
         "",
-        "| tool | scheme | ppl held-out pydoc | ppl Hamlet | wall s (process) | peak RSS GB |",
+        "| tool | scheme | ppl held-out pydoc | ppl Hamlet | wall s (process, median) | peak RSS GB |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -27,12 +27,9 @@ DEFAULT_CALIB_SAMPLES = 128
 
 
 def _tokenizer(folder: Path) -> Any:
-    from transformers import AutoTokenizer
+    from llmq.calib.tokenizer import load_tokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{folder}: cannot load a tokenizer ({exc})") from None
+    return load_tokenizer(folder)
 
 
 def _calibration_windows(model_dir: Path, cal: CalibConfig, progress: Progress) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from llmq.calib.tokenizer import TextTokenizer
 from llmq.errors import InputError
 from llmq.texts import BUILTIN_TEXTS, Split, builtin_documents
 
@@ -85,50 +86,37 @@ def _text_column(data: Any, where: str) -> list[str]:
     return docs
 
 
-def _token_stream(tokenizer: Any, docs: list[str]) -> Tensor:
+def _token_stream(tokenizer: TextTokenizer, docs: list[str]) -> Tensor:
     """Token ids of the documents joined by blank lines, cached on disk per (tokenizer, text):
     tokenizing all of Shakespeare takes seconds, reading it back milliseconds."""
+    from llmq.models import cache_dir
+
     text = "\n\n".join(docs)
-    path = _token_cache_path(tokenizer, text)
-    if path is not None and path.is_file():
+    key = hashlib.sha256(tokenizer.fingerprint.encode() + b"\0" + text.encode()).hexdigest()
+    path = cache_dir() / "tokens" / f"{key[:32]}.pt"
+    if path.is_file():
         try:
             return torch.load(path, weights_only=True).to(torch.int64)
         except (OSError, RuntimeError, EOFError):
             path.unlink(missing_ok=True)
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.partial")
-        torch.save(ids.to(torch.int32), partial)
-        partial.replace(path)
+    ids = torch.tensor(tokenizer.encode(text), dtype=torch.int64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    torch.save(ids.to(torch.int32), partial)
+    partial.replace(path)
     return ids
 
 
-def _token_cache_path(tokenizer: Any, text: str) -> Path | None:
-    from llmq.models import cache_dir
-
-    vocab = getattr(tokenizer, "backend_tokenizer", None)
-    if vocab is None:  # slow tokenizers have no stable serialization to key on
-        return None
-    key = hashlib.sha256(vocab.to_str().encode() + b"\0" + text.encode()).hexdigest()[:32]
-    return cache_dir() / "tokens" / f"{key}.pt"
-
-
-def wants_bos(tokenizer: Any) -> bool:
-    """Whether the tokenizer starts sequences with BOS (then every window starts with it)."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    return bos is not None and bool(getattr(tokenizer, "add_bos_token", False))
-
-
-def _with_bos(windows: Tensor, tokenizer: Any, add_bos: bool) -> Tensor:
-    if not add_bos:
+def _with_bos(windows: Tensor, tokenizer: TextTokenizer) -> Tensor:
+    """Every window starts with BOS when the tokenizer starts sequences with it."""
+    if not tokenizer.add_bos:
         return windows
-    bos = torch.full((windows.shape[0], 1), tokenizer.bos_token_id, dtype=torch.int64)
+    bos = torch.full((windows.shape[0], 1), int(tokenizer.bos_token_id), dtype=torch.int64)
     return torch.cat([bos, windows[:, :-1]], dim=1)
 
 
 def calibration_windows(
-    tokenizer: Any, text: str, *, num_samples: int, seq_len: int, seed: int
+    tokenizer: TextTokenizer, text: str, *, num_samples: int, seq_len: int, seed: int
 ) -> TokenWindows:
     """`num_samples` random windows of `seq_len` tokens, spread evenly over '+'-joined sources."""
     sources = [s for s in text.split("+") if s]
@@ -148,12 +136,11 @@ def calibration_windows(
             )
         starts = torch.randint(0, stream.numel() - seq_len + 1, (count,), generator=generator)
         parts.append(torch.stack([stream[s : s + seq_len] for s in starts.tolist()]))
-    add_bos = wants_bos(tokenizer)
-    return TokenWindows(_with_bos(torch.cat(parts), tokenizer, add_bos), text, add_bos)
+    return TokenWindows(_with_bos(torch.cat(parts), tokenizer), text, tokenizer.add_bos)
 
 
 def evaluation_windows(
-    tokenizer: Any, text: str, *, seq_len: int, max_windows: int | None
+    tokenizer: TextTokenizer, text: str, *, seq_len: int, max_windows: int | None
 ) -> TokenWindows:
     """Consecutive, non-overlapping windows from the start of the held-out split."""
     docs = [
@@ -166,5 +153,4 @@ def evaluation_windows(
     if count == 0:
         raise InputError(f"evaluation text {text!r} has fewer than --seq-len {seq_len} tokens")
     windows = stream[: count * seq_len].reshape(count, seq_len)
-    add_bos = wants_bos(tokenizer)
-    return TokenWindows(_with_bos(windows, tokenizer, add_bos), text, add_bos)
+    return TokenWindows(_with_bos(windows, tokenizer), text, tokenizer.add_bos)

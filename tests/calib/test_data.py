@@ -6,16 +6,16 @@ import json
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from llmq.calib.data import calibration_windows, evaluation_windows, load_documents
+from llmq.calib.tokenizer import load_tokenizer
 from llmq.errors import InputError
 from llmq.texts import BUILTIN_TEXTS, builtin_documents
 
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model: Path):
-    return AutoTokenizer.from_pretrained(default_model)
+    return load_tokenizer(default_model)
 
 
 def test_sampling_is_reproducible_and_seeded(tokenizer) -> None:
@@ -40,8 +40,12 @@ def test_builtin_splits_are_disjoint(name: str) -> None:
 
 def test_evaluation_windows_are_consecutive(tokenizer) -> None:
     windows = evaluation_windows(tokenizer, "news", seq_len=32, max_windows=3)
-    stream = tokenizer("\n\n".join(builtin_documents("news", "heldout")), add_special_tokens=False)
-    assert windows.input_ids.flatten().tolist() == stream["input_ids"][: 3 * 32]
+    text = "\n\n".join(builtin_documents("news", "heldout"))
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(tokenizer.folder)(text, add_special_tokens=False)
+    assert windows.input_ids.flatten().tolist() == reference["input_ids"][: 3 * 32]
+    assert windows.add_bos is False
 
 
 def test_files_load_through_datasets(tmp_path: Path) -> None:
@@ -69,3 +73,24 @@ def test_bad_calibration_sources(tmp_path: Path, tokenizer) -> None:
     short.write_text("too short")
     with pytest.raises(InputError, match="fewer than"):
         calibration_windows(tokenizer, str(short), num_samples=1, seq_len=512, seed=0)
+
+
+def test_tokenizers_that_add_bos_start_every_window_with_it(tmp_path: Path, default_model: Path) -> None:
+    """Gemma-style tokenizers put BOS first; perplexity windows must then start with it too."""
+    import shutil
+
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    shutil.copy(default_model / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    backend = Tokenizer.from_file(str(default_model / "tokenizer.json"))
+    backend.post_processor = TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)]
+    )
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer.add_bos and tokenizer.bos_token_id == 1
+    windows = evaluation_windows(tokenizer, "news", seq_len=16, max_windows=2)
+    assert windows.add_bos and windows.input_ids[:, 0].tolist() == [1, 1]
+    plain = evaluation_windows(load_tokenizer(default_model), "news", seq_len=16, max_windows=2)
+    assert windows.input_ids[0, 1:].tolist() == plain.input_ids[0, :-1].tolist()

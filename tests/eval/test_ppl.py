@@ -7,18 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 import llmq
 from llmq.calib.data import evaluation_windows
+from llmq.calib.tokenizer import load_tokenizer
 from llmq.eval.ppl import perplexity
 from llmq.io.checkpoint import open_checkpoint
 
 
 def test_streamed_perplexity_equals_full_model(tiny_llama: Path) -> None:
-    windows = evaluation_windows(
-        AutoTokenizer.from_pretrained(tiny_llama), "news", seq_len=48, max_windows=3
-    )
+    windows = evaluation_windows(load_tokenizer(tiny_llama), "news", seq_len=48, max_windows=3)
     streamed = perplexity(open_checkpoint(tiny_llama), windows)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     with torch.no_grad():

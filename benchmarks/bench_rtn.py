@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -37,28 +38,35 @@ TEXTS = ("pydoc", "shakespeare")  # held-out splits: last quarter of pydoc topic
 @dataclass(frozen=True)
 class Job:
     tool: str
-    label: str
+    scheme: str  # rows of the same scheme are compared with each other
     options: list[str]
+    variant: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.scheme} ({self.variant})" if self.variant else self.scheme
+
+    @property
+    def folder(self) -> str:
+        return re.sub(r"[^A-Za-z0-9]+", "-", f"{self.tool} {self.label}").strip("-")
 
 
 JOBS = [
-    Job("llmq", "W4A16 (g128; g64 where 128 does not divide)", ["--scheme", "w4a16"]),
+    Job("llmq", "W4A16", ["--scheme", "w4a16"], "g128; g64 where 128 does not divide"),
     Job("llmq", "W4A16 g64", ["--scheme", "w4a16", "--group-size", "64"]),
-    Job(
-        "llm-compressor",
-        "W4A16 g64",
-        ["--scheme", "W4A16", "--method", "rtn", "--group-size", "64"],
-    ),
-    Job(
-        "llmq", "W4A16 g64 + MSE clip", ["--scheme", "w4a16", "--group-size", "64", "--clip", "mse"]
-    ),
+    Job("llmq", "W4A16 g64", ["--scheme", "w4a16", "--group-size", "64", "--skip-layer-check"],
+        "--skip-layer-check"),
+    Job("llmq", "W4A16 g64", ["--scheme", "w4a16", "--group-size", "64", "--clip", "mse"],
+        "--clip mse"),
+    Job("llm-compressor", "W4A16 g64", ["--scheme", "W4A16", "--method", "rtn", "--group-size", "64"]),
     Job("llmq", "W8A16", ["--scheme", "w8a16"]),
     Job("llm-compressor", "W8A16", ["--scheme", "W8A16", "--method", "rtn", "--group-size", "0"]),
     Job("llmq", "W8A8", ["--scheme", "w8a8"]),
+    Job("llmq", "W8A8", ["--scheme", "w8a8", "--skip-layer-check"], "--skip-layer-check"),
     Job("llm-compressor", "W8A8", ["--scheme", "W8A8", "--method", "rtn"]),
     Job("llmq", "FP8_DYNAMIC", ["--scheme", "fp8"]),
     Job("llm-compressor", "FP8_DYNAMIC", ["--scheme", "FP8_DYNAMIC", "--method", "rtn"]),
-]
+]  # fmt: skip
 
 
 def main() -> None:
@@ -94,7 +102,7 @@ def main() -> None:
             result = llmq.evaluate(out, baseline=model, text=text, max_windows=args.windows)
             ppl[text] = {"ppl": result.model.perplexity, "base": result.baseline.perplexity,
                          "increase": result.increase, "simulated": result.model.quantized}  # fmt: skip
-        rows.append({"tool": job.tool, "label": job.label, "wall_s": measured.wall_s,
+        rows.append({"tool": job.tool, "label": job.label, "scheme": job.scheme, "wall_s": measured.wall_s,
                      "wall_s_runs": [m.wall_s for m in runs],
                      "peak_rss_gb": max(m.peak_rss_bytes for m in runs) / 1e9, "ppl": ppl})  # fmt: skip
         print(f"done: {job.tool} {job.label}: {measured.wall_s:.1f} s", file=sys.stderr, flush=True)
@@ -125,11 +133,11 @@ def markdown(report: dict) -> str:
             f"| {r['tool']} | {r['label']} | {p['ppl']:.3f} ({p['increase']:+.2%}) | "
             f"{h['ppl']:.3f} ({h['increase']:+.2%}) | {r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} |"
         )
-    lines += ["", "| scheme | llmq/peer wall | llmq/peer peak RSS | Δppl pydoc llmq vs peer | Δppl Hamlet llmq vs peer |",
+    lines += ["", "| llmq row | llmq/peer wall | llmq/peer peak RSS | Δppl pydoc llmq vs peer | Δppl Hamlet llmq vs peer |",
               "|---|---|---|---|---|"]  # fmt: skip
-    peers = {r["label"]: r for r in rows if r["tool"] == "llm-compressor"}
+    peers = {r["scheme"]: r for r in rows if r["tool"] == "llm-compressor"}
     for r in rows:
-        peer = peers.get(r["label"])
+        peer = peers.get(r["scheme"])
         if r["tool"] != "llmq" or peer is None:
             continue
         lines.append(

@@ -75,6 +75,7 @@ def make_recipe(
     num_samples: int | None = None,
     seq_len: int = 512,
     seed: int = 0,
+    skip_layer_check: bool = False,
 ) -> Recipe:
     """Validate options into a Recipe (InputError naming the option on bad values)."""
     from llmq.quant.methods import get_method
@@ -83,9 +84,15 @@ def make_recipe(
         num_samples = DEFAULT_REPORT_SAMPLES if method == "rtn" else DEFAULT_CALIB_SAMPLES
     if num_samples < 1:
         raise InputError(f"--num-samples {num_samples}: must be >= 1")
-    calibration = build(
-        CalibConfig, text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed
-    )
+    if skip_layer_check and method != "rtn":
+        raise InputError(
+            f"--skip-layer-check: {method} needs calibration data", hint="only rtn can skip it"
+        )
+    calibration = None
+    if not skip_layer_check:
+        calibration = build(
+            CalibConfig, text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed
+        )
     recipe = build(
         Recipe,
         scheme=get_scheme(scheme),

@@ -71,6 +71,12 @@ def quantize(
         ),
     ] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 512,
+    skip_layer_check: Annotated[
+        bool,
+        typer.Option(
+            help="rtn only: run no forward passes (no per-layer output error; weights and scales are still checked for NaN/Inf). The fastest conversion, as data-free as llm-compressor's RTN."
+        ),
+    ] = False,
     seed: Seed = 0,
     calib_stats: Annotated[
         Path | None,
@@ -99,6 +105,7 @@ def quantize(
             scheme=scheme, method=method, group_size=group_size,
             strict_group_size=strict_group_size, ignore=("lm_head", *(ignore or [])), clip=clip,
             calib_text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed,
+            skip_layer_check=skip_layer_check,
         )  # fmt: skip
         with progress_bars(json_out=json_out) as progress:
             try:

@@ -75,7 +75,9 @@ def test_bad_calibration_sources(tmp_path: Path, tokenizer) -> None:
         calibration_windows(tokenizer, str(short), num_samples=1, seq_len=512, seed=0)
 
 
-def test_tokenizers_that_add_bos_start_every_window_with_it(tmp_path: Path, default_model: Path) -> None:
+def test_tokenizers_that_add_bos_start_every_window_with_it(
+    tmp_path: Path, default_model: Path
+) -> None:
     """Gemma-style tokenizers put BOS first; perplexity windows must then start with it too."""
     import shutil
 

@@ -269,3 +269,18 @@ def test_sigkill_mid_run_then_resume_is_identical(tmp_path: Path, default_model:
     )
     assert json.loads(resumed.stdout)["resumed_layers"] >= 3
     assert checkpoint_bytes(out) == checkpoint_bytes(reference)
+
+
+def test_skip_layer_check_writes_the_same_weights(tmp_path: Path, tiny_llama: Path) -> None:
+    """RTN reads no data: skipping the per-layer check changes the report, not the checkpoint."""
+    checked = llmq.quantize(tiny_llama, tmp_path / "checked", scheme="w4a16", **FAST)
+    skipped = llmq.quantize(tiny_llama, tmp_path / "skipped", scheme="w4a16", skip_layer_check=True)
+    assert all(layer.output_rel_rmse is None for layer in skipped.layers)
+    assert all(layer.output_rel_rmse is not None for layer in checked.layers)
+    shards = sorted(p.name for p in (tmp_path / "checked").glob("*.safetensors"))
+    for shard in shards:
+        assert (tmp_path / "checked" / shard).read_bytes() == (
+            tmp_path / "skipped" / shard
+        ).read_bytes()
+    with pytest.raises(InputError, match="needs calibration data"):
+        llmq.make_recipe(method="gptq", skip_layer_check=True)

@@ -50,11 +50,14 @@ def logits_with_activation_quantization(out: Path, ids: torch.Tensor) -> torch.T
         return model(ids).logits
 
 
-# transformers + compressed-tensors 0.20 re-quantize int8 weights on every forward with a
-# freshly computed scale (absmax / 127.5 of the already-quantized weight), which moves codes
-# onto a slightly different grid; llmq evaluates the stored codes as written. Bit-exactness of
-# the stored weights is proven by test_compressed_tensors_decompressors_agree.
-LOGIT_TOLERANCE = {"w4a16": 1e-5, "w8a16": 1e-5, "fp8": 1e-5, "w8a8": 0.05}
+# Tolerances, as a fraction of the largest logit. Exact for weight-only schemes and FP8. For
+# W8A8, transformers + compressed-tensors 0.20 re-quantize the loaded int8 weights on every
+# forward with their own scale (absmax / 127.5 of the dequantized weight), which moves codes
+# onto another grid, and simulate activations with absmax / 127.5 where llmq follows the int8
+# kernels (absmax / 127); llmq evaluates the stored codes as written. The stored weights
+# themselves are bit-exact: test_compressed_tensors_decompressors_agree.
+LOGIT_TOLERANCE = {"w4a16": 1e-5, "w8a16": 1e-5, "fp8": 1e-5, "w8a8": 0.1}
+W8A8_MAX_RELATIVE_ERROR = 0.05  # ||reloaded - ours|| / ||ours||; measured 0.032 on the tiny model
 
 
 @pytest.mark.parametrize("scheme", list(LOGIT_TOLERANCE))
@@ -73,6 +76,8 @@ def test_every_scheme_reloads_in_transformers(
     ours = logits_with_activation_quantization(out, ids)
     tol = LOGIT_TOLERANCE[scheme]
     torch.testing.assert_close(reloaded, ours, rtol=0, atol=tol * float(ours.abs().max()))
+    if scheme == "w8a8":
+        assert float((reloaded - ours).norm() / ours.norm()) < W8A8_MAX_RELATIVE_ERROR
     # the quantized model is close to, but not the same as, the float one
     assert all(0 < layer.output_rel_rmse < 1 for layer in result.layers)
     record = json.loads((out / "llmq.json").read_text())

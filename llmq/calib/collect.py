@@ -1,13 +1,53 @@
-"""`llmq calibrate`: per-linear input statistics of the float model, one layer at a time."""
+"""Observe linear inputs while a layer runs: the one place llmq collects calibration statistics,
+used by `llmq calibrate` (whole model) and by the quantization pipeline (layer by layer)."""
 
 from __future__ import annotations
 
-from torch import Tensor
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
 
 from llmq.calib.stats import CalibStats, InputStats
 from llmq.calib.stream import LayerStream, input_hooks
 from llmq.io.checkpoint import Checkpoint
 from llmq.progress import NO_PROGRESS, Progress
+
+
+def shared_input_owners(stream: LayerStream, names: list[str]) -> dict[str, str]:
+    """Each linear -> the first present linear of its shared-input group (q/k/v -> q)."""
+    owners = {}
+    for group in stream.layout.sequential:
+        present = [name for name in group if name in names]
+        for name in present:
+            owners[name] = present[0]
+    return owners
+
+
+def run_observed(
+    stream: LayerStream,
+    layer: nn.Module,
+    names: list[str],
+    hidden: Tensor,
+    *,
+    hessian: bool,
+    on_batch: Callable[[], Any] | None = None,
+) -> tuple[Tensor, dict[str, InputStats]]:
+    """Run `layer` on `hidden` and return its output and the input statistics of the named
+    linears; linears that share an input share one InputStats (computed once)."""
+    owners = shared_input_owners(stream, names)
+    observed: dict[str, InputStats] = {}
+
+    def observe(name: str, x: Tensor) -> None:
+        if owners[name] != name:
+            return
+        if name not in observed:
+            observed[name] = InputStats.empty(x.shape[-1], hessian=hessian, device=x.device)
+        observed[name].update(x)
+
+    with input_hooks(layer, names, observe):
+        output = stream.run_layer(layer, hidden, on_batch=on_batch)
+    return output, {name: observed[owner] for name, owner in owners.items()}
 
 
 def collect_stats(
@@ -18,40 +58,20 @@ def collect_stats(
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
 ) -> CalibStats:
-    """Statistics of every linear input of every layer, on the float model's activations.
-
-    Linears sharing an input (the family table's groups) share one InputStats."""
+    """Statistics of every linear input of every layer, on the float model's activations."""
     stream = LayerStream(ckpt, device=device)
     hidden = stream.embed(input_ids)
     stats = CalibStats()
+    names = list(stream.layout.linears)
     with progress.stage("calibrating layers", total=ckpt.num_layers) as advance:
         for index in range(ckpt.num_layers):
-            prefix = stream.layout.layer_prefix(index)
             layer = stream.load_layer(index)
-            owners = {name: group[0] for group in stream.layout.sequential for name in group}
-            layer_stats: dict[str, InputStats] = {}
-
-            def observe(
-                name: str,
-                x: Tensor,
-                owners: dict[str, str] = owners,
-                layer_stats: dict[str, InputStats] = layer_stats,
-            ) -> None:
-                if owners[name] != name:
-                    return
-                if name not in layer_stats:
-                    layer_stats[name] = InputStats.empty(
-                        x.shape[-1], hessian=hessian, device=x.device
-                    )
-                layer_stats[name].update(x)
-
             batches = len(list(stream.batches(hidden)))
-            with (
-                progress.stage(f"layer {index}", total=batches, transient=True) as step,
-                input_hooks(layer, list(owners), observe),
-            ):
-                hidden = stream.run_layer(layer, hidden, on_batch=lambda: step(1))
-            for name, owner in owners.items():
-                stats.inputs[prefix + name] = layer_stats[owner]
+            with progress.stage(f"layer {index}", total=batches, transient=True) as step:
+                hidden, observed = run_observed(
+                    stream, layer, names, hidden, hessian=hessian, on_batch=lambda: step(1)
+                )
+            prefix = stream.layout.layer_prefix(index)
+            stats.inputs.update({prefix + name: s for name, s in observed.items()})
             advance(1)
     return stats

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from llmq.calib.collect import run_observed
 from llmq.calib.stats import CalibStats, InputStats
-from llmq.calib.stream import LayerStream, activation_quantization, input_hooks
+from llmq.calib.stream import LayerStream, activation_quantization
 from llmq.config import Recipe
 from llmq.errors import InputError, NumericalError
 from llmq.io.atomic import publish, save_safetensors, staging_path, write_json
@@ -159,7 +160,10 @@ def _quantize_layer(
     with progress.stage(f"layer {index}", total=passes, transient=True) as step:
         reference, observed = None, {}
         if hidden is not None:
-            reference, observed = _observe(stream, layer, list(local), hidden, method, step)
+            reference, observed = run_observed(
+                stream, layer, list(local), hidden,
+                hessian=method.needs_hessian, on_batch=lambda: step(1),
+            )  # fmt: skip
         stats = {name: _stats_for(calib_stats, observed, prefix, name) for name in local}
         fmt = scheme_format(recipe.scheme)
         tensors, linear_reports = _quantize_linears(layer, local, stats, method, fmt)
@@ -174,44 +178,6 @@ def _quantize_layer(
     tensors.update(_other_layer_tensors(stream.ckpt, prefix, local))
     report = LayerReport(index, error, time.perf_counter() - started, linear_reports)
     return report, output, tensors
-
-
-def _observe(
-    stream: LayerStream,
-    layer: nn.Module,
-    names: list[str],
-    hidden: Tensor,
-    method: Method,
-    step: Any,
-) -> tuple[Tensor, dict[str, InputStats]]:
-    """Run the full-precision layer once, accumulating statistics of every linear's input."""
-    observed: dict[str, InputStats] = {}
-    shared = _shared_inputs(stream, names)
-
-    def observe(name: str, x: Tensor) -> None:
-        owner = shared[name]
-        if owner == name:
-            if name not in observed:
-                observed[name] = InputStats.empty(
-                    x.shape[-1], hessian=method.needs_hessian, device=x.device
-                )
-            observed[name].update(x)
-
-    with input_hooks(layer, names, observe):
-        reference = stream.run_layer(layer, hidden, on_batch=lambda: step(1))
-    for name in names:
-        observed[name] = observed[shared[name]]
-    return reference, observed
-
-
-def _shared_inputs(stream: LayerStream, names: list[str]) -> dict[str, str]:
-    """Each linear -> the first linear of its shared-input group (q/k/v -> q)."""
-    owners = {}
-    for group in stream.layout.sequential:
-        present = [name for name in group if name in names]
-        for name in present:
-            owners[name] = present[0]
-    return owners
 
 
 def _stats_for(

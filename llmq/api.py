@@ -12,13 +12,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmq import __version__
 from llmq.config import CalibConfig, Recipe, build, get_scheme
 from llmq.errors import InputError
 from llmq.models import BUILTIN_MODELS, cache_dir, resolve_model
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.texts import DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT
-
-__version__ = "0.1.0"
 
 DEFAULT_REPORT_SAMPLES = 1
 """Calibration windows RTN uses by default: it needs no data, so they only feed the per-layer

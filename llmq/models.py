@@ -7,7 +7,6 @@ folder in the cache and take about a second.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmq.errors import InputError
+from llmq.packaged import package_dir
 from llmq.progress import NO_PROGRESS, Progress
 
 CACHE_ENV = "LLMQ_CACHE_DIR"
@@ -73,13 +73,10 @@ def resolve_model(model: str | os.PathLike[str], *, progress: Progress = NO_PROG
 
 
 def _gguf_path(model: BuiltinModel) -> Path:
-    spec = importlib.util.find_spec(model.package)
-    if spec is None or not spec.submodule_search_locations:
-        raise InputError(
-            f"built-in model {model.name!r} needs the package {model.package!r}",
-            hint=model.install,
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / model.gguf_file
+    folder = package_dir(
+        model.package, needed_by=f"built-in model {model.name!r}", install=model.install
+    )
+    path = folder / model.gguf_file
     if not path.is_file():
         raise InputError(f"{path} is missing from package {model.package!r}", hint=model.install)
     return path

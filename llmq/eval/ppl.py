@@ -11,13 +11,14 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from llmq.calib.data import TokenWindows
 from llmq.calib.stream import LayerStream, activation_quantization
+from llmq.io.atomic import write_json
 from llmq.io.checkpoint import Checkpoint
 from llmq.pack.reader import QuantizedView
 from llmq.progress import NO_PROGRESS, Progress
@@ -77,12 +78,7 @@ def perplexity(
 def cache_key(ckpt: Checkpoint, windows: TokenWindows) -> str:
     """Identifies (checkpoint files, exact windows, dtype): a cached result is reused only for
     the very same model and tokens."""
-    shards = sorted({info.shard for info in ckpt.tensors.values()})
-    h = hashlib.sha256()
-    h.update(str(ckpt.path.resolve()).encode())
-    for shard in shards:
-        stat = shard.stat()
-        h.update(f"{shard.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    h = hashlib.sha256(json.dumps(ckpt.file_stamps(), sort_keys=True).encode())
     h.update(windows.input_ids.numpy().tobytes())
     h.update(str(EVAL_DTYPE).encode())
     return h.hexdigest()[:32]
@@ -106,10 +102,6 @@ def cached_perplexity(
         except (json.JSONDecodeError, TypeError):
             path.unlink(missing_ok=True)
     result = perplexity(ckpt, windows, progress=progress, device=device)
-    from dataclasses import asdict
-
-    from llmq.io.atomic import write_json
-
     cache.mkdir(parents=True, exist_ok=True)
     write_json(path, asdict(result))
     return result

@@ -76,6 +76,15 @@ class Checkpoint:
             self._handles[info.shard] = handle
         return handle.get_tensor(name)
 
+    def file_stamps(self) -> dict[str, Any]:
+        """Where the checkpoint is and the size and mtime of every shard: what resume states and
+        cached results are keyed on, so that changed weights never reuse them."""
+        shards = sorted({info.shard for info in self.tensors.values()})
+        return {
+            "path": str(self.path.resolve()),
+            "shards": {s.name: [s.stat().st_size, s.stat().st_mtime_ns] for s in shards},
+        }
+
     def names_with_prefix(self, prefix: str) -> Iterator[str]:
         return (name for name in self.tensors if name.startswith(prefix))
 

@@ -86,17 +86,19 @@ class QuantizedView:
     def read_state(self, ckpt: Checkpoint, prefix: str) -> dict[str, Tensor]:
         """The float state dict under `prefix`, quantized linears dequantized (float32)."""
         state: dict[str, Tensor] = {}
-        pending: dict[str, dict[str, Tensor]] = {}
+        schemes: dict[str, LinearScheme | None] = {}
+        pending: dict[str, tuple[LinearScheme, dict[str, Tensor]]] = {}
         for name in ckpt.names_with_prefix(prefix):
             module, _, leaf = name.rpartition(".")
-            scheme = self.scheme_for(module) if ckpt.has(f"{module}.weight_scale") else None
+            if module not in schemes:
+                quantized = ckpt.has(f"{module}.weight_scale")
+                schemes[module] = self.scheme_for(module) if quantized else None
+            scheme = schemes[module]
             if scheme is not None and (leaf in _COMPRESSED_SUFFIXES or leaf == "weight"):
-                pending.setdefault(module, {})[leaf] = ckpt.read(name)
+                pending.setdefault(module, (scheme, {}))[1][leaf] = ckpt.read(name)
             elif leaf not in ("input_scale", "weight_g_idx"):
                 state[name[len(prefix) :]] = ckpt.read(name)
-        for module, tensors in pending.items():
-            scheme = self.scheme_for(module)
-            assert scheme is not None  # pending only holds modules with a scheme
+        for module, (scheme, tensors) in pending.items():
             state[f"{module[len(prefix) :]}.weight"] = decompress(tensors, scheme.weights)
         return state
 

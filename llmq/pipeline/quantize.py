@@ -9,7 +9,6 @@ layer's inputs and the layer's output error, write its packed tensors, and recor
 
 from __future__ import annotations
 
-import logging
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,8 +30,6 @@ from llmq.pipeline.plan import LinearPlan, Plan, config_groups
 from llmq.pipeline.state import HIDDEN_FILE, STATE_FILE, RunState, load_state
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.quant.methods import Method, get_method
-
-log = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 RECORD_FILE = "llmq.json"
@@ -89,7 +86,7 @@ def run_quantization(
 ) -> QuantizeResult:
     started = time.perf_counter()
     staging = staging_path(out)
-    fingerprint = {"recipe": recipe.model_dump(mode="json"), "source": _source_fingerprint(ckpt)}
+    fingerprint = {"recipe": recipe.model_dump(mode="json"), "source": ckpt.file_stamps()}
     state = load_state(staging, fingerprint) if resume else None
     if state is None:
         shutil.rmtree(staging, ignore_errors=True)
@@ -158,7 +155,7 @@ def _quantize_layer(
     local = {linear.name[len(prefix) :]: linear for linear in linears}
     passes = 0 if hidden is None else 2 * len(list(stream.batches(hidden)))
     with progress.stage(f"layer {index}", total=passes, transient=True) as step:
-        reference, observed = None, {}
+        reference, observed, output = None, {}, None
         if hidden is not None:
             reference, observed = run_observed(
                 stream, layer, list(local), hidden,
@@ -167,13 +164,12 @@ def _quantize_layer(
         stats = {name: _stats_for(calib_stats, observed, prefix, name) for name in local}
         fmt = scheme_format(recipe.scheme)
         tensors, linear_reports = _quantize_linears(layer, local, stats, method, fmt)
-        output = None
-        if hidden is not None and reference is not None:
+        if reference is not None:
             act = recipe.scheme.input_activations
             with activation_quantization(layer, dict.fromkeys(local, act) if act else {}):
                 output = stream.run_layer(layer, hidden, on_batch=lambda: step(1))
             _check_finite(output, f"the output of layer {index}")
-    error = None if output is None else _relative_rmse(output, reference)
+    error = None if reference is None else _relative_rmse(output, reference)
     tensors = {f"{prefix}{key}": value for key, value in tensors.items()}
     tensors.update(_other_layer_tensors(stream.ckpt, prefix, local))
     report = LayerReport(index, error, time.perf_counter() - started, linear_reports)
@@ -223,8 +219,7 @@ def _quantize_linears(
     return tensors, reports
 
 
-def _relative_rmse(output: Tensor, reference: Tensor | None) -> float:
-    assert reference is not None
+def _relative_rmse(output: Tensor, reference: Tensor) -> float:
     diff = (output.double() - reference.double()).norm()
     return float(diff / reference.double().norm().clamp_min(1e-30))
 
@@ -304,14 +299,6 @@ def _copy_side_files(source: Path, staging: Path) -> None:
             "config.json", "model.safetensors.index.json", RECORD_FILE,
         ):  # fmt: skip
             shutil.copy2(path, staging / path.name)
-
-
-def _source_fingerprint(ckpt: Checkpoint) -> dict[str, Any]:
-    shards = sorted({info.shard for info in ckpt.tensors.values()})
-    return {
-        "path": str(ckpt.path.resolve()),
-        "shards": {s.name: [s.stat().st_size, int(s.stat().st_mtime)] for s in shards},
-    }
 
 
 def _weights_size(folder: Path) -> int:

@@ -16,7 +16,6 @@ float32 compute.
 from __future__ import annotations
 
 import argparse
-import platform
 import re
 import sys
 import time
@@ -26,13 +25,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     ensure_peer,
+    held_out_perplexity,
     llmq_quantize_cmd,
+    machine,
     peer_quantize_cmd,
+    protocol,
     run_measured,
     write_json,
 )
-
-TEXTS = ("pydoc", "shakespeare")  # held-out splits: last quarter of pydoc topics; Hamlet
 
 
 @dataclass(frozen=True)
@@ -97,20 +97,15 @@ def main() -> None:
         )
         runs = sorted((run_measured(cmd) for _ in range(args.repeat)), key=lambda m: m.wall_s)
         measured = runs[len(runs) // 2]
-        ppl = {}
-        for text in TEXTS:
-            result = llmq.evaluate(out, baseline=model, text=text, max_windows=args.windows)
-            ppl[text] = {"ppl": result.model.perplexity, "base": result.baseline.perplexity,
-                         "increase": result.increase, "simulated": result.model.quantized}  # fmt: skip
+        ppl = held_out_perplexity(out, model, args.windows)
         rows.append({"tool": job.tool, "label": job.label, "scheme": job.scheme, "wall_s": measured.wall_s,
                      "wall_s_runs": [m.wall_s for m in runs],
                      "peak_rss_gb": max(m.peak_rss_bytes for m in runs) / 1e9, "ppl": ppl})  # fmt: skip
         print(f"done: {job.tool} {job.label}: {measured.wall_s:.1f} s", file=sys.stderr, flush=True)
     report = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.node()} {platform.machine()}, {__import__('os').cpu_count()} cores, CPU",
-        "protocol": f"token perplexity, held-out {' and '.join(TEXTS)} (Hamlet), {args.windows} x 512 "
-        "tokens from the start, no BOS, float32; activations quantized per token where the scheme does",
+        "machine": machine(),
+        "protocol": protocol(args.windows),
         "rows": rows,
     }
     write_json(args.out / "results.json", report)

@@ -65,6 +65,35 @@ def peer_quantize_cmd(model: Path, out: Path, options: list[str]) -> list[str]:
     return [str(PEER_PYTHON), str(PEER_RUNNER), "--model", str(model), "--out", str(out), *options]
 
 
+TEXTS = ("pydoc", "shakespeare")  # held-out splits: last quarter of pydoc topics; Hamlet
+
+
+def held_out_perplexity(out: Path, model: Path, windows: int) -> dict[str, dict]:
+    """llmq's perplexity of checkpoint `out` (either tool's) and of the fp32 `model` on the
+    held-out windows of each text; activations quantized per token where the scheme says."""
+    import llmq
+
+    ppl = {}
+    for text in TEXTS:
+        result = llmq.evaluate(out, baseline=model, text=text, max_windows=windows)
+        ppl[text] = {"ppl": result.model.perplexity, "base": result.baseline.perplexity,
+                     "increase": result.increase, "simulated": result.model.quantized}  # fmt: skip
+    return ppl
+
+
+def protocol(windows: int) -> str:
+    return (
+        f"token perplexity, held-out {' and '.join(TEXTS)} (Hamlet), {windows} x 512 tokens from "
+        "the start, no BOS, float32; activations quantized per token where the scheme does"
+    )
+
+
+def machine() -> str:
+    import platform
+
+    return f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, CPU"
+
+
 def write_json(path: Path, data: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str))

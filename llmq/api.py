@@ -75,9 +75,25 @@ def make_recipe(
     seq_len: int = 512,
     seed: int = 0,
     skip_layer_check: bool = False,
+    dampening_frac: float = 0.01,
+    actorder: str = "static",
+    block_size: int = 128,
+    awq_grid: int = 20,
 ) -> Recipe:
-    """Validate options into a Recipe (InputError naming the option on bad values)."""
+    """Validate options into a Recipe (InputError naming the option on bad values).
+
+    GPTQ: dampening_frac, actorder ("static" or "none"), block_size. AWQ: awq_grid alphas.
+    """
     from llmq.quant.methods import get_method
+
+    if actorder in ("group", "dynamic"):
+        raise InputError(
+            f"--actorder {actorder}: compressed-tensors removed weight_g_idx checkpoints, so "
+            "transformers and vLLM with current compressed-tensors cannot load them",
+            hint="--actorder static orders columns by activation too and keeps groups contiguous",
+        )
+    if clip == "output" and skip_layer_check:
+        raise InputError("--clip output weighs errors by calibration data; drop --skip-layer-check")
 
     if num_samples is None:
         num_samples = DEFAULT_REPORT_SAMPLES if method == "rtn" else DEFAULT_CALIB_SAMPLES
@@ -101,6 +117,8 @@ def make_recipe(
         ignore=tuple(ignore),
         clip=clip,
         calibration=calibration,
+        gptq={"dampening_frac": dampening_frac, "actorder": actorder, "block_size": block_size},
+        awq={"grid": awq_grid},
     )
     assert isinstance(recipe, Recipe)
     get_method(recipe)  # an unknown method fails here, before any work
@@ -133,6 +151,7 @@ def quantize(
     recipe = recipe or make_recipe(**options)
     ckpt = _open(model, progress)
     plan = plan_quantization(ckpt, recipe)
+    _check_pairings(ckpt, recipe)
     out = Path(out)
     check_output_dir(out, overwrite=overwrite, sources=(ckpt.path,))
     stats = CalibStats.load(Path(calib_stats)) if calib_stats else None
@@ -160,6 +179,18 @@ def quantize(
         calibration_ids=ids, calib_stats=stats, resume=resume, progress=progress, record=record,
         device=device,
     )  # fmt: skip
+
+
+def _check_pairings(ckpt: Any, recipe: Recipe) -> None:
+    """AWQ folds scales into the norms and linears the family table pairs; refuse without."""
+    from llmq.quant.methods import get_method
+
+    if get_method(recipe).awq is not None and not ckpt.layout.smooth:
+        raise InputError(
+            f"--method {recipe.method}: llmq has no norm/linear pairings for "
+            f"model_type {ckpt.config.get('model_type')!r}",
+            hint="use --method gptq or rtn, which need none",
+        )
 
 
 @dataclass(slots=True)

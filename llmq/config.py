@@ -124,6 +124,26 @@ class CalibConfig(BaseModel):
     seed: int = 0
 
 
+class GPTQConfig(BaseModel):
+    """GPTQ's knobs, with llm-compressor's names (arXiv 2210.17323)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    block_size: int = Field(128, ge=16, le=4096)  # columns per lazy batch update
+    dampening_frac: float = Field(0.01, gt=0.0, lt=1.0)  # of the Hessian's mean diagonal
+    # static: columns in decreasing Hessian-diagonal order, groups fixed up front (no g_idx);
+    # none: columns in order, each group's range taken from the updated weights.
+    actorder: Literal["static", "none"] = "static"
+
+
+class AWQConfig(BaseModel):
+    """AWQ's scale search (arXiv 2306.00978): s = mean|x|^alpha over `grid` alphas in [0, 1]."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    grid: int = Field(20, ge=2, le=1000)
+
+
 class Recipe(BaseModel):
     """Everything `quantize` needs to reproduce a checkpoint; written into the output folder."""
 
@@ -134,8 +154,12 @@ class Recipe(BaseModel):
     group_size: int | None = None  # override of the scheme's group size; -1 is per-channel
     strict_group_size: bool = False
     ignore: tuple[str, ...] = ("lm_head",)
-    clip: Literal["none", "mse"] = "none"
+    # Per-group range shrink: mse minimises the weight error, output the error of the linear's
+    # output on the calibration data (needs calibration).
+    clip: Literal["none", "mse", "output"] = "none"
     calibration: CalibConfig | None = None  # None: no forward passes, no per-layer error report
+    gptq: GPTQConfig = GPTQConfig()
+    awq: AWQConfig = AWQConfig()
 
     @model_validator(mode="after")
     def _group_size(self) -> Recipe:

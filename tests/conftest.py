@@ -29,6 +29,7 @@ def make_tiny(
     layers: int = 2,
     dtype: torch.dtype = torch.float32,
     shards: str | None = None,
+    kv_heads: int = 1,
 ) -> Path:
     """A small random decoder of `model_type`, saved as a Hugging Face folder.
 
@@ -43,7 +44,7 @@ def make_tiny(
         intermediate_size=512,
         num_hidden_layers=layers,
         num_attention_heads=3,
-        num_key_value_heads=1,
+        num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=512,
         tie_word_embeddings=True,

@@ -46,6 +46,12 @@ class InputStats:
             self.hessian += (2.0 / total) * (rows.T @ rows)
         self.num_tokens += n
 
+    def rescaled(self, factor: Tensor) -> InputStats:
+        """The statistics of x · diag(factor) (inputs after an equivalence scaling), exactly."""
+        factor = factor.to(self.absmax)
+        hessian = None if self.hessian is None else self.hessian * torch.outer(factor, factor)
+        return InputStats(self.absmax * factor, self.abs_sum * factor, self.num_tokens, hessian)
+
     @property
     def mean_abs(self) -> Tensor:
         return self.abs_sum / max(self.num_tokens, 1)

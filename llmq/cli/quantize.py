@@ -38,7 +38,12 @@ def quantize(
             help=f"Preset: {', '.join(scheme_names())}. w4a16: int4 weights, group 128, symmetric; w8a8: int8 per-channel weights + dynamic per-token int8 activations; fp8: E4M3 per-channel weights + dynamic per-token activations."
         ),
     ] = "w4a16",
-    method: Annotated[str, typer.Option(help="Weight quantization method: rtn.")] = "rtn",
+    method: Annotated[
+        str,
+        typer.Option(
+            help="rtn: round to nearest (no data needed). gptq: GPTQ, errors spread over the columns not yet quantized using each input's Hessian. awq: AWQ scales searched on the calibration data and folded into the preceding norm/linear, then rtn. awq+gptq: AWQ scales, then gptq."
+        ),
+    ] = "rtn",
     group_size: Annotated[
         int | None,
         typer.Option(
@@ -60,9 +65,21 @@ def quantize(
     clip: Annotated[
         str,
         typer.Option(
-            help="RTN range: none (min/max) or mse (per-group MSE-optimal clipping search)."
+            help="Per-group range: none (min/max); mse (shrink factor minimising the weight error); output (shrink factor minimising the group's output error on the calibration data, as AWQ's clip search)."
         ),
     ] = "none",
+    dampening_frac: Annotated[
+        float,
+        typer.Option(
+            help="gptq: added to the Hessian diagonal, as a fraction of its mean, in (0, 1). Raised step by step (and reported) when the Hessian is still not positive definite."
+        ),
+    ] = 0.01,
+    actorder: Annotated[
+        str,
+        typer.Option(
+            help="gptq column order: static (largest Hessian diagonal first, groups fixed up front; loads everywhere) or none (in order, as in the paper)."
+        ),
+    ] = "static",
     calib_text: CalibText = DEFAULT_CALIBRATION_TEXT,
     num_samples: Annotated[
         int | None,
@@ -105,7 +122,7 @@ def quantize(
             scheme=scheme, method=method, group_size=group_size,
             strict_group_size=strict_group_size, ignore=("lm_head", *(ignore or [])), clip=clip,
             calib_text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed,
-            skip_layer_check=skip_layer_check,
+            skip_layer_check=skip_layer_check, dampening_frac=dampening_frac, actorder=actorder,
         )  # fmt: skip
         with progress_bars(json_out=json_out) as progress:
             try:
@@ -123,21 +140,28 @@ def quantize(
 
 
 def render(result: Any) -> None:
+    compare = any(layer.rtn_output_rel_rmse is not None for layer in result.layers)
     table = Table(title=f"{result.scheme} ({result.method}) per-layer report")
     table.add_column("layer", justify="right")
     table.add_column("output rel. RMSE", justify="right")
-    table.add_column("worst linear (weight NRMSE)")
+    if compare:
+        table.add_column("with RTN", justify="right")
+        table.add_column("worst linear: output error (RTN)")
+    else:
+        table.add_column("worst linear (weight NRMSE)")
     table.add_column("seconds", justify="right")
     for layer in result.layers:
-        worst = max(layer.linears, key=lambda linear: linear.weight_nrmse, default=None)
-        error = "-" if layer.output_rel_rmse is None else f"{layer.output_rel_rmse:.4f}"
-        worst_text = (
-            "-"
-            if worst is None
-            else f"{worst.name.rsplit('.', 2)[-2:][-1]} {worst.weight_nrmse:.4f}"
-        )
-        table.add_row(str(layer.index), error, worst_text, f"{layer.seconds:.1f}")
+        cells = [str(layer.index), _number(layer.output_rel_rmse)]
+        if compare:
+            cells += [_number(layer.rtn_output_rel_rmse), _worst_output(layer.linears)]
+        else:
+            cells.append(_worst_weight(layer.linears))
+        table.add_row(*cells, f"{layer.seconds:.1f}")
     out_console.print(table)
+    for layer in result.layers:
+        for linear in layer.linears:
+            if linear.warning:
+                out_console.print(f"warning: {linear.name}: {linear.warning}")
     adjusted = Counter(
         (a["requested"], a["used"], a["in_features"]) for a in result.group_size_adjustments
     )
@@ -154,3 +178,24 @@ def render(result: Any) -> None:
         f"wrote {result.out_dir} ({sizes['output'] / 1e6:.1f} MB, source {sizes['source'] / 1e6:.1f} MB) "
         f"in {result.seconds:.1f} s; kept in full precision: {len(result.ignored)} linears"
     )
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _short(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def _worst_weight(linears: list[Any]) -> str:
+    worst = max(linears, key=lambda linear: linear.weight_nrmse, default=None)
+    return "-" if worst is None else f"{_short(worst.name)} {worst.weight_nrmse:.4f}"
+
+
+def _worst_output(linears: list[Any]) -> str:
+    measured = [linear for linear in linears if linear.output_error is not None]
+    worst = max(measured, key=lambda linear: linear.output_error, default=None)
+    if worst is None:
+        return "-"
+    return f"{_short(worst.name)} {worst.output_error:.4f} ({_number(worst.rtn_output_error)})"

@@ -24,7 +24,10 @@ class DecoderLayout:
     # Linears of one layer, grouped by shared input, in execution order. Members of a group read
     # the same activations, so they share calibration statistics (and a GPTQ Hessian).
     sequential: tuple[tuple[str, ...], ...]
-    # (norm, linears it feeds): where SmoothQuant/AWQ fold their per-channel scales.
+    # (producer, linears reading its output), in execution order: where AWQ and SmoothQuant fold
+    # per-channel scales. A producer is a norm (its weight absorbs 1/s) or a linear (its output
+    # rows do; used only where its out_features equal the consumers' in_features, so not for
+    # v_proj -> o_proj under grouped-query attention).
     smooth: tuple[tuple[str, tuple[str, ...]], ...]
 
     @property
@@ -44,7 +47,12 @@ _LLAMA_LIKE = DecoderLayout(
     lm_head="lm_head",
     rotary="model.rotary_emb",
     sequential=(_ATTENTION, ("self_attn.o_proj",), _MLP_IN, ("mlp.down_proj",)),
-    smooth=(("input_layernorm", _ATTENTION), ("post_attention_layernorm", _MLP_IN)),
+    smooth=(
+        ("input_layernorm", _ATTENTION),
+        ("self_attn.v_proj", ("self_attn.o_proj",)),
+        ("post_attention_layernorm", _MLP_IN),
+        ("mlp.up_proj", ("mlp.down_proj",)),
+    ),
 )
 
 FAMILY_LAYOUT: dict[str, DecoderLayout] = {

@@ -92,7 +92,20 @@ def decompress(tensors: dict[str, Tensor], args: QuantArgs) -> Tensor:
             zero = unpack_int32(zero, args.num_bits, (shape[0], scale.shape[-1]), packed_dim=0)
     else:
         codes = tensors["weight"]
+    g_idx = tensors.get("weight_g_idx")
+    if g_idx is not None and args.strategy == "group":
+        return _dequantize_by_group_index(codes, scale, zero, g_idx.long())
     return dequantize(codes, scale, zero, args)
+
+
+def _dequantize_by_group_index(
+    codes: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tensor
+) -> Tensor:
+    """Older GPTQ checkpoints (actorder "group") name each input column's group in g_idx."""
+    values = codes.to(torch.float32)
+    if zero is not None:
+        values = values - zero.to(torch.float32)[:, g_idx]
+    return values * scale.to(torch.float32)[:, g_idx]
 
 
 def quantization_config(

@@ -17,7 +17,9 @@ from llmq.io.checkpoint import Checkpoint
 from llmq.pack.format import decompress
 
 _ARG_FIELDS = ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic")
-_COMPRESSED_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+_COMPRESSED_SUFFIXES = (
+    "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +98,7 @@ class QuantizedView:
             scheme = schemes[module]
             if scheme is not None and (leaf in _COMPRESSED_SUFFIXES or leaf == "weight"):
                 pending.setdefault(module, (scheme, {}))[1][leaf] = ckpt.read(name)
-            elif leaf not in ("input_scale", "weight_g_idx"):
+            elif leaf != "input_scale":
                 state[name[len(prefix) :]] = ckpt.read(name)
         for module, (scheme, tensors) in pending.items():
             state[f"{module[len(prefix) :]}.weight"] = decompress(tensors, scheme.weights)

@@ -9,8 +9,10 @@ layer's inputs and the layer's output error, write its packed tensors, and recor
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +29,15 @@ from llmq.io.atomic import publish, save_safetensors, staging_path, write_json
 from llmq.io.checkpoint import Checkpoint
 from llmq.pack.format import PackFormat, compress, quantization_config, scheme_format
 from llmq.pipeline.plan import LinearPlan, Plan, config_groups
+from llmq.pipeline.scaling import ScaleReport, apply_awq, rtn_quantizer
 from llmq.pipeline.state import HIDDEN_FILE, STATE_FILE, RunState, load_state
 from llmq.progress import NO_PROGRESS, Progress
-from llmq.quant.methods import Method, get_method
+from llmq.quant.awq import output_error
+from llmq.quant.methods import Method, MethodResult, get_method
+from llmq.quant.rtn import rtn_quantize_weight
 
+log = logging.getLogger(__name__)
+RTN_COMPARISON_WINDOWS = 16  # enough for a comparison, a fraction of a pass at 128 windows
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 RECORD_FILE = "llmq.json"
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
@@ -41,6 +48,13 @@ class LinearReport:
     name: str
     quant: str  # e.g. "int4 g64"
     weight_nrmse: float  # ||W - deq(q(W))|| / ||W||
+    # ||(W - Q) X|| / ||W X|| on the calibration inputs, from their Hessian (methods that collect
+    # one); for AWQ-scaled linears, of the scaled weight on the scaled inputs.
+    output_error: float | None = None
+    rtn_output_error: float | None = None  # the same for plain RTN of the original weight
+    loss: float | None = None  # the method's own objective (GPTQ's loss)
+    dampening_frac: float | None = None  # GPTQ's dampening, raised when Cholesky failed
+    warning: str | None = None  # numerical trouble handled by a documented fallback
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +63,9 @@ class LayerReport:
     output_rel_rmse: float | None  # ||Y_q - Y|| / ||Y|| on the calibration batch; None: no data
     seconds: float
     linears: list[LinearReport]
+    # The same layer and inputs with plain RTN, on the first RTN_COMPARISON_WINDOWS windows.
+    rtn_output_rel_rmse: float | None = None
+    scales: list[ScaleReport] = field(default_factory=list)  # AWQ's folds
 
 
 @dataclass(slots=True)
@@ -127,7 +144,8 @@ def run_quantization(
 
 def _layer_report(raw: dict[str, Any]) -> LayerReport:
     linears = [LinearReport(**linear) for linear in raw["linears"]]
-    return LayerReport(**{**raw, "linears": linears})
+    scales = [ScaleReport(**scale) for scale in raw.get("scales", [])]
+    return LayerReport(**{**raw, "linears": linears, "scales": scales})
 
 
 def _initial_hidden(stream: LayerStream, state: RunState, ids: Tensor | None) -> Tensor | None:
@@ -153,27 +171,96 @@ def _quantize_layer(
     prefix = stream.layout.layer_prefix(index)
     layer = stream.load_layer(index)
     local = {linear.name[len(prefix) :]: linear for linear in linears}
-    passes = 0 if hidden is None else 2 * len(list(stream.batches(hidden)))
+    compare = hidden is not None and method.name != "rtn"  # report what plain RTN would give
+    passes = 0 if hidden is None else 2 * _batches(stream, hidden)
+    if compare:
+        passes += _batches(stream, hidden[:RTN_COMPARISON_WINDOWS])
     with progress.stage(f"layer {index}", total=passes, transient=True) as step:
-        reference, observed, output = None, {}, None
+        reference, observed, output, rtn_error = None, {}, None, None
         if hidden is not None:
             reference, observed = run_observed(
                 stream, layer, list(local), hidden,
                 hessian=method.needs_hessian, on_batch=lambda: step(1),
             )  # fmt: skip
         stats = {name: _stats_for(calib_stats, observed, prefix, name) for name in local}
-        fmt = scheme_format(recipe.scheme)
-        tensors, linear_reports = _quantize_linears(layer, local, stats, method, fmt)
+        rtn_errors: dict[str, float | None] = {}
+        if compare:
+            rtn_errors, rtn_error = _compare_with_rtn(
+                stream, layer, local, stats, recipe, hidden, reference, lambda: step(1)
+            )
+        scale_reports: list[ScaleReport] = []
+        if method.awq is not None:
+            quantizers = {
+                name: rtn_quantizer(linear.args, _TORCH_DTYPES[linear.dtype])
+                for name, linear in local.items()
+            }
+            stats, scale_reports = apply_awq(layer, stream.layout, quantizers, stats, method.awq)
+        tensors, linear_reports = _quantize_linears(
+            layer, local, stats, method, scheme_format(recipe.scheme), rtn_errors
+        )
         if reference is not None:
-            act = recipe.scheme.input_activations
-            with activation_quantization(layer, dict.fromkeys(local, act) if act else {}):
-                output = stream.run_layer(layer, hidden, on_batch=lambda: step(1))
+            output = _run_quantized(stream, layer, local, recipe, hidden, lambda: step(1))
             _check_finite(output, f"the output of layer {index}")
     error = None if reference is None else _relative_rmse(output, reference)
     tensors = {f"{prefix}{key}": value for key, value in tensors.items()}
-    tensors.update(_other_layer_tensors(stream.ckpt, prefix, local))
-    report = LayerReport(index, error, time.perf_counter() - started, linear_reports)
+    tensors.update(_other_layer_tensors(stream.ckpt, layer, prefix, local))
+    report = LayerReport(
+        index, error, time.perf_counter() - started, linear_reports, rtn_error, scale_reports
+    )
     return report, output, tensors
+
+
+def _batches(stream: LayerStream, hidden: Tensor) -> int:
+    return len(list(stream.batches(hidden)))
+
+
+def _compare_with_rtn(
+    stream: LayerStream,
+    layer: nn.Module,
+    local: dict[str, LinearPlan],
+    stats: dict[str, InputStats | None],
+    recipe: Recipe,
+    hidden: Tensor,
+    reference: Tensor,
+    on_batch: Callable[[], Any],
+) -> tuple[dict[str, float | None], float]:
+    """What plain RTN would give: each linear's output error, and the layer's output error on
+    the first windows (its weights swapped in and back, so no second copy of the layer)."""
+    originals: dict[str, Tensor] = {}
+    errors: dict[str, float | None] = {}
+    for name, linear in local.items():
+        module = layer.get_submodule(name)
+        weight = originals[name] = module.weight.data
+        q = rtn_quantize_weight(weight, linear.args, scale_dtype=_TORCH_DTYPES[linear.dtype])
+        module.weight.data = q.dequantize(weight.dtype)
+        errors[name] = _output_error(module.weight.data - weight, weight, stats[name])
+    few = hidden[:RTN_COMPARISON_WINDOWS]
+    output = _run_quantized(stream, layer, local, recipe, few, on_batch)
+    for name, weight in originals.items():
+        layer.get_submodule(name).weight.data = weight
+    return errors, _relative_rmse(output, reference[:RTN_COMPARISON_WINDOWS])
+
+
+def _run_quantized(
+    stream: LayerStream,
+    layer: nn.Module,
+    local: dict[str, LinearPlan],
+    recipe: Recipe,
+    hidden: Tensor,
+    on_batch: Callable[[], Any],
+) -> Tensor:
+    """The layer's output with its activations quantized as the scheme says."""
+    act = recipe.scheme.input_activations
+    with activation_quantization(layer, dict.fromkeys(local, act) if act else {}):
+        return stream.run_layer(layer, hidden, on_batch=on_batch)
+
+
+def _output_error(delta: Tensor, weight: Tensor, stats: InputStats | None) -> float | None:
+    """||ΔW X|| / ||W X|| on the calibration inputs, when their Hessian was collected."""
+    if stats is None or stats.hessian is None:
+        return None
+    reference = float(output_error(weight, stats.hessian))
+    return (float(output_error(delta, stats.hessian)) / max(reference, 1e-30)) ** 0.5
 
 
 def _stats_for(
@@ -196,6 +283,7 @@ def _quantize_linears(
     stats: dict[str, InputStats | None],
     method: Method,
     fmt: PackFormat,
+    rtn_errors: dict[str, float | None],
 ) -> tuple[dict[str, Tensor], list[LinearReport]]:
     """Quantize each linear, put its dequantized weight back for the quantized pass, and return
     its on-disk tensors (names relative to the layer)."""
@@ -204,19 +292,38 @@ def _quantize_linears(
     for name, linear in local.items():
         module = layer.get_submodule(name)
         weight = module.weight.data
-        q = method.quantize_weight(
-            weight, linear.args, stats[name], scale_dtype=_TORCH_DTYPES[linear.dtype]
-        )
-        _check_finite(q.scale, f"the scales of {linear.name}")
-        dequantized = q.dequantize(weight.dtype)
-        nrmse = float(
-            (dequantized - weight).double().norm() / weight.double().norm().clamp_min(1e-30)
-        )
-        reports.append(LinearReport(linear.name, linear.args.label, nrmse))
+        result = _quantize_one(method, weight, linear, stats[name])
+        _check_finite(result.weight.scale, f"the scales of {linear.name}")
+        dequantized = result.weight.dequantize(weight.dtype)
+        delta = dequantized - weight
+        nrmse = float(delta.double().norm() / weight.double().norm().clamp_min(1e-30))
+        reports.append(
+            LinearReport(
+                linear.name, linear.args.label, nrmse,
+                output_error=_output_error(delta, weight, stats[name]),
+                rtn_output_error=rtn_errors.get(name),
+                loss=result.loss, dampening_frac=result.dampening_frac, warning=result.warning,
+            )
+        )  # fmt: skip
         module.weight.data = dequantized
-        for suffix, tensor in compress(q, fmt).items():
+        for suffix, tensor in compress(result.weight, fmt).items():
             tensors[f"{name}.{suffix}"] = tensor.cpu()
     return tensors, reports
+
+
+def _quantize_one(
+    method: Method, weight: Tensor, linear: LinearPlan, stats: InputStats | None
+) -> MethodResult:
+    """The method on one linear; numerical trouble is named and a raised dampening warned."""
+    try:
+        result = method.quantize_weight(
+            weight, linear.args, stats, scale_dtype=_TORCH_DTYPES[linear.dtype]
+        )
+    except NumericalError as exc:
+        raise NumericalError(f"{linear.name}: {exc.message}", hint=exc.hint) from None
+    if result.warning:
+        log.warning("%s: %s", linear.name, result.warning)
+    return result
 
 
 def _relative_rmse(output: Tensor, reference: Tensor) -> float:
@@ -233,12 +340,16 @@ def _check_finite(tensor: Tensor, what: str) -> None:
 
 
 def _other_layer_tensors(
-    ckpt: Checkpoint, prefix: str, local: dict[str, LinearPlan]
+    ckpt: Checkpoint, layer: nn.Module, prefix: str, local: dict[str, LinearPlan]
 ) -> dict[str, Tensor]:
-    """Tensors of the layer that are not quantized weights (norms, biases, ignored linears), as stored."""
+    """Tensors of the layer that are not quantized weights (norms, biases, ignored linears), in
+    their stored dtype, from the module: AWQ may have folded scales into them."""
     quantized = {f"{prefix}{name}.weight" for name in local}
+    state = layer.state_dict()
     return {
-        name: ckpt.read(name) for name in ckpt.names_with_prefix(prefix) if name not in quantized
+        name: state[name[len(prefix) :]].to(device="cpu", dtype=ckpt.read(name).dtype)
+        for name in ckpt.names_with_prefix(prefix)
+        if name not in quantized
     }
 
 

@@ -1,7 +1,8 @@
 """Weight quantization methods, by name. The layer pipeline calls them; they only see tensors.
 
 A method turns one linear's weight (and, if it asks for them, the statistics of that linear's
-input) into a `QuantizedWeight`. GPTQ, AWQ and the pruners register here the same way RTN does.
+input) into a `QuantizedWeight`. AWQ is a scale search the pipeline applies before the weight
+quantizer (RTN for "awq", GPTQ for "awq+gptq"); the pruners will register here the same way.
 """
 
 from __future__ import annotations
@@ -13,18 +14,28 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from llmq.config import QuantArgs, Recipe
+from llmq.config import AWQConfig, GPTQConfig, QuantArgs, Recipe
 from llmq.errors import InputError
+from llmq.quant.gptq import gptq_quantize_weight
 from llmq.quant.primitives import QuantizedWeight
-from llmq.quant.rtn import rtn_quantize_weight
+from llmq.quant.rtn import clip_ratios, output_hessian, rtn_quantize_weight
 
 if TYPE_CHECKING:  # statistics are produced by llmq.calib; methods only read them
     from llmq.calib.stats import InputStats
 
 
+@dataclass(frozen=True, slots=True)
+class MethodResult:
+    weight: QuantizedWeight
+    loss: float | None = None  # the method's own objective (GPTQ's), when it has one
+    dampening_frac: float | None = None  # GPTQ: the dampening used (raised if Cholesky failed)
+    warning: str | None = None  # numerical trouble handled by a documented fallback
+
+
 class Method(Protocol):
     name: str
     needs_hessian: bool  # the pipeline accumulates XᵀX per input when True
+    awq: AWQConfig | None  # search and fold AWQ scales before quantizing, when set
 
     def quantize_weight(
         self,
@@ -33,7 +44,7 @@ class Method(Protocol):
         stats: InputStats | None,
         *,
         scale_dtype: torch.dtype,
-    ) -> QuantizedWeight: ...
+    ) -> MethodResult: ...
 
 
 _METHODS: dict[str, Callable[[Recipe], Method]] = {}
@@ -63,20 +74,86 @@ def get_method(recipe: Recipe) -> Method:
     return factory(recipe)
 
 
+def _hessian(stats: InputStats | None, method: str) -> Tensor:
+    if stats is None or stats.hessian is None:
+        raise InputError(
+            f"{method} needs the Hessian of each linear's input",
+            hint="run with calibration data, or collect it with `llmq calibrate --hessian`",
+        )
+    return stats.hessian
+
+
 @dataclass(frozen=True, slots=True)
 class RTN:
-    """Round to nearest; `clip="mse"` searches each group's clipping range."""
+    """Round to nearest; `clip` searches each group's clipping range (mse: weight error,
+    output: output error on the calibration data)."""
 
     clip: str = "none"
+    awq: AWQConfig | None = None
     name: str = "rtn"
-    needs_hessian: bool = False
+
+    @property
+    def needs_hessian(self) -> bool:
+        return self.clip == "output" or self.awq is not None
 
     def quantize_weight(
         self, weight: Tensor, args: QuantArgs, stats: InputStats | None, *, scale_dtype: torch.dtype
-    ) -> QuantizedWeight:
-        return rtn_quantize_weight(weight, args, scale_dtype=scale_dtype, clip=self.clip)
+    ) -> MethodResult:
+        hessian = _hessian(stats, self.name) if self.clip == "output" else None
+        q = rtn_quantize_weight(
+            weight, args, scale_dtype=scale_dtype, clip=self.clip, hessian=hessian
+        )
+        return MethodResult(q)
+
+
+@dataclass(frozen=True, slots=True)
+class GPTQ:
+    """GPTQ on each linear's Hessian; `clip` picks the group ranges as RTN's does."""
+
+    config: GPTQConfig
+    clip: str = "none"
+    awq: AWQConfig | None = None
+    name: str = "gptq"
+    needs_hessian: bool = True
+
+    def quantize_weight(
+        self, weight: Tensor, args: QuantArgs, stats: InputStats | None, *, scale_dtype: torch.dtype
+    ) -> MethodResult:
+        hessian = _hessian(stats, self.name)
+        ratio = None
+        if self.clip != "none" and args.type != "float":
+            ratio = clip_ratios(
+                weight, args, scale_dtype=scale_dtype, hessian=output_hessian(self.clip, hessian)
+            )
+        result = gptq_quantize_weight(
+            weight, hessian, args, block_size=self.config.block_size,
+            dampening_frac=self.config.dampening_frac, actorder=self.config.actorder,
+            scale_dtype=scale_dtype, clip_ratio=ratio,
+        )  # fmt: skip
+        warning = None
+        if result.dampening_frac > self.config.dampening_frac:
+            warning = (
+                f"Hessian not positive definite with dampening {self.config.dampening_frac:g}; "
+                f"used {result.dampening_frac:g}. More calibration samples usually avoid this."
+            )
+        return MethodResult(result.weight, result.loss, result.dampening_frac, warning)
 
 
 @register_method("rtn")
 def _rtn(recipe: Recipe) -> Method:
     return RTN(clip=recipe.clip)
+
+
+@register_method("awq")
+def _awq(recipe: Recipe) -> Method:
+    return RTN(clip=recipe.clip, awq=recipe.awq, name="awq")
+
+
+@register_method("gptq")
+def _gptq(recipe: Recipe) -> Method:
+    return GPTQ(recipe.gptq, clip=recipe.clip)
+
+
+@register_method("awq+gptq")
+def _awq_gptq(recipe: Recipe) -> Method:
+    return GPTQ(recipe.gptq, clip=recipe.clip, awq=recipe.awq, name="awq+gptq")

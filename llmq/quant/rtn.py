@@ -1,4 +1,4 @@
-"""RTN (round to nearest), with an optional per-group MSE-optimal clipping search."""
+"""RTN (round to nearest), with an optional per-group clipping search."""
 
 from __future__ import annotations
 
@@ -14,27 +14,64 @@ CLIP_GRID = torch.linspace(1.0, 0.5, 20, dtype=torch.float64)
 
 
 def rtn_quantize_weight(
-    weight: Tensor, args: QuantArgs, *, scale_dtype: torch.dtype | None = None, clip: str = "none"
+    weight: Tensor,
+    args: QuantArgs,
+    *,
+    scale_dtype: torch.dtype | None = None,
+    clip: str = "none",
+    hessian: Tensor | None = None,
 ) -> QuantizedWeight:
-    """Quantize weight [out, in] to nearest; clip="mse" picks each group's range shrink factor
-    from CLIP_GRID minimising the group's squared quantization error."""
+    """Quantize weight [out, in] to nearest. clip="mse" picks each group's range shrink factor
+    from CLIP_GRID minimising the group's squared weight error; clip="output" minimises the
+    group's output error on the calibration inputs instead (needs their `hessian`)."""
     if clip == "none" or args.type == "float":
         return quantize_weight(weight, args, scale_dtype=scale_dtype)
-    best_ratio = mse_clip_ratios(weight, args, scale_dtype=scale_dtype)
-    return quantize_weight(weight, args, scale_dtype=scale_dtype, clip_ratio=best_ratio)
+    ratio = clip_ratios(
+        weight, args, scale_dtype=scale_dtype, hessian=output_hessian(clip, hessian)
+    )
+    return quantize_weight(weight, args, scale_dtype=scale_dtype, clip_ratio=ratio)
 
 
-def mse_clip_ratios(
-    weight: Tensor, args: QuantArgs, *, scale_dtype: torch.dtype | None = None
+def output_hessian(clip: str, hessian: Tensor | None) -> Tensor | None:
+    """The Hessian that weights the clipping error: None (plain weight MSE) for clip="mse"."""
+    if clip != "output":
+        return None
+    if hessian is None:
+        raise ValueError('clip="output" needs the Hessian of the calibration inputs')
+    return hessian
+
+
+def clip_ratios(
+    weight: Tensor,
+    args: QuantArgs,
+    *,
+    scale_dtype: torch.dtype | None = None,
+    hessian: Tensor | None = None,
 ) -> Tensor:
-    """Per-group shrink factor [out or 1, groups] minimising ||w - deq(q(w))||² within the group."""
+    """Per-group shrink factor [out or 1, groups] from CLIP_GRID minimising the group's error:
+    ||Δw||² without a Hessian, Δw H_gg Δwᵀ (the group's share of the squared output error on
+    the calibration inputs, cross-group terms left out as in AWQ's clip search) with one."""
     groups = as_groups(weight, args).to(torch.float32)
+    blocks = None if hessian is None else _diagonal_blocks(hessian.to(torch.float32), groups.shape)
     best_err = torch.full(groups.shape[:2], float("inf"), dtype=torch.float64)
     best_ratio = torch.ones(groups.shape[:2], dtype=torch.float64)
     for ratio in CLIP_GRID:
         q = quantize_weight(weight, args, scale_dtype=scale_dtype, clip_ratio=ratio)
-        err = (as_groups(q.dequantize(), args) - groups).double().pow(2).sum(dim=-1)
+        delta = as_groups(q.dequantize(), args) - groups
+        if blocks is None:
+            err = delta.double().pow(2).sum(dim=-1)
+        else:
+            err = torch.einsum("rgi,gij,rgj->rg", delta, blocks, delta).double()
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_ratio = torch.where(better, ratio, best_ratio)
     return best_ratio
+
+
+def _diagonal_blocks(hessian: Tensor, grouped_shape: torch.Size) -> Tensor:
+    """H's diagonal blocks [groups, n, n], one per column group of a [rows, groups, n] view."""
+    _, groups, n = grouped_shape
+    if hessian.shape[0] != groups * n:  # per-tensor groups span rows: use the whole H per row
+        raise ValueError("output clipping needs per-channel or per-group weight scales")
+    blocks = hessian.reshape(groups, n, groups, n)
+    return blocks.diagonal(dim1=0, dim2=2).permute(2, 0, 1)

@@ -43,6 +43,9 @@ def assert_bad_input(result, fragment: str) -> None:
         (["--num-samples", "0"], "--num-samples 0"),
         (["--method", "magic"], "unknown method"),
         (["--clip", "maybe"], "clip"),
+        (["--method", "gptq", "--dampening-frac", "2"], "dampening_frac"),
+        (["--method", "gptq", "--actorder", "group"], "weight_g_idx"),
+        (["--method", "gptq", "--skip-layer-check"], "needs calibration"),
     ],
 )
 def test_bad_options_exit_2(

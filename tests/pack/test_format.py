@@ -50,3 +50,19 @@ def test_compress_decompress_round_trip(args: QuantArgs, fmt: PackFormat) -> Non
         assert tensors["weight_packed"].shape == (24, 96 * args.num_bits // 32)
         assert tensors["weight_shape"].tolist() == [24, 96]
         assert ("weight_zero_point" in tensors) == (not args.symmetric)
+
+
+def test_group_index_checkpoints_dequantize_per_column() -> None:
+    """An actorder="group" checkpoint (llm-compressor before compressed-tensors 0.20) assigns
+    each column a group through weight_g_idx; every column uses its own group's scale and zero."""
+    gen = torch.Generator().manual_seed(0)
+    args = QuantArgs(num_bits=4, strategy="group", group_size=16, symmetric=False)
+    codes = torch.randint(-8, 8, (6, 64), generator=gen, dtype=torch.int8)
+    scale = torch.rand(6, 4, generator=gen) + 0.1
+    zero = torch.randint(-8, 8, (6, 4), generator=gen, dtype=torch.int8)
+    g_idx = torch.randperm(64, generator=gen) // 16
+    q = quantize_weight(torch.zeros(6, 64), args)  # only for the packing layout
+    tensors = compress(type(q)(codes, scale, zero, args), PackFormat.PACK_QUANTIZED)
+    tensors["weight_g_idx"] = g_idx.to(torch.int32)
+    expected = (codes.double() - zero.double()[:, g_idx]) * scale.double()[:, g_idx]
+    assert torch.allclose(decompress(tensors, args).double(), expected, atol=1e-6)

@@ -1,0 +1,89 @@
+"""Equivalence scaling of a loaded decoder layer: AWQ's per-channel scales, searched on the
+layer's calibration statistics and folded into the modules, before any weight is quantized.
+
+The pairings (which norm or linear feeds which linears) come from the family table; this
+module only applies them. SmoothQuant folds the same way with its own scale formula.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from llmq.calib.stats import InputStats
+from llmq.config import AWQConfig, QuantArgs
+from llmq.io.family import DecoderLayout
+from llmq.quant.awq import Quantizer, fold_into_norm, fold_into_rows, scale_columns, search_scales
+from llmq.quant.primitives import quantize_weight
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleReport:
+    producer: str  # the norm or linear that absorbed 1/s
+    alpha: float
+    error_reduction: float  # 1 - error(alpha) / error(alpha = 0) of the consumers' outputs
+
+
+def rtn_quantizer(args: QuantArgs, scale_dtype: torch.dtype) -> Quantizer:
+    """The quantize-dequantize the scale search scores (plain RTN, as in AWQ)."""
+    return lambda weight: quantize_weight(weight, args, scale_dtype=scale_dtype).dequantize()
+
+
+def apply_awq(
+    layer: nn.Module,
+    layout: DecoderLayout,
+    quantizers: dict[str, Quantizer],
+    stats: dict[str, InputStats | None],
+    config: AWQConfig,
+) -> tuple[dict[str, InputStats | None], list[ScaleReport]]:
+    """Search and fold AWQ scales for every pairing whose consumers are all being quantized
+    (`quantizers`, by name in the layer). Returns the consumers' statistics after scaling (their
+    inputs are now x / s) and what was done."""
+    stats = dict(stats)
+    reports = []
+    for producer, consumers in layout.smooth:
+        shared = _foldable_stats(layer, producer, consumers, quantizers, stats)
+        if shared is None or shared.hessian is None:
+            continue
+        weights = [(layer.get_submodule(name).weight.data, quantizers[name]) for name in consumers]
+        search = search_scales(weights, shared.mean_abs, shared.hessian, grid=config.grid)
+        _fold(layer, producer, consumers, search.scales)
+        rescaled = shared.rescaled(1.0 / search.scales)
+        stats.update(dict.fromkeys(consumers, rescaled))
+        reduction = 1.0 - search.error / search.error_unscaled if search.error_unscaled > 0 else 0.0
+        reports.append(ScaleReport(producer, search.alpha, reduction))
+    return stats, reports
+
+
+def _foldable_stats(
+    layer: nn.Module,
+    producer: str,
+    consumers: tuple[str, ...],
+    quantizers: dict[str, Quantizer],
+    stats: dict[str, InputStats | None],
+) -> InputStats | None:
+    """The consumers' shared input statistics, or None where the pairing does not apply: an
+    ignored consumer (nothing to protect) or a linear producer of another width (GQA's v_proj)."""
+    if not all(name in quantizers for name in consumers):
+        return None
+    source = layer.get_submodule(producer)
+    width = layer.get_submodule(consumers[0]).weight.shape[1]
+    if isinstance(source, nn.Linear) and source.out_features != width:
+        return None
+    return stats.get(consumers[0])
+
+
+@torch.no_grad()
+def _fold(layer: nn.Module, producer: str, consumers: tuple[str, ...], scales: Tensor) -> None:
+    source = layer.get_submodule(producer)
+    if isinstance(source, nn.Linear):
+        source.weight.data = fold_into_rows(source.weight.data, scales)
+        if source.bias is not None:
+            source.bias.data = fold_into_rows(source.bias.data, scales)
+    else:
+        source.weight.data = fold_into_norm(source.weight.data, scales)
+    for name in consumers:
+        module = layer.get_submodule(name)
+        module.weight.data = scale_columns(module.weight.data, scales)

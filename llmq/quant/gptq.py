@@ -1,0 +1,200 @@
+"""GPTQ (Frantar et al., arXiv 2210.17323): quantize one column at a time and spread each
+column's rounding error over the columns not yet quantized, weighted by the inverse Hessian.
+
+    W: [out, in] weight    H = 2 XᵀX / n: [in, in] Hessian of the layer-output error
+    Hinv = upper Cholesky factor of (H + λ·mean(diag H)·I)⁻¹
+    for each column j:  q_j = Q(w_j);  e_j = (w_j - q_j) / Hinv[j, j];  W[:, j:] -= e_j Hinv[j, j:]
+
+Updates are applied lazily in blocks of `block_size` columns (the result is the same, the
+memory traffic much lower). Codes come from `quantize_grouped`, the same rounding as RTN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from llmq.config import QuantArgs
+from llmq.errors import NumericalError
+from llmq.quant.primitives import (
+    ACCUM_DTYPE,
+    QuantizedWeight,
+    as_groups,
+    choose_qparams,
+    quantize_grouped,
+)
+
+# When H + λI is not positive definite, λ is multiplied by this until it is, up to MAX_DAMPENING.
+DAMPENING_STEP = 10.0
+MAX_DAMPENING = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class GPTQResult:
+    weight: QuantizedWeight
+    loss: float  # GPTQ's objective: Σ_j ||w_j - q_j||² / (2 Hinv[j, j]²)
+    dampening_frac: float  # the dampening used; larger than asked when Cholesky failed
+
+
+def gptq_quantize_weight(
+    weight: Tensor,
+    hessian: Tensor,
+    args: QuantArgs,
+    *,
+    block_size: int = 128,
+    dampening_frac: float = 0.01,
+    actorder: Literal["static", "none"] = "static",
+    scale_dtype: torch.dtype | None = None,
+    clip_ratio: Tensor | None = None,
+) -> GPTQResult:
+    """GPTQ on one linear. weight: [out, in]; hessian: [in, in], float32 (or float64, then the
+    whole algorithm runs in float64). clip_ratio [out, groups] shrinks each group's range.
+
+    actorder="static" visits columns by decreasing H[j, j] with each group's scale fixed from
+    the original weights, so groups stay contiguous and the checkpoint needs no g_idx.
+    actorder="none" visits columns in order and takes each group's range from the weights as
+    updated when the group starts (the paper's algorithm).
+    """
+    rows, cols = weight.shape
+    if hessian.shape != (cols, cols):
+        raise ValueError(
+            f"Hessian shape {tuple(hessian.shape)} does not match weight {rows}x{cols}"
+        )
+    work = torch.float64 if hessian.dtype == torch.float64 else ACCUM_DTYPE
+    scale_dtype = scale_dtype or (weight.dtype if weight.is_floating_point() else ACCUM_DTYPE)
+    w = weight.to(work).clone()
+    h = hessian.to(work).clone()
+    dead = h.diagonal() == 0  # inputs that were always zero: any weight there is free
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    params = _QParams(w, args, scale_dtype, clip_ratio, lazy=actorder == "none")
+    order = (
+        torch.argsort(h.diagonal(), descending=True, stable=True)
+        if actorder == "static"
+        else torch.arange(cols, device=w.device)
+    )
+    w, h = w[:, order], h[order][:, order]
+    hinv, used_frac = _inverse_hessian_factor(h, dampening_frac)
+    codes = torch.empty(rows, cols, dtype=_code_dtype(args), device=w.device)
+    loss = torch.zeros((), dtype=work, device=w.device)
+    columns = order.tolist()
+    block_size = _aligned_block(block_size, args)
+    for start in range(0, cols, block_size):
+        end = min(start + block_size, cols)
+        block = w[:, start:end].clone()
+        errors = torch.zeros_like(block)
+        hinv_block = hinv[start:end, start:end]
+        for i in range(end - start):
+            column = columns[start + i]
+            params.start_group(column, w_block=block, block_start=start, position=start + i)
+            code, value = params.quantize_column(block[:, i], column)
+            codes[:, column] = code
+            diagonal = hinv_block[i, i]
+            error = (block[:, i] - value) / diagonal
+            loss += error.pow(2).sum() / 2
+            block[:, i:] -= error.unsqueeze(1) * hinv_block[i, i:].unsqueeze(0)
+            errors[:, i] = error
+        w[:, end:] -= errors @ hinv[start:end, end:]
+    scale, zero = params.stored()
+    return GPTQResult(QuantizedWeight(codes, scale, zero, args), float(loss), used_frac)
+
+
+def _code_dtype(args: QuantArgs) -> torch.dtype:
+    return torch.float8_e4m3fn if args.type == "float" else torch.int8
+
+
+def _aligned_block(block_size: int, args: QuantArgs) -> int:
+    """A block holds whole groups, so a group's range is read from up-to-date weights."""
+    if args.strategy != "group":
+        return block_size
+    group = int(args.group_size or 1)
+    return max(group, block_size - block_size % group)
+
+
+def _inverse_hessian_factor(h: Tensor, dampening_frac: float) -> tuple[Tensor, float]:
+    """Upper Cholesky factor of (H + λ·mean(diag H)·I)⁻¹, raising λ step by step until H + λI
+    is positive definite. Returns the factor and the λ used."""
+    mean_diagonal = float(h.diagonal().mean())
+    frac = dampening_frac
+    identity = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    while True:
+        lower, info = torch.linalg.cholesky_ex(h + frac * mean_diagonal * identity)
+        if int(info) == 0:
+            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+            if int(info) == 0 and torch.isfinite(upper).all():
+                return upper, frac
+        if frac * DAMPENING_STEP > MAX_DAMPENING or not mean_diagonal > 0:
+            raise NumericalError(
+                f"the Hessian is not positive definite even with dampening {frac:g}",
+                hint="use more calibration samples, or --method rtn for this model",
+            )
+        frac *= DAMPENING_STEP
+
+
+class _QParams:
+    """Scales and zero points of one weight, per column group: computed up front from the
+    original weights, or (lazy) from the updated weights when GPTQ reaches a group's first
+    column."""
+
+    def __init__(
+        self,
+        weight: Tensor,
+        args: QuantArgs,
+        scale_dtype: torch.dtype,
+        clip_ratio: Tensor | None,
+        *,
+        lazy: bool,
+    ) -> None:
+        self.args = args
+        self.scale_dtype = scale_dtype
+        self.ratio = clip_ratio
+        self.group = int(args.group_size) if args.strategy == "group" else weight.shape[1]
+        self.lazy = lazy and args.strategy == "group"
+        rows, cols = weight.shape
+        self.scale = torch.empty(rows, cols // self.group, dtype=scale_dtype, device=weight.device)
+        self.zero = None if args.symmetric or args.type == "float" else self.scale.to(torch.int8)
+        if not self.lazy:
+            self._set(slice(None), weight)
+
+    def _set(self, groups: slice, weight: Tensor) -> None:
+        grouped = as_groups(weight, self.args)
+        ratio = 1.0 if self.ratio is None else self.ratio[:, groups].to(torch.float64)
+        scale, zero = choose_qparams(
+            grouped.amin(dim=-1).to(torch.float64) * ratio,
+            grouped.amax(dim=-1).to(torch.float64) * ratio,
+            self.args,
+            scale_dtype=self.scale_dtype,
+        )
+        self.scale[:, groups] = scale.expand(self.scale[:, groups].shape)
+        if self.zero is not None and zero is not None:
+            self.zero[:, groups] = zero
+
+    def start_group(self, column: int, *, w_block: Tensor, block_start: int, position: int) -> None:
+        """Lazy mode: at a group's first column, set its range from the updated weights (the
+        block holds the whole group, see `_aligned_block`)."""
+        if not self.lazy or column % self.group:
+            return
+        local = position - block_start
+        group = column // self.group
+        self._set(slice(group, group + 1), w_block[:, local : local + self.group])
+
+    def quantize_column(self, values: Tensor, column: int) -> tuple[Tensor, Tensor]:
+        """Codes of one column and their dequantized values (in the working dtype)."""
+        group = column // self.group
+        scale = self.scale[:, group : group + 1]
+        zero = None if self.zero is None else self.zero[:, group : group + 1]
+        code = quantize_grouped(values.reshape(-1, 1, 1), scale, zero, self.args).reshape(-1)
+        value = code.to(values.dtype)
+        if zero is not None:
+            value = value - zero.reshape(-1).to(values.dtype)
+        return code, value * scale.reshape(-1).to(values.dtype)
+
+    def stored(self) -> tuple[Tensor, Tensor | None]:
+        """Scale and zero point in the layout `QuantizedWeight` stores."""
+        if self.args.strategy != "tensor":
+            return self.scale, self.zero
+        zero = None if self.zero is None else self.zero[:1, :1].reshape(1)
+        return self.scale[:1, :1].reshape(1), zero

@@ -1,0 +1,85 @@
+"""GPTQ and AWQ through the layer pipeline: reload equivalence, reports, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+import llmq
+from llmq.errors import InputError
+from llmq.io import family
+from tests.pipeline.test_quantize import logits_pair
+
+CALIB = {"num_samples": 4, "seq_len": 64, "calib_text": "pydoc"}
+
+
+@pytest.mark.parametrize(
+    ("method", "scheme", "options"),
+    [
+        ("gptq", "w4a16", {"actorder": "static"}),
+        ("gptq", "w4a16-asym", {"actorder": "none", "group_size": -1}),
+        ("awq", "w4a16-asym", {"clip": "output"}),
+        ("awq+gptq", "w4a16", {}),
+    ],
+)
+def test_method_reloads_with_the_logits_llmq_evaluated(
+    tmp_path: Path, tiny_llama: Path, method: str, scheme: str, options: dict
+) -> None:
+    """transformers (compressed-tensors) and llmq's dequantized model agree, AWQ's folded norms
+    included; asymmetric zero points are compared through llmq's reader (see test_quantize)."""
+    out = tmp_path / method
+    result = llmq.quantize(tiny_llama, out, scheme=scheme, method=method, **CALIB, **options)
+    if scheme == "w4a16":
+        theirs, ours = logits_pair(out)
+        assert float((theirs - ours).abs().max()) <= 1e-5 * float(ours.abs().max())
+    layers = result.layers
+    assert all(layer.rtn_output_rel_rmse is not None for layer in layers)
+    linears = [linear for layer in layers for linear in layer.linears]
+    assert all(
+        linear.output_error is not None and linear.rtn_output_error is not None
+        for linear in linears
+    )
+    if method == "awq":
+        assert [s.producer for s in layers[0].scales] == [
+            "input_layernorm",
+            "post_attention_layernorm",
+            "mlp.up_proj",
+        ]
+
+
+def test_gptq_beats_rtn_on_the_calibration_outputs(tmp_path: Path, default_model: Path) -> None:
+    result = llmq.quantize(
+        default_model, tmp_path / "g", scheme="w4a16", group_size=64, method="gptq",
+        num_samples=4, seq_len=256, calib_text="pydoc", ignore=[r"re:model\.layers\.([2-9]|\d\d)\."],
+    )  # fmt: skip
+    layer = result.layers[0]
+    assert layer.output_rel_rmse < 0.9 * layer.rtn_output_rel_rmse
+    for linear in layer.linears:
+        assert linear.output_error < linear.rtn_output_error, linear.name
+        assert linear.loss is not None and linear.dampening_frac == 0.01
+
+
+def test_awq_refused_without_pairings(
+    tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bare = dataclasses.replace(family.FAMILY_LAYOUT["llama"], smooth=())
+    monkeypatch.setitem(family.FAMILY_LAYOUT, "llama", bare)
+    with pytest.raises(InputError, match="no norm/linear pairings"):
+        llmq.quantize(tiny_llama, tmp_path / "a", method="awq", **CALIB)
+    assert not (tmp_path / "a").exists()
+
+
+def test_raised_dampening_is_reported(
+    tmp_path: Path, tiny_llama: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One calibration token makes every Hessian rank one: the dampening carries it."""
+    result = llmq.quantize(
+        tiny_llama, tmp_path / "d", method="gptq", num_samples=1, seq_len=8, dampening_frac=1e-9
+    )
+    fracs = [linear.dampening_frac for layer in result.layers for linear in layer.linears]
+    assert max(fracs) > 1e-9
+    assert "not positive definite" in caplog.text
+    assert all(torch.isfinite(torch.tensor(fracs)))

@@ -1,0 +1,61 @@
+"""AWQ folding on real decoder layers: outputs unchanged before quantization, statistics
+rescaled exactly, pairings from the family table only where the shapes allow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmq.calib.collect import run_observed
+from llmq.calib.stream import LayerStream
+from llmq.config import AWQConfig, QuantArgs
+from llmq.io.checkpoint import open_checkpoint
+from llmq.pipeline.scaling import apply_awq, rtn_quantizer
+from tests.conftest import make_tiny
+
+INT4_G64 = QuantArgs(num_bits=4, strategy="group", group_size=64)
+
+
+def fold_layer(model: Path) -> tuple[torch.Tensor, torch.Tensor, list, dict, dict]:
+    stream = LayerStream(open_checkpoint(model), device="cpu")
+    hidden = torch.randn(
+        2, 48, stream.config.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
+    layer = stream.load_layer(0)
+    names = list(stream.layout.linears)
+    reference, stats = run_observed(stream, layer, names, hidden, hessian=True)
+    quantizers = {name: rtn_quantizer(INT4_G64, torch.float32) for name in names}
+    scaled_stats, reports = apply_awq(layer, stream.layout, quantizers, stats, AWQConfig())
+    folded, observed = run_observed(stream, layer, names, hidden, hessian=True)
+    return reference, folded, reports, scaled_stats, observed
+
+
+@pytest.mark.parametrize("model_type,kv_heads", [("llama", 3), ("qwen3", 1), ("mistral", 1)])
+def test_folding_preserves_the_layer_output(
+    tmp_path: Path, default_model: Path, model_type: str, kv_heads: int
+) -> None:
+    model = make_tiny(
+        tmp_path / model_type, default_model, model_type=model_type, layers=1, kv_heads=kv_heads
+    )
+    reference, folded, reports, scaled, observed = fold_layer(model)
+    assert float((folded - reference).abs().max() / reference.abs().max()) < 1e-5
+    producers = [r.producer for r in reports]
+    expected = ["input_layernorm", "post_attention_layernorm", "mlp.up_proj"]
+    if kv_heads == 3:  # v_proj -> o_proj only where v's width is o's input width (no GQA)
+        expected.insert(1, "self_attn.v_proj")
+    assert producers == expected
+    for name, stats in scaled.items():  # the rescaled statistics are those of the folded inputs
+        assert torch.allclose(
+            stats.hessian,
+            observed[name].hessian,
+            rtol=1e-4,
+            atol=1e-6 * float(observed[name].hessian.abs().max()),
+        )
+
+
+def test_folding_preserves_the_real_model_layer(default_model: Path) -> None:
+    reference, folded, reports, _, _ = fold_layer(default_model)
+    assert float((folded - reference).abs().max() / reference.abs().max()) < 1e-5
+    assert any(r.error_reduction > 0 for r in reports)

@@ -1,0 +1,46 @@
+"""Real activations: layer 0 of the default model on a few pydoc calibration windows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from torch import Tensor
+
+REAL_LINEARS = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
+
+
+@pytest.fixture(scope="session")
+def real_observed(default_model: Path) -> tuple[dict[str, Tensor], ...]:
+    from llmq.calib.collect import run_observed
+    from llmq.calib.data import calibration_windows
+    from llmq.calib.stream import LayerStream
+    from llmq.calib.tokenizer import load_tokenizer
+    from llmq.io.checkpoint import open_checkpoint
+
+    stream = LayerStream(open_checkpoint(default_model), device="cpu")
+    windows = calibration_windows(
+        load_tokenizer(default_model), "pydoc", num_samples=8, seq_len=256, seed=0
+    )
+    layer = stream.load_layer(0)
+    _, stats = run_observed(
+        stream, layer, list(REAL_LINEARS), stream.embed(windows.input_ids), hessian=True
+    )
+    weights = {name: layer.get_submodule(name).weight.data for name in REAL_LINEARS}
+    hessians = {name: stats[name].hessian for name in REAL_LINEARS}
+    return weights, hessians, {name: stats[name].mean_abs for name in REAL_LINEARS}
+
+
+@pytest.fixture(scope="session")
+def real_weights(real_observed: tuple[dict[str, Tensor], ...]) -> dict[str, Tensor]:
+    return real_observed[0]
+
+
+@pytest.fixture(scope="session")
+def real_hessians(real_observed: tuple[dict[str, Tensor], ...]) -> dict[str, Tensor]:
+    return real_observed[1]
+
+
+@pytest.fixture(scope="session")
+def real_mean_abs(real_observed: tuple[dict[str, Tensor], ...]) -> dict[str, Tensor]:
+    return real_observed[2]

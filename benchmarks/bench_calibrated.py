@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +31,10 @@ from common import (
     ensure_peer,
     held_out_perplexity,
     llmq_quantize_cmd,
-    machine,
     peer_quantize_cmd,
-    protocol,
+    ppl_cells,
     run_measured,
-    write_json,
+    save_report,
 )
 
 LLMQ, PEER = "llmq", "llm-compressor"
@@ -131,15 +129,8 @@ def main() -> None:
                      "wall_s": measured.wall_s, "peak_rss_gb": measured.peak_rss_bytes / 1e9,
                      "ppl": held_out_perplexity(out, model, args.windows)})  # fmt: skip
         print(f"done: {job.tool} {job.label}: {measured.wall_s:.1f} s", file=sys.stderr, flush=True)
-    report = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(),
-        "protocol": protocol(args.windows),
-        "calibration": f"pydoc, seed 0: {main_set} and {awq_set} (samples x tokens)",
-        "rows": rows,
-    }
-    write_json(args.out / "results.json", report)
-    print(markdown(report))
+    calibration = f"pydoc, seed 0: {main_set} and {awq_set} (samples x tokens)"
+    save_report(args.out, rows, args.windows, markdown, calibration=calibration)
 
 
 def markdown(report: dict) -> str:
@@ -154,13 +145,11 @@ def markdown(report: dict) -> str:
     ]  # fmt: skip
     rtn = next((r for r in rows if r["tool"] == LLMQ and r["label"] == "RTN W4A16"), None)
     for r in rows:
-        p, h = r["ppl"]["pydoc"], r["ppl"]["shakespeare"]
         closed = "-" if rtn is None else " / ".join(
             f"{1 - r['ppl'][t]['increase'] / rtn['ppl'][t]['increase']:+.0%}" for t in ("pydoc", "shakespeare")
         )  # fmt: skip
         lines.append(
-            f"| {r['tool']} | {r['label']} | {p['ppl']:.3f} ({p['increase']:+.2%}) | "
-            f"{h['ppl']:.3f} ({h['increase']:+.2%}) | {r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} | {closed} |"
+            f"| {r['tool']} | {r['label']} | {ppl_cells(r)} | {r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} | {closed} |"
         )
     lines += ["", "| llmq row | vs peer row | llmq/peer wall | llmq/peer peak RSS | increase pydoc llmq vs peer | increase Hamlet llmq vs peer |",
               "|---|---|---|---|---|---|"]  # fmt: skip

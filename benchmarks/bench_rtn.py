@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +26,10 @@ from common import (
     ensure_peer,
     held_out_perplexity,
     llmq_quantize_cmd,
-    machine,
     peer_quantize_cmd,
-    protocol,
+    ppl_cells,
     run_measured,
-    write_json,
+    save_report,
 )
 
 
@@ -102,14 +100,7 @@ def main() -> None:
                      "wall_s_runs": [m.wall_s for m in runs],
                      "peak_rss_gb": max(m.peak_rss_bytes for m in runs) / 1e9, "ppl": ppl})  # fmt: skip
         print(f"done: {job.tool} {job.label}: {measured.wall_s:.1f} s", file=sys.stderr, flush=True)
-    report = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(),
-        "protocol": protocol(args.windows),
-        "rows": rows,
-    }
-    write_json(args.out / "results.json", report)
-    print(markdown(report))
+    save_report(args.out, rows, args.windows, markdown)
 
 
 def markdown(report: dict) -> str:
@@ -123,10 +114,8 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        p, h = r["ppl"]["pydoc"], r["ppl"]["shakespeare"]
         lines.append(
-            f"| {r['tool']} | {r['label']} | {p['ppl']:.3f} ({p['increase']:+.2%}) | "
-            f"{h['ppl']:.3f} ({h['increase']:+.2%}) | {r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} |"
+            f"| {r['tool']} | {r['label']} | {ppl_cells(r)} | {r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} |"
         )
     lines += ["", "| llmq row | llmq/peer wall | llmq/peer peak RSS | Δppl pydoc llmq vs peer | Δppl Hamlet llmq vs peer |",
               "|---|---|---|---|---|"]  # fmt: skip

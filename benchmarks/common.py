@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,23 @@ def machine() -> str:
     import platform
 
     return f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, CPU"
+
+
+def save_report(
+    out: Path, rows: list[dict], windows: int, markdown: Callable[[dict], str], **extra: str
+) -> None:
+    """results.json under `out`, and the markdown tables on stdout."""
+    report = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "protocol": protocol(windows),
+              **extra, "rows": rows}  # fmt: skip
+    write_json(out / "results.json", report)
+    print(markdown(report))
+
+
+def ppl_cells(row: dict) -> str:
+    """'ppl (increase) | ppl (increase)' for the held-out texts of one result row."""
+    return " | ".join(
+        f"{row['ppl'][text]['ppl']:.3f} ({row['ppl'][text]['increase']:+.2%})" for text in TEXTS
+    )
 
 
 def write_json(path: Path, data: object) -> None:

@@ -79,10 +79,12 @@ def make_recipe(
     actorder: str = "static",
     block_size: int = 128,
     awq_grid: int = 20,
+    awq_duo_scaling: bool = True,
 ) -> Recipe:
     """Validate options into a Recipe (InputError naming the option on bad values).
 
-    GPTQ: dampening_frac, actorder ("static" or "none"), block_size. AWQ: awq_grid alphas.
+    GPTQ: dampening_frac, actorder ("static" or "none"), block_size. AWQ: awq_grid alphas,
+    awq_duo_scaling (s = mean|x|^a / mean|w|^(1-a); off: mean|x|^a).
     """
     from llmq.quant.methods import get_method
 
@@ -118,7 +120,7 @@ def make_recipe(
         clip=clip,
         calibration=calibration,
         gptq={"dampening_frac": dampening_frac, "actorder": actorder, "block_size": block_size},
-        awq={"grid": awq_grid},
+        awq={"grid": awq_grid, "duo_scaling": awq_duo_scaling},
     )
     assert isinstance(recipe, Recipe)
     get_method(recipe)  # an unknown method fails here, before any work

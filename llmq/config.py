@@ -142,6 +142,9 @@ class AWQConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     grid: int = Field(20, ge=2, le=1000)
+    # s = mean|x|^alpha / mean|w|^(1-alpha), as AutoAWQ and llm-compressor do by default; off:
+    # the paper's s = mean|x|^alpha.
+    duo_scaling: bool = True
 
 
 class Recipe(BaseModel):

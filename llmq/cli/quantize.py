@@ -80,6 +80,12 @@ def quantize(
             help="gptq column order: static (largest Hessian diagonal first, groups fixed up front; loads everywhere) or none (in order, as in the paper)."
         ),
     ] = "static",
+    awq_duo_scaling: Annotated[
+        bool,
+        typer.Option(
+            help="awq: scales from activation and weight magnitudes, s = mean|x|^a / mean|w|^(1-a) (as AutoAWQ and llm-compressor); --no-awq-duo-scaling: the paper's s = mean|x|^a."
+        ),
+    ] = True,
     calib_text: CalibText = DEFAULT_CALIBRATION_TEXT,
     num_samples: Annotated[
         int | None,
@@ -123,6 +129,7 @@ def quantize(
             strict_group_size=strict_group_size, ignore=("lm_head", *(ignore or [])), clip=clip,
             calib_text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed,
             skip_layer_check=skip_layer_check, dampening_frac=dampening_frac, actorder=actorder,
+            awq_duo_scaling=awq_duo_scaling,
         )  # fmt: skip
         with progress_bars(json_out=json_out) as progress:
             try:

@@ -29,7 +29,7 @@ from llmq.io.atomic import publish, save_safetensors, staging_path, write_json
 from llmq.io.checkpoint import Checkpoint
 from llmq.pack.format import PackFormat, compress, quantization_config, scheme_format
 from llmq.pipeline.plan import LinearPlan, Plan, config_groups
-from llmq.pipeline.scaling import ScaleReport, apply_awq, rtn_quantizer
+from llmq.pipeline.scaling import ScaleReport, apply_awq
 from llmq.pipeline.state import HIDDEN_FILE, STATE_FILE, RunState, load_state
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.quant.awq import output_error
@@ -190,11 +190,9 @@ def _quantize_layer(
             )
         scale_reports: list[ScaleReport] = []
         if method.awq is not None:
-            quantizers = {
-                name: rtn_quantizer(linear.args, _TORCH_DTYPES[linear.dtype])
-                for name, linear in local.items()
-            }
-            stats, scale_reports = apply_awq(layer, stream.layout, quantizers, stats, method.awq)
+            args = {name: linear.args for name, linear in local.items()}
+            dtypes = {name: _TORCH_DTYPES[linear.dtype] for name, linear in local.items()}
+            stats, scale_reports = apply_awq(layer, stream.layout, args, dtypes, stats, method.awq)
         tensors, linear_reports = _quantize_linears(
             layer, local, stats, method, scheme_format(recipe.scheme), rtn_errors
         )

@@ -15,7 +15,14 @@ from torch import Tensor, nn
 from llmq.calib.stats import InputStats
 from llmq.config import AWQConfig, QuantArgs
 from llmq.io.family import DecoderLayout
-from llmq.quant.awq import Quantizer, fold_into_norm, fold_into_rows, scale_columns, search_scales
+from llmq.quant.awq import (
+    Quantizer,
+    fold_into_norm,
+    fold_into_rows,
+    scale_columns,
+    search_scales,
+    weight_magnitude,
+)
 from llmq.quant.primitives import quantize_weight
 
 
@@ -34,13 +41,15 @@ def rtn_quantizer(args: QuantArgs, scale_dtype: torch.dtype) -> Quantizer:
 def apply_awq(
     layer: nn.Module,
     layout: DecoderLayout,
-    quantizers: dict[str, Quantizer],
+    args: dict[str, QuantArgs],
+    scale_dtypes: dict[str, torch.dtype],
     stats: dict[str, InputStats | None],
     config: AWQConfig,
 ) -> tuple[dict[str, InputStats | None], list[ScaleReport]]:
     """Search and fold AWQ scales for every pairing whose consumers are all being quantized
-    (`quantizers`, by name in the layer). Returns the consumers' statistics after scaling (their
+    (`args`, by name in the layer). Returns the consumers' statistics after scaling (their
     inputs are now x / s) and what was done."""
+    quantizers = {name: rtn_quantizer(args[name], scale_dtypes[name]) for name in args}
     stats = dict(stats)
     reports = []
     for producer, consumers in layout.smooth:
@@ -48,7 +57,14 @@ def apply_awq(
         if shared is None or shared.hessian is None:
             continue
         weights = [(layer.get_submodule(name).weight.data, quantizers[name]) for name in consumers]
-        search = search_scales(weights, shared.mean_abs, shared.hessian, grid=config.grid)
+        magnitude = None
+        if config.duo_scaling:
+            magnitude = weight_magnitude(
+                [(layer.get_submodule(name).weight.data, args[name]) for name in consumers]
+            )
+        search = search_scales(
+            weights, shared.mean_abs, shared.hessian, grid=config.grid, weight_mean=magnitude
+        )
         _fold(layer, producer, consumers, search.scales)
         rescaled = shared.rescaled(1.0 / search.scales)
         stats.update(dict.fromkeys(consumers, rescaled))

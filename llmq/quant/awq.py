@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from llmq.quant.primitives import ACCUM_DTYPE
+from llmq.config import QuantArgs
+from llmq.quant.primitives import ACCUM_DTYPE, as_groups
 
 # A weight quantizer for the search: weight [out, in] -> dequantized weight [out, in].
 Quantizer = Callable[[Tensor], Tensor]
@@ -45,13 +46,19 @@ def search_scales(
     hessian: Tensor,
     *,
     grid: int = 20,
+    weight_mean: Tensor | None = None,
 ) -> ScaleSearch:
     """The per-input-channel scales, for the linears in `weights` that share one input (each
-    with its own quantizer), whose quantized outputs are closest to the float ones."""
+    with its own quantizer), whose quantized outputs are closest to the float ones.
+    weight_mean (see `weight_magnitude`) turns on duo scaling: s = mean|x|^a / mean|w|^(1-a)."""
     alphas = torch.linspace(0.0, 1.0, grid).tolist()
-    errors = [_scaled_error(weights, awq_scales(mean_abs, alpha), hessian) for alpha in alphas]
+    candidates = [awq_scales(mean_abs, alpha, weight_mean) for alpha in alphas]
+    errors = [_scaled_error(weights, scales, hessian) for scales in candidates]
     best = min(range(len(alphas)), key=errors.__getitem__)
-    return ScaleSearch(awq_scales(mean_abs, alphas[best]), alphas[best], errors[best], errors[0])
+    unscaled = _scaled_error(weights, torch.ones_like(candidates[0]), hessian)
+    if unscaled <= errors[best]:  # scaling never makes it worse than plain RTN
+        return ScaleSearch(torch.ones_like(candidates[0]), 0.0, unscaled, unscaled)
+    return ScaleSearch(candidates[best], alphas[best], errors[best], unscaled)
 
 
 def _scaled_error(
@@ -63,10 +70,24 @@ def _scaled_error(
     )
 
 
-def awq_scales(mean_abs: Tensor, alpha: float) -> Tensor:
-    """s = mean|x|^alpha normalised so that max(s) · min(s) = 1 (keeps weights in range)."""
+def awq_scales(mean_abs: Tensor, alpha: float, weight_mean: Tensor | None = None) -> Tensor:
+    """s = mean|x|^alpha (divided by mean|w|^(1-alpha) with duo scaling), normalised so that
+    max(s) · min(s) = 1 (keeps weights in range)."""
     scales = mean_abs.to(ACCUM_DTYPE).clamp_min(1e-4).pow(alpha)
+    if weight_mean is not None:
+        scales = (scales / (weight_mean.to(ACCUM_DTYPE).pow(1 - alpha) + 1e-4)).clamp_min(1e-4)
     return scales / (scales.max() * scales.min()).sqrt()
+
+
+def weight_magnitude(weights: list[tuple[Tensor, QuantArgs]]) -> Tensor:
+    """Mean over output rows (and over the linears) of |w| relative to its group's largest |w|,
+    per input channel: how large each channel's weights are on the quantization grid."""
+    means = []
+    for weight, args in weights:
+        groups = as_groups(weight.abs().to(ACCUM_DTYPE), args)
+        relative = groups / groups.amax(dim=-1, keepdim=True).clamp_min(1e-12)
+        means.append(relative.reshape(weight.shape).mean(dim=0))
+    return torch.stack(means).mean(dim=0)
 
 
 def fold_into_norm(norm_weight: Tensor, scales: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ from llmq.calib.collect import run_observed
 from llmq.calib.stream import LayerStream
 from llmq.config import AWQConfig, QuantArgs
 from llmq.io.checkpoint import open_checkpoint
-from llmq.pipeline.scaling import apply_awq, rtn_quantizer
+from llmq.pipeline.scaling import apply_awq
 from tests.conftest import make_tiny
 
 INT4_G64 = QuantArgs(num_bits=4, strategy="group", group_size=64)
@@ -26,8 +26,9 @@ def fold_layer(model: Path) -> tuple[torch.Tensor, torch.Tensor, list, dict, dic
     layer = stream.load_layer(0)
     names = list(stream.layout.linears)
     reference, stats = run_observed(stream, layer, names, hidden, hessian=True)
-    quantizers = {name: rtn_quantizer(INT4_G64, torch.float32) for name in names}
-    scaled_stats, reports = apply_awq(layer, stream.layout, quantizers, stats, AWQConfig())
+    args = dict.fromkeys(names, INT4_G64)
+    dtypes = dict.fromkeys(names, torch.float32)
+    scaled_stats, reports = apply_awq(layer, stream.layout, args, dtypes, stats, AWQConfig())
     folded, observed = run_observed(stream, layer, names, hidden, hessian=True)
     return reference, folded, reports, scaled_stats, observed
 

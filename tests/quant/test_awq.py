@@ -13,6 +13,7 @@ from llmq.quant.awq import (
     output_error,
     scale_columns,
     search_scales,
+    weight_magnitude,
 )
 from llmq.quant.primitives import quantize_weight
 
@@ -75,3 +76,24 @@ def test_search_beats_plain_rtn_on_real_activations(
         assert (
             abs(float(output_error(scaled - weight, hessian)) - search.error) <= 1e-3 * search.error
         )
+
+
+def test_weight_magnitude_is_the_mean_relative_size_per_input_channel() -> None:
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(4, 128, generator=gen)
+    got = weight_magnitude([(weight, INT4_G64_ASYM)])
+    groups = weight.abs().reshape(4, 2, 64)
+    expected = (groups / groups.amax(dim=-1, keepdim=True)).reshape(4, 128).mean(dim=0)
+    assert torch.allclose(got, expected)
+
+
+def test_duo_scaling_search_never_loses_to_plain_rtn(
+    real_weights: dict[str, Tensor],
+    real_hessians: dict[str, Tensor],
+    real_mean_abs: dict[str, Tensor],
+) -> None:
+    for name in ("self_attn.q_proj", "mlp.down_proj"):
+        weight, hessian = real_weights[name], real_hessians[name]
+        magnitude = weight_magnitude([(weight, INT4_G64_ASYM)])
+        search = search_scales([(weight, rtn)], real_mean_abs[name], hessian, weight_mean=magnitude)
+        assert search.error < 0.95 * search.error_unscaled, name

@@ -96,8 +96,8 @@ def test_float32_run_matches_float64_up_to_rounding_ties() -> None:
 def test_lower_output_error_than_rtn_on_real_activations(
     real_hessians: dict[str, Tensor], real_weights: dict[str, Tensor], args: QuantArgs
 ) -> None:
-    for name, weight in real_weights.items():
-        h = real_hessians[name]
+    for name in ("self_attn.q_proj", "mlp.down_proj"):  # both input widths; the others cost time
+        weight, h = real_weights[name], real_hessians[name]
         gptq = gptq_quantize_weight(weight, h, args).weight.dequantize()
         rtn = rtn_quantize_weight(weight, args).dequantize()
         gptq_err = float(output_error(gptq - weight, h))

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from llmq.config import QuantArgs, Scheme
-from llmq.quant.primitives import QuantizedWeight, dequantize
+from llmq.quant.primitives import QuantizedWeight, dequantize, scale_codes
 
 
 class PackFormat(str, Enum):
@@ -102,10 +102,7 @@ def _dequantize_by_group_index(
     codes: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tensor
 ) -> Tensor:
     """Older GPTQ checkpoints (actorder "group") name each input column's group in g_idx."""
-    values = codes.to(torch.float32)
-    if zero is not None:
-        values = values - zero.to(torch.float32)[:, g_idx]
-    return values * scale.to(torch.float32)[:, g_idx]
+    return scale_codes(codes, scale[:, g_idx], None if zero is None else zero[:, g_idx])
 
 
 def quantization_config(

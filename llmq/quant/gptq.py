@@ -25,6 +25,7 @@ from llmq.quant.primitives import (
     as_groups,
     choose_qparams,
     quantize_grouped,
+    scale_codes,
 )
 
 # When H + λI is not positive definite, λ is multiplied by this until it is, up to MAX_DAMPENING.
@@ -193,10 +194,8 @@ class _QParams:
         scale = self.scale[:, group : group + 1]
         zero = None if self.zero is None else self.zero[:, group : group + 1]
         code = quantize_grouped(values.reshape(-1, 1, 1), scale, zero, self.args).reshape(-1)
-        value = code.to(values.dtype)
-        if zero is not None:
-            value = value - zero.reshape(-1).to(values.dtype)
-        return code, value * scale.reshape(-1).to(values.dtype)
+        zero = None if zero is None else zero.reshape(-1)
+        return code, scale_codes(code, scale.reshape(-1), zero, dtype=values.dtype)
 
     def stored(self) -> tuple[Tensor, Tensor | None]:
         """Scale and zero point in the layout `QuantizedWeight` stores."""

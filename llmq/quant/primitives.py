@@ -107,11 +107,21 @@ def quantize_grouped(groups: Tensor, scale: Tensor, zero: Tensor | None, args: Q
 
 def dequantize(codes: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs) -> Tensor:
     """Float32 values of `codes` [rows, cols] under `args` (the inverse of `quantize_weight`)."""
-    groups = as_groups(codes.to(ACCUM_DTYPE), args)
-    scale_g = scale.to(ACCUM_DTYPE).reshape(groups.shape[0], groups.shape[1], 1)
+    groups = as_groups(codes, args)
+    shape = (groups.shape[0], groups.shape[1], 1)
+    zero_g = None if zero is None else zero.reshape(shape)
+    return scale_codes(groups, scale.reshape(shape), zero_g).reshape(codes.shape)
+
+
+def scale_codes(
+    codes: Tensor, scale: Tensor, zero: Tensor | None, *, dtype: torch.dtype = ACCUM_DTYPE
+) -> Tensor:
+    """(code - zero) · scale in `dtype`, scale and zero broadcast against the codes: the one
+    dequantization formula (groups, GPTQ's single columns, g_idx-indexed checkpoints)."""
+    values = codes.to(dtype)
     if zero is not None:
-        groups = groups - zero.to(ACCUM_DTYPE).reshape(scale_g.shape)
-    return (groups * scale_g).reshape(codes.shape)
+        values = values - zero.to(dtype)
+    return values * scale.to(dtype)
 
 
 def quantize_weight(

@@ -133,6 +133,7 @@ def quantize(
     *,
     recipe: Recipe | None = None,
     calib_stats: str | Path | None = None,
+    fallback: str | Path | None = None,
     overwrite: bool = False,
     resume: bool = False,
     progress: Progress = NO_PROGRESS,
@@ -143,7 +144,9 @@ def quantize(
 
     Options are those of `make_recipe` (scheme, method, group_size, ignore, clip, calib_text,
     num_samples, seq_len, seed); or pass a ready `recipe`. `device`: where each layer runs
-    (default: the GPU when there is one). Returns a `QuantizeResult`.
+    (default: the GPU when there is one). `fallback`: a `fallback_scan` JSON report, or "auto"
+    to scan now with the recipe's weight arguments; the linears it flags stay in full precision
+    and join the checkpoint's `ignore` list. Returns a `QuantizeResult`.
     """
     from llmq.calib.stats import CalibStats
     from llmq.io.atomic import check_output_dir
@@ -152,6 +155,9 @@ def quantize(
 
     recipe = recipe or make_recipe(**options)
     ckpt = _open(model, progress)
+    fallback_record = None
+    if fallback is not None:
+        recipe, fallback_record = _apply_fallback(ckpt, recipe, fallback, progress)
     plan = plan_quantization(ckpt, recipe)
     _check_pairings(ckpt, recipe)
     out = Path(out)
@@ -176,11 +182,45 @@ def quantize(
         }
     if stats is not None:
         record["calib_stats"] = {"file": str(calib_stats), **stats.metadata}
+    if fallback_record is not None:
+        record["fallback"] = fallback_record
     return run_quantization(
         ckpt, plan, recipe, out,
         calibration_ids=ids, calib_stats=stats, resume=resume, progress=progress, record=record,
         device=device,
     )  # fmt: skip
+
+
+def _apply_fallback(
+    ckpt: Any, recipe: Recipe, fallback: str | Path, progress: Progress
+) -> tuple[Recipe, dict[str, Any]]:
+    """The recipe with the linears a scan flags added to `ignore`, and what was kept and why."""
+    from llmq.fallback.report import ScanReport
+    from llmq.fallback.scan import ScanOptions
+    from llmq.fallback.scan import fallback_scan as scan
+
+    if str(fallback) == "auto":
+        report = scan(ckpt.path, ScanOptions(args=recipe.weight_args, workers=2), progress=progress)
+    else:
+        report = ScanReport.load(Path(fallback))
+    modules = report.flagged_modules()
+    unknown = [m for m in modules if not ckpt.has(f"{m}.weight")]
+    if unknown:
+        raise InputError(
+            f"{fallback}: the report flags tensors {ckpt.path} does not have "
+            f"({unknown[0]}.weight and {len(unknown) - 1} more)",
+            hint=f"scan this checkpoint: llmq fallback-scan {ckpt.path} --report scan.json",
+        )
+    linears = {ckpt.layout.layer_prefix(i) + s for i in range(ckpt.num_layers) for s in ckpt.layout.linears}  # fmt: skip
+    kept = [m for m in modules if m in linears]
+    record = {
+        "report": "auto" if str(fallback) == "auto" else str(fallback),
+        "scheme": report.args.label,
+        "thresholds": {"nrmse": report.nrmse_threshold, "ratio": report.ratio_threshold},
+        "kept": kept,
+        "flagged_not_quantized": [m for m in modules if m not in linears],
+    }
+    return recipe.model_copy(update={"ignore": (*recipe.ignore, *kept)}), record
 
 
 def _check_pairings(ckpt: Any, recipe: Recipe) -> None:
@@ -367,3 +407,35 @@ def load_dequantized(path: str | Path) -> Any:
     model.set_submodule(ckpt.layout.rotary, type(rotary)(model.config))
     model.tie_weights()
     return model.eval()
+
+
+def fallback_scan(
+    path: str | Path,
+    *,
+    scheme: str = "int8-tensor",
+    nrmse_threshold: float | None = None,
+    ratio_threshold: float | None = 60.0,
+    include: str | None = None,
+    exclude: str | None = None,
+    workers: int = 1,
+    sample: int | None = None,
+    progress: Progress = NO_PROGRESS,
+) -> Any:
+    """Scan every .safetensors file under PATH (a folder, a file or a built-in model name) for
+    tensors that will not survive quantization under `scheme`; returns a `ScanReport`.
+
+    Flags a tensor whose NRMSE ||W - deq(q(W))|| / ||W|| exceeds `nrmse_threshold` (None: the
+    scheme's default), whose spread ratio (max - min) / (Q3 - Q1) exceeds `ratio_threshold`
+    (None: not used), or that holds NaN/Inf. Statistics are exact unless `sample` (values per
+    tensor) is given. Needs no model class, no calibration data and no GPU."""
+    from llmq.fallback.scan import ScanOptions
+    from llmq.fallback.scan import fallback_scan as scan
+
+    root = Path(path)
+    if not root.exists() and str(path) in BUILTIN_MODELS:
+        root = resolve_model(str(path), progress=progress)
+    options = ScanOptions(
+        scheme=scheme, nrmse_threshold=nrmse_threshold, ratio_threshold=ratio_threshold,
+        include=include, exclude=exclude, workers=workers, sample=sample,
+    )  # fmt: skip
+    return scan(root, options, progress=progress)

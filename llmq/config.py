@@ -52,6 +52,17 @@ def is_valid_group_size(group_size: int) -> bool:
     return group_size >= 16 and group_size & (group_size - 1) == 0
 
 
+def fit_group_size(args: QuantArgs, in_features: int) -> QuantArgs:
+    """`args` for a linear whose in_features the group size does not divide: the largest
+    power-of-two divisor of in_features, else per-channel (what `quantize` does, and reports)."""
+    if args.strategy != "group" or in_features % int(args.group_size or 0) == 0:
+        return args
+    divisor = in_features & -in_features
+    if is_valid_group_size(divisor):
+        return args.model_copy(update={"group_size": divisor})
+    return args.model_copy(update={"strategy": "channel", "group_size": None})
+
+
 class Scheme(BaseModel):
     """A preset: weight arguments, optional input-activation arguments, and the on-disk format."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from llmq.cli import calibrate, evaluate, models, quantize
+from llmq.cli import calibrate, evaluate, fallback_scan, models, quantize
 
 app = typer.Typer(
     name="llmq",
@@ -17,6 +17,7 @@ app = typer.Typer(
 app.command("quantize")(quantize.quantize)
 app.command("calibrate")(calibrate.calibrate)
 app.command("eval")(evaluate.evaluate)
+app.command("fallback-scan")(fallback_scan.fallback_scan)
 app.command("models")(models.models)
 
 

@@ -105,6 +105,12 @@ def quantize(
         Path | None,
         typer.Option(help="Reuse statistics saved by `llmq calibrate` instead of collecting them."),
     ] = None,
+    fallback: Annotated[
+        str | None,
+        typer.Option(
+            help="Keep the linears a fallback scan flags in full precision (they join the checkpoint's ignore list): a JSON report from `llmq fallback-scan MODEL --report FILE`, or auto to scan now with this scheme's weight arguments and default thresholds."
+        ),
+    ] = None,
     overwrite: Annotated[
         bool, typer.Option(help="Replace an existing OUT (only once the new one is complete).")
     ] = False,
@@ -134,7 +140,7 @@ def quantize(
         with progress_bars(json_out=json_out) as progress:
             try:
                 result = api.quantize(
-                    model, out, recipe=recipe, calib_stats=calib_stats,
+                    model, out, recipe=recipe, calib_stats=calib_stats, fallback=fallback,
                     overwrite=overwrite, resume=resume, progress=progress, device=device,
                 )  # fmt: skip
             except KeyboardInterrupt:
@@ -177,6 +183,12 @@ def render(result: Any) -> None:
         out_console.print(
             f"group size {requested} does not divide in_features {in_features}: "
             f"{count} linears use {used_text} (own config group)"
+        )
+    if result.fallback:
+        kept = result.fallback["kept"]
+        out_console.print(
+            f"fallback ({result.fallback['report']}, {result.fallback['scheme']}): kept "
+            f"{len(kept)} flagged linears in full precision{': ' if kept else ''}" + ", ".join(kept)
         )
     if result.resumed_layers:
         out_console.print(f"resumed after {result.resumed_layers} finished layers")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +46,29 @@ def publish(staging: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+@contextmanager
+def partial_file(path: Path) -> Iterator[Path]:
+    """A temporary name next to `path` to write into; renamed to `path` when the block
+    succeeds, removed when it fails."""
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        yield partial
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def write_json(path: Path, data: Any) -> None:
     """Write JSON atomically (temporary file, fsync, rename)."""
-    partial = path.with_name(f".{path.name}.partial")
-    with partial.open("w") as f:
-        json.dump(data, f, indent=2, sort_keys=False)
-        f.write("\n")
+    write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write text atomically (temporary file, fsync, rename)."""
+    with partial_file(path) as partial, partial.open("w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    partial.replace(path)
 
 
 def save_safetensors(
@@ -61,6 +77,5 @@ def save_safetensors(
     """safetensors.save_file, atomically."""
     from safetensors.torch import save_file
 
-    partial = path.with_name(f".{path.name}.partial")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial), metadata=metadata)
-    partial.replace(path)
+    with partial_file(path) as partial:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial), metadata=metadata)

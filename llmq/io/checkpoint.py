@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
-_DTYPE_BYTES = {
+DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
     "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8,
 }  # fmt: skip
@@ -206,7 +206,7 @@ def _check_entry(path: Path, name: str, entry: Any, data_size: int) -> tuple[str
     numel = 1
     for dim in shape:
         numel *= int(dim)
-    width = _DTYPE_BYTES.get(dtype)
+    width = DTYPE_BYTES.get(dtype)
     if width is None:
         raise InputError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
     if not 0 <= begin <= end <= data_size or end - begin != numel * width:

@@ -7,7 +7,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from llmq.config import QuantArgs, Recipe, is_valid_group_size
+from llmq.config import QuantArgs, Recipe, fit_group_size
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
 
@@ -116,14 +116,11 @@ def _plan_linear(
 def _divisible_args(
     name: str, in_features: int, args: QuantArgs, adjustments: list[GroupSizeAdjustment]
 ) -> QuantArgs:
-    """The largest power-of-two divisor of in_features (below the request), else per-channel."""
-    requested = int(args.group_size or 0)
-    divisor = in_features & -in_features  # largest power of two dividing in_features
-    if is_valid_group_size(divisor):
-        adjustments.append(GroupSizeAdjustment(name, in_features, requested, divisor))
-        return args.model_copy(update={"group_size": divisor})
-    adjustments.append(GroupSizeAdjustment(name, in_features, requested, None))
-    return args.model_copy(update={"strategy": "channel", "group_size": None})
+    fitted = fit_group_size(args, in_features)
+    adjustments.append(
+        GroupSizeAdjustment(name, in_features, int(args.group_size or 0), fitted.group_size)
+    )
+    return fitted
 
 
 def _refuse_non_dividing(adjustments: list[GroupSizeAdjustment]) -> None:

@@ -78,6 +78,7 @@ class QuantizeResult:
     ignored: list[str]
     group_size_adjustments: list[dict[str, Any]]
     calibration: dict[str, Any] | None
+    fallback: dict[str, Any] | None = None  # linears a fallback scan kept in full precision
     resumed_layers: int = 0
     seconds: float = 0.0
     size_bytes: dict[str, int] = field(default_factory=dict)
@@ -136,6 +137,7 @@ def run_quantization(
         ignored=plan.ignored,
         group_size_adjustments=[asdict(a) for a in plan.adjustments],
         calibration=record.get("calibration"),
+        fallback=record.get("fallback"),
         resumed_layers=resumed,
         seconds=time.perf_counter() - started,
         size_bytes={"source": _weights_size(ckpt.path), "output": _weights_size(out)},

@@ -1,0 +1,185 @@
+"""`llmq fallback-scan`: which tensors will not survive quantization, from the files alone."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from llmq.cli.console import (
+    cli_errors,
+    err_console,
+    out_console,
+    print_json,
+    progress_bars,
+    quiet_libraries,
+)
+from llmq.cli.options import JsonFlag
+from llmq.errors import InputError
+
+_OUTPUT_SUFFIXES = {"--report": ".json", "--csv": ".csv", "--markdown": ".md", "--plot": ".png"}
+
+
+def fallback_scan(
+    path: Annotated[
+        str,
+        typer.Argument(
+            help="A folder (searched recursively for .safetensors, shards and all), one .safetensors file, or a built-in model name."
+        ),
+    ],
+    scheme: Annotated[
+        str,
+        typer.Option(
+            help="Quantization to simulate: int8-tensor (int8 symmetric per-tensor, the classic check), fp8-tensor, or a quantize preset with its weight arguments: w8a8/w8a16 (int8 per-channel), w4a16/w4a16-asym (int4 group 128), fp8 (E4M3 per-channel). Computed by the same code as `llmq quantize`."
+        ),
+    ] = "int8-tensor",
+    nrmse_threshold: Annotated[
+        float | None,
+        typer.Option(
+            help="Flag tensors whose NRMSE = ||W - deq(q(W))||₂ / ||W||₂ exceeds this. Default by scheme: 0.05 for int8, 0.2 for int4, 0.06 for fp8 (a Gaussian tensor scores about 0.012, 0.11 and 0.02). The range-normalised RMSE / (max - min) is reported beside it but never flags."
+        ),
+    ] = None,
+    ratio_threshold: Annotated[
+        float,
+        typer.Option(
+            help="Flag tensors whose spread ratio (max - min) / (Q3 - Q1) exceeds this (heavy outliers; a Gaussian tensor scores about 8-10). inf turns it off."
+        ),
+    ] = 60.0,
+    top: Annotated[int, typer.Option(help="Rows of the worst-NRMSE table (and --markdown).")] = 20,
+    include: Annotated[
+        str | None, typer.Option(help="Scan only tensors whose name matches this regex.")
+    ] = None,
+    exclude: Annotated[
+        str | None, typer.Option(help="Skip tensors whose name matches this regex.")
+    ] = None,
+    workers: Annotated[
+        int, typer.Option(help="Tensors scanned in parallel (threads), each with its own chunk.")
+    ] = 2,
+    sample: Annotated[
+        int | None,
+        typer.Option(
+            help="Approximate: about this many values per tensor (whole rows, chosen reproducibly). Default: every value, exact."
+        ),
+    ] = None,
+    report: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write the JSON report here: what `llmq quantize --fallback REPORT` reads (same as --json)."
+        ),
+    ] = None,
+    csv: Annotated[Path | None, typer.Option(help="Write one CSV row per tensor here.")] = None,
+    markdown: Annotated[
+        Path | None, typer.Option(help="Write the summary and worst tensors as Markdown here.")
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Write a heat map of NRMSE per layer and projection here (.png)."),
+    ] = None,
+    fail_on_flagged: Annotated[
+        bool, typer.Option(help="Exit 1 when any tensor is flagged (for CI).")
+    ] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Find the tensors that will not survive quantization, exactly and at disk speed.
+
+    For every float tensor: the NRMSE of a simulated quantize-dequantize, the spread ratio,
+    quartiles (exact for every size), absmax, the share of values beyond 6 standard deviations,
+    NaN/Inf counts. Integer (packed) tensors are listed as skipped. Exit codes: 0 ok, 1 flagged
+    tensors with --fail-on-flagged, 2 bad input or a file that could not be read (the other
+    files are still scanned).
+    """
+    quiet_libraries()
+    from llmq import api
+
+    outputs = {"--report": report, "--csv": csv, "--markdown": markdown, "--plot": plot}
+    with cli_errors():
+        _check_outputs(outputs)
+        if top < 1:
+            raise InputError(f"--top {top}: must be >= 1")
+        with progress_bars(json_out=json_out) as progress:
+            result = api.fallback_scan(
+                path, scheme=scheme, nrmse_threshold=nrmse_threshold,
+                ratio_threshold=None if ratio_threshold == float("inf") else ratio_threshold,
+                include=include, exclude=exclude, workers=workers, sample=sample,
+                progress=progress,
+            )  # fmt: skip
+        _write_outputs(result, outputs, top)
+    if json_out:
+        print_json(result.to_dict())
+    else:
+        render(result, top)
+    for file, error in sorted(result.failed.items()):
+        err_console.print(f"[bold red]error:[/] {file}: {error}", soft_wrap=True)
+    if result.failed:
+        raise typer.Exit(2)
+    if fail_on_flagged and result.flagged:
+        raise typer.Exit(1)
+
+
+def _check_outputs(outputs: dict[str, Path | None]) -> None:
+    """Output files must have their format's suffix (so a scanned .safetensors is never a
+    target) and a folder to go in."""
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        if path.suffix.lower() != _OUTPUT_SUFFIXES[option]:
+            raise InputError(f"{option} {path}: expected a {_OUTPUT_SUFFIXES[option]} file")
+        if not path.parent.is_dir():
+            raise InputError(f"{option} {path}: folder {path.parent} does not exist")
+
+
+def _write_outputs(result: Any, outputs: dict[str, Path | None], top: int) -> None:
+    from llmq.fallback.report import write_csv, write_markdown, write_plot
+    from llmq.io.atomic import write_json
+
+    if outputs["--report"]:
+        write_json(outputs["--report"], result.to_dict())
+    if outputs["--csv"]:
+        write_csv(result, outputs["--csv"])
+    if outputs["--markdown"]:
+        write_markdown(result, outputs["--markdown"], top=top)
+    if outputs["--plot"]:
+        write_plot(result, outputs["--plot"])
+
+
+def render(result: Any, top: int) -> None:
+    table = Table(
+        title=f"worst {min(top, len(result.tensors))} tensors by NRMSE ({result.args.label})"
+    )
+    for column in ("tensor", "shape", "dtype", "NRMSE", "range NRMSE", "ratio", "absmax", ">6 std"):
+        table.add_column(column, justify="left" if column in ("tensor", "shape") else "right")
+    table.add_column("flagged because")
+    for scan in result.by_nrmse()[:top]:
+        style = "bold red" if scan.flagged else None
+        table.add_row(
+            scan.name, "x".join(map(str, scan.shape)), scan.dtype, _number(scan.nrmse),
+            _number(scan.range_nrmse), _number(scan.spread_ratio), _number(scan.absmax),
+            f"{scan.tail_share:.1e}", "; ".join(scan.reasons), style=style,
+        )  # fmt: skip
+    out_console.print(table)
+    summary = Table(title="per layer type")
+    for column in ("kind", "tensors", "flagged", "mean NRMSE", "worst NRMSE", "worst ratio"):
+        summary.add_column(column, justify="left" if column == "kind" else "right")
+    for row in result.summary():
+        summary.add_row(
+            row["kind"], str(row["tensors"]), str(row["flagged"]), _number(row["nrmse_mean"]),
+            _number(row["nrmse_max"]), _number(row["ratio_max"]),
+        )  # fmt: skip
+    out_console.print(summary)
+    for reason, count in sorted(Counter(s.reason for s in result.skipped).items()):
+        out_console.print(f"skipped {count} tensors: {reason}")
+    gigabytes = result.bytes_scanned / 1e9
+    out_console.print(
+        f"scanned {len(result.tensors)} tensors ({gigabytes:.2f} GB) in {result.seconds:.1f} s "
+        f"({gigabytes / max(result.seconds, 1e-9):.2f} GB/s, {result.workers} workers"
+        f"{', sampled' if result.sample else ', exact'}); flagged {len(result.flagged)}: NRMSE > "
+        f"{result.nrmse_threshold:g}"
+        + (f" or ratio > {result.ratio_threshold:g}" if result.ratio_threshold else "")
+    )
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"

@@ -1,0 +1,347 @@
+"""What a fallback scan found, in one versioned JSON schema that `quantize --fallback` reads back,
+plus CSV, Markdown and a heat-map picture of the same rows.
+
+JSON schema `llmq.fallback-scan`, version 1 (stable: fields are only ever added):
+  schema, version, llmq_version, root, scheme, args (QuantArgs), thresholds {nrmse, ratio},
+  sample, seconds, workers, bytes_scanned,
+  tensors: [{name, file, dtype, shape, numel, kind, layer, min, max, absmax, mean, std, q1, q3,
+             spread_ratio, tail_share, nan, inf, nrmse, range_nrmse, sampled, flagged, reasons}],
+  flagged: [tensor names], skipped: [{name, file, dtype, shape, reason}],
+  failed: [{file, error}], summary: [{kind, tensors, flagged, nrmse_mean, nrmse_max, ratio_max}]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmq.config import QuantArgs
+from llmq.errors import InputError
+
+if TYPE_CHECKING:
+    from llmq.fallback.stats import TensorStats
+
+SCHEMA = "llmq.fallback-scan"
+SCHEMA_VERSION = 1
+
+_KINDS = (
+    ("q", r"q_proj"), ("k", r"k_proj"), ("v", r"v_proj"), ("qkv", r"qkv_proj|query_key_value|c_attn"),
+    ("o", r"o_proj|out_proj|dense|c_proj"), ("gate", r"gate_proj|w1"), ("up", r"up_proj|w3"),
+    ("gate_up", r"gate_up_proj"), ("down", r"down_proj|w2"), ("embed", r"embed_tokens|wte|word_embeddings"),
+    ("lm_head", r"lm_head"), ("norm", r"norm|ln_"),
+)  # fmt: skip
+KIND_ORDER = [kind for kind, _ in _KINDS] + ["other"]
+
+
+def tensor_kind(name: str) -> str:
+    """q/k/v/o/gate/up/down/embed/lm_head/norm/other, from the tensor's module name."""
+    module = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
+    last = module.rsplit(".", 1)[-1]
+    for kind, pattern in _KINDS:
+        if re.fullmatch(pattern, last) or (kind in ("embed", "lm_head", "norm") and re.search(pattern, last)):  # fmt: skip
+            return kind
+    return "other"
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a tensor belongs to (the first numeric name component)."""
+    match = re.search(r"\.(\d+)\.", f".{name}")
+    return int(match.group(1)) if match else None
+
+
+@dataclass(slots=True)
+class TensorScan:
+    """One scanned tensor: statistics of its finite values and its simulated quantization error."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: list[int]
+    numel: int
+    nan: int
+    inf: int
+    min: float
+    max: float
+    absmax: float
+    mean: float
+    std: float
+    q1: float
+    q3: float
+    tail_share: float
+    nrmse: float | None
+    range_nrmse: float | None
+    sampled: bool = False
+    reasons: list[str] = field(default_factory=list)  # why it is flagged; empty: not flagged
+
+    @classmethod
+    def from_stats(
+        cls, name: str, file: str, dtype: str, shape: list[int], stats: TensorStats, sampled: bool
+    ) -> TensorScan:
+        values = {f.name: getattr(stats, f.name) for f in fields(stats)}
+        return cls(name=name, file=file, dtype=dtype, shape=shape, sampled=sampled, **values)
+
+    @property
+    def spread_ratio(self) -> float:
+        from llmq.fallback.stats import spread_ratio
+
+        return spread_ratio(self.min, self.max, self.q1, self.q3)
+
+    @property
+    def flagged(self) -> bool:
+        return bool(self.reasons)
+
+    @property
+    def kind(self) -> str:
+        return tensor_kind(self.name)
+
+    @property
+    def layer(self) -> int | None:
+        return layer_index(self.name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "kind": self.kind,
+            "layer": self.layer,
+            "spread_ratio": _finite_or_none(self.spread_ratio),
+            "flagged": self.flagged,
+        }
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    name: str
+    file: str
+    dtype: str
+    shape: list[int]
+    reason: str
+
+
+@dataclass(slots=True)
+class ScanReport:
+    root: str
+    scheme: str
+    args: QuantArgs
+    nrmse_threshold: float
+    ratio_threshold: float | None
+    sample: int | None
+    tensors: list[TensorScan]
+    skipped: list[Skipped]
+    failed: dict[str, str]  # file -> why it could not be scanned
+    seconds: float
+    workers: int
+
+    @property
+    def flagged(self) -> list[TensorScan]:
+        return [t for t in self.tensors if t.flagged]
+
+    @property
+    def bytes_scanned(self) -> int:
+        from llmq.io.checkpoint import DTYPE_BYTES
+
+        return sum(t.numel * DTYPE_BYTES[t.dtype] for t in self.tensors)
+
+    def by_nrmse(self) -> list[TensorScan]:
+        """Worst first; tensors without an NRMSE (non-finite, 1-D under a row scheme) lead."""
+        return sorted(self.tensors, key=lambda t: -math.inf if t.nrmse is None else -t.nrmse)
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per layer type: how many tensors, how many flagged, mean and worst NRMSE and ratio."""
+        rows = []
+        for kind in KIND_ORDER:
+            members = [t for t in self.tensors if t.kind == kind]
+            if not members:
+                continue
+            errors = [t.nrmse for t in members if t.nrmse is not None]
+            rows.append({
+                "kind": kind,
+                "tensors": len(members),
+                "flagged": sum(t.flagged for t in members),
+                "nrmse_mean": sum(errors) / len(errors) if errors else None,
+                "nrmse_max": max(errors) if errors else None,
+                "ratio_max": _finite_or_none(max(t.spread_ratio for t in members)),
+            })  # fmt: skip
+        return rows
+
+    def flagged_modules(self) -> list[str]:
+        """Module names of the flagged `.weight` tensors: what `quantize --fallback` keeps."""
+        return [t.name.removesuffix(".weight") for t in self.flagged if t.name.endswith(".weight")]
+
+    def to_dict(self) -> dict[str, Any]:
+        from llmq import __version__
+
+        return {
+            "schema": SCHEMA,
+            "version": SCHEMA_VERSION,
+            "llmq_version": __version__,
+            "root": self.root,
+            "scheme": self.scheme,
+            "args": self.args.model_dump(),
+            "thresholds": {"nrmse": self.nrmse_threshold, "ratio": self.ratio_threshold},
+            "sample": self.sample,
+            "seconds": self.seconds,
+            "workers": self.workers,
+            "bytes_scanned": self.bytes_scanned,
+            "tensors": [t.to_dict() for t in self.tensors],
+            "flagged": [t.name for t in self.flagged],
+            "skipped": [asdict(s) for s in self.skipped],
+            "failed": [{"file": f, "error": e} for f, e in sorted(self.failed.items())],
+            "summary": self.summary(),
+        }
+
+    @classmethod
+    def load(cls, path: Path) -> ScanReport:
+        """Read a report written by `fallback-scan --report` (or its --json output)."""
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise InputError(f"{path}: no such report file") from None
+        except (OSError, ValueError) as exc:
+            raise InputError(f"{path}: not a fallback-scan JSON report ({exc})") from None
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            raise InputError(
+                f"{path}: not a fallback-scan report (schema is not {SCHEMA!r})",
+                hint="write one with: llmq fallback-scan MODEL --report scan.json",
+            )
+        if data.get("version") != SCHEMA_VERSION:
+            raise InputError(
+                f"{path}: report version {data.get('version')!r}; this llmq reads {SCHEMA_VERSION}"
+            )
+        try:
+            return cls._from_dict(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"{path}: malformed fallback-scan report ({exc})") from None
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any]) -> ScanReport:
+        scan_fields = {f.name for f in fields(TensorScan)}
+        return cls(
+            root=data["root"],
+            scheme=data["scheme"],
+            args=QuantArgs(**data["args"]),
+            nrmse_threshold=data["thresholds"]["nrmse"],
+            ratio_threshold=data["thresholds"]["ratio"],
+            sample=data["sample"],
+            tensors=[
+                TensorScan(**{k: v for k, v in t.items() if k in scan_fields})
+                for t in data["tensors"]
+            ],
+            skipped=[Skipped(**s) for s in data["skipped"]],
+            failed={f["file"]: f["error"] for f in data["failed"]},
+            seconds=data["seconds"],
+            workers=data["workers"],
+        )
+
+
+_CSV_COLUMNS = ("name", "file", "kind", "layer", "dtype", "shape", "numel", "nrmse", "range_nrmse",
+                "spread_ratio", "absmax", "min", "max", "mean", "std", "q1", "q3", "tail_share",
+                "nan", "inf", "sampled", "flagged", "reasons")  # fmt: skip
+
+
+def write_csv(report: ScanReport, path: Path) -> None:
+    """One row per scanned tensor, worst NRMSE first."""
+    import csv
+    import io
+
+    from llmq.io.atomic import write_text
+
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(_CSV_COLUMNS)
+    for scan in report.by_nrmse():
+        row = scan.to_dict()
+        row["shape"] = "x".join(map(str, scan.shape))
+        row["reasons"] = "; ".join(scan.reasons)
+        writer.writerow(["" if row[c] is None else row[c] for c in _CSV_COLUMNS])
+    write_text(path, buffer.getvalue())
+
+
+def write_markdown(report: ScanReport, path: Path, *, top: int) -> None:
+    """A summary per layer type and the `top` worst tensors, as Markdown tables."""
+    from llmq.io.atomic import write_text
+
+    lines = [
+        f"# fallback-scan: {report.root}",
+        "",
+        f"Scheme {report.scheme} ({report.args.label}); flagged when NRMSE > "
+        f"{report.nrmse_threshold:g}"
+        + (f" or spread ratio > {report.ratio_threshold:g}" if report.ratio_threshold else "")
+        + f". {len(report.tensors)} tensors scanned, {len(report.flagged)} flagged, "
+        f"{len(report.skipped)} skipped, {len(report.failed)} files failed.",
+        "",
+        "| kind | tensors | flagged | mean NRMSE | worst NRMSE | worst ratio |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in report.summary():
+        lines.append(
+            f"| {row['kind']} | {row['tensors']} | {row['flagged']} | {_num(row['nrmse_mean'])} "
+            f"| {_num(row['nrmse_max'])} | {_num(row['ratio_max'])} |"
+        )
+    lines += ["", "| tensor | shape | dtype | NRMSE | ratio | absmax | flagged |", "|---|---|---|---:|---:|---:|---|"]  # fmt: skip
+    for scan in report.by_nrmse()[:top]:
+        lines.append(
+            f"| {scan.name} | {'x'.join(map(str, scan.shape))} | {scan.dtype} | "
+            f"{_num(scan.nrmse)} | {_num(scan.spread_ratio)} | {_num(scan.absmax)} | "
+            f"{'; '.join(scan.reasons) or 'no'} |"
+        )
+    write_text(path, "\n".join(lines) + "\n")
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def heatmap_grid(report: ScanReport) -> tuple[list[int], list[str], list[list[float | None]]]:
+    """Layers (rows) x layer types (columns) of the worst NRMSE in each cell."""
+    cells: dict[tuple[int, str], float] = {}
+    for scan in report.tensors:
+        if scan.layer is None or scan.nrmse is None or scan.kind in ("norm", "other"):
+            continue
+        key = (scan.layer, scan.kind)
+        cells[key] = max(cells.get(key, 0.0), scan.nrmse)
+    layers = sorted({layer for layer, _ in cells})
+    kinds = [k for k in KIND_ORDER if any(kind == k for _, kind in cells)]
+    return layers, kinds, [[cells.get((layer, k)) for k in kinds] for layer in layers]
+
+
+def write_plot(report: ScanReport, path: Path) -> None:
+    """A heat map of NRMSE per decoder layer and projection, flagged cells outlined."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InputError(
+            "--plot needs matplotlib", hint="pip install 'llmq[plot]' (or matplotlib)"
+        ) from None
+    from llmq.io.atomic import partial_file
+
+    layers, kinds, grid = heatmap_grid(report)
+    if not layers:
+        raise InputError("--plot: no tensor with a layer number and an NRMSE to draw")
+    values = [[math.nan if v is None else v for v in row] for row in grid]
+    figure, axes = plt.subplots(figsize=(1.1 * len(kinds) + 2.5, 0.22 * len(layers) + 1.8))
+    image = axes.imshow(values, aspect="auto", cmap="magma_r", interpolation="nearest")
+    axes.set_xticks(range(len(kinds)), kinds)
+    axes.set_yticks(range(len(layers)), [str(layer) for layer in layers])
+    axes.set_xlabel("projection")
+    axes.set_ylabel("layer")
+    axes.set_title(f"NRMSE under {report.args.label} (outlined: > {report.nrmse_threshold:g})")
+    for row, layer_values in enumerate(values):
+        for column, value in enumerate(layer_values):
+            if value > report.nrmse_threshold:
+                axes.add_patch(plt.Rectangle((column - 0.5, row - 0.5), 1, 1, fill=False, edgecolor="cyan", linewidth=1.5))  # fmt: skip
+    figure.colorbar(image, ax=axes, label="NRMSE")
+    figure.tight_layout()
+    with partial_file(path) as partial:
+        figure.savefig(partial, format="png", dpi=110)
+    plt.close(figure)

@@ -1,0 +1,302 @@
+"""`fallback-scan`: every weight tensor of every .safetensors file under a folder, scored for how
+badly it survives quantization, with no model class, no calibration data and no GPU.
+
+Tensors are read one at a time from the memory-mapped files (`safetensors.safe_open`) and
+reduced in chunks (`llmq.fallback.stats`), so a worker holds one tensor's pages plus a few MB.
+Workers are threads: torch releases the GIL inside every operation, and threads share the
+page cache and start instantly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmq.config import QuantArgs, get_scheme
+from llmq.errors import InputError
+from llmq.fallback.report import ScanReport, Skipped, TensorScan
+from llmq.io.checkpoint import DTYPE_BYTES, INDEX_FILE, read_safetensors_header
+from llmq.progress import NO_PROGRESS, Progress
+
+if TYPE_CHECKING:
+    import torch
+
+_INT8_TENSOR = QuantArgs(num_bits=8, strategy="tensor")
+SCAN_SCHEMES: dict[str, QuantArgs] = {
+    "int8-tensor": _INT8_TENSOR,
+    "fp8-tensor": QuantArgs(num_bits=8, type="float", strategy="tensor"),
+}
+"""Per-tensor checks beyond the presets; any `quantize` preset name (w4a16, w8a8, fp8, ...)
+is also accepted and scans with its weight arguments."""
+DEFAULT_SCHEME = "int8-tensor"
+
+# NRMSE of a Gaussian tensor (4096 x 4096) under each kind of scheme is about 0.012 for int8
+# per-tensor, 0.006 int8 per-channel, 0.11 int4 g128, 0.02 fp8: the defaults flag tensors
+# several times worse than that.
+_DEFAULT_NRMSE = {"int8": 0.05, "int4": 0.2, "fp8": 0.06}
+DEFAULT_RATIO_THRESHOLD = 60.0
+"""(max - min) / IQR is about 8-10 for a Gaussian tensor of a few million values. Kept in step
+with `llmq.api.fallback_scan`'s default."""
+
+_READABLE = {"BF16", "F16", "F32", "F8_E4M3", "F8_E5M2"}
+
+
+def scan_args(scheme: str) -> QuantArgs:
+    """The weight arguments a scan simulates for `scheme` (a scan name or a preset)."""
+    if scheme.lower() in SCAN_SCHEMES:
+        return SCAN_SCHEMES[scheme.lower()]
+    try:
+        return get_scheme(scheme).weights
+    except InputError as exc:
+        raise InputError(
+            f"unknown scheme {scheme!r}",
+            hint=f"choose one of: {', '.join(SCAN_SCHEMES)}, or a quantize preset ({exc.hint})",
+        ) from None
+
+
+def default_nrmse_threshold(args: QuantArgs) -> float:
+    return _DEFAULT_NRMSE["fp8" if args.type == "float" else f"int{args.num_bits}"]
+
+
+@dataclass(frozen=True, slots=True)
+class ScanOptions:
+    scheme: str = DEFAULT_SCHEME
+    args: QuantArgs | None = None  # simulate these weight arguments in place of `scheme`'s
+    nrmse_threshold: float | None = None  # None: the scheme's default
+    ratio_threshold: float | None = DEFAULT_RATIO_THRESHOLD  # None: not used
+    include: str | None = None  # regex searched in tensor names
+    exclude: str | None = None
+    workers: int = 1
+    sample: int | None = None  # elements per tensor; None: exact, every value
+
+
+@dataclass(slots=True)
+class _Job:
+    name: str
+    file: Path
+    relative: str  # the file's path under the scanned folder, as reported
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(slots=True)
+class _Inventory:
+    jobs: list[_Job] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # file -> one-line error
+
+
+def fallback_scan(
+    path: str | Path, options: ScanOptions = ScanOptions(), *, progress: Progress = NO_PROGRESS
+) -> ScanReport:
+    """Scan every .safetensors file under `path` (a folder, searched recursively, or one file).
+
+    Raises InputError for a missing path, bad options or no .safetensors at all; files that
+    cannot be read are listed in `report.failed` and the others are still scanned."""
+    root = Path(path)
+    args = options.args or scan_args(options.scheme)
+    nrmse_threshold = options.nrmse_threshold
+    if nrmse_threshold is None:
+        nrmse_threshold = default_nrmse_threshold(args)
+    _check_options(options, nrmse_threshold)
+    include, exclude = (_regex(p, o) for p, o in ((options.include, "--include"), (options.exclude, "--exclude")))  # fmt: skip
+    inventory = _inventory(root, include, exclude)
+    started = time.perf_counter()
+    scans = _run(inventory, args, options, progress)
+    return ScanReport(
+        root=str(root),
+        scheme="quantize" if options.args else options.scheme,
+        args=args,
+        nrmse_threshold=nrmse_threshold,
+        ratio_threshold=options.ratio_threshold,
+        sample=options.sample,
+        tensors=[_flag(s, nrmse_threshold, options.ratio_threshold) for s in scans],
+        skipped=inventory.skipped,
+        failed=inventory.failed,
+        seconds=time.perf_counter() - started,
+        workers=options.workers,
+    )
+
+
+def _check_options(options: ScanOptions, nrmse_threshold: float) -> None:
+    if not nrmse_threshold > 0:
+        raise InputError(f"--nrmse-threshold {nrmse_threshold}: must be > 0")
+    if options.ratio_threshold is not None and not options.ratio_threshold > 0:
+        raise InputError(f"--ratio-threshold {options.ratio_threshold}: must be > 0")
+    if not 1 <= options.workers <= 256:
+        raise InputError(f"--workers {options.workers}: must be between 1 and 256")
+    if options.sample is not None and options.sample < 1:
+        raise InputError(f"--sample {options.sample}: must be >= 1")
+
+
+def _regex(pattern: str | None, option: str) -> re.Pattern[str] | None:
+    if pattern is None:
+        return None
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise InputError(f"{option} {pattern!r}: invalid regular expression ({exc})") from None
+
+
+def safetensors_files(root: Path) -> list[Path]:
+    """The .safetensors files under `root` (or `root` itself), InputError when there are none."""
+    if not root.exists():
+        raise InputError(f"{root}: no such file or folder")
+    if root.is_file():
+        if root.suffix != ".safetensors":
+            raise InputError(f"{root}: not a .safetensors file")
+        return [root]
+    files = sorted(p for p in root.rglob("*.safetensors") if p.is_file())
+    if not files:
+        raise InputError(
+            f"{root}: no .safetensors files in this folder or below",
+            hint="fallback-scan reads safetensors checkpoints only",
+        )
+    return files
+
+
+def _inventory(
+    root: Path, include: re.Pattern[str] | None, exclude: re.Pattern[str] | None
+) -> _Inventory:
+    """Every tensor to scan, from the headers alone; unreadable files are recorded, not fatal."""
+    inventory = _Inventory()
+    base = root if root.is_dir() else root.parent
+    for index in sorted(base.rglob(INDEX_FILE)) if root.is_dir() else []:
+        _check_index(index, base, inventory)
+    for file in safetensors_files(root):
+        try:
+            header = read_safetensors_header(file)
+        except InputError as exc:
+            inventory.failed[_relative(file, base)] = exc.message
+            continue
+        for name, (dtype, shape) in header.items():
+            if (include and not include.search(name)) or (exclude and exclude.search(name)):
+                continue
+            reason = _skip_reason(dtype, shape)
+            relative = _relative(file, base)
+            if reason:
+                inventory.skipped.append(Skipped(name, relative, dtype, list(shape), reason))
+            else:
+                inventory.jobs.append(_Job(name, file, relative, dtype, shape))
+    inventory.jobs.sort(key=lambda job: -job.nbytes)  # largest first: workers finish together
+    return inventory
+
+
+def _check_index(index: Path, base: Path, inventory: _Inventory) -> None:
+    import json
+
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        inventory.failed[_relative(index, base)] = "not a valid safetensors index (no weight_map)"
+        return
+    for shard in sorted(shards):
+        if not (index.parent / shard).is_file():
+            inventory.failed[_relative(index.parent / shard, base)] = f"listed in {INDEX_FILE} but missing"  # fmt: skip
+
+
+def _relative(file: Path, base: Path) -> str:
+    try:
+        return str(file.relative_to(base))
+    except ValueError:
+        return str(file)
+
+
+def _skip_reason(dtype: str, shape: tuple[int, ...]) -> str | None:
+    if dtype not in _READABLE:
+        if dtype.startswith(("I", "U", "BOOL")):
+            return f"integer tensor ({dtype}): packed codes, indices or scales, not a float weight"
+        return f"{dtype} is not scanned (bf16, fp16, fp32 and fp8 are)"
+    if not shape or math.prod(shape) == 0:
+        return "scalar or empty"
+    return None
+
+
+@contextmanager
+def _threads_per_worker(workers: int) -> Any:
+    """Each worker's torch ops use its share of the cores, so workers do not oversubscribe."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(
+    inventory: _Inventory, args: QuantArgs, options: ScanOptions, progress: Progress
+) -> list[TensorScan]:
+    from llmq.heap import reused_heap
+
+    scans: list[TensorScan] = []
+    total = sum(job.nbytes for job in inventory.jobs)
+    with (
+        progress.stage(f"scanning {len(inventory.jobs)} tensors (bytes)", total=total) as advance,
+        _threads_per_worker(options.workers),
+        reused_heap(),
+        ThreadPoolExecutor(max_workers=options.workers) as pool,
+    ):
+        futures = {pool.submit(_scan_one, job, args, options.sample): job for job in inventory.jobs}
+        for future in as_completed(futures):
+            job = futures[future]
+            try:
+                scans.append(future.result())
+            except (OSError, RuntimeError, ValueError) as exc:
+                inventory.failed.setdefault(job.relative, f"cannot read {job.name}: {exc}")
+            advance(job.nbytes)
+    scans.sort(key=lambda s: (s.file, s.name))
+    return scans
+
+
+def _scan_one(job: _Job, args: QuantArgs, sample: int | None) -> TensorScan:
+    from safetensors import safe_open
+
+    from llmq.fallback.stats import tensor_stats
+
+    with safe_open(str(job.file), framework="pt") as handle:
+        tensor = handle.get_tensor(job.name)
+        sampled = sample is not None and tensor.numel() > sample
+        if sampled:
+            tensor = sample_rows(tensor, int(sample), seed=job.name)
+        stats = tensor_stats(tensor, args)
+    return TensorScan.from_stats(job.name, job.relative, job.dtype, list(job.shape), stats, sampled)
+
+
+def sample_rows(tensor: torch.Tensor, sample: int, *, seed: str) -> torch.Tensor:
+    """About `sample` values of `tensor`: whole rows (all dims but the last) chosen at random
+    but reproducibly, so that per-channel and per-group scales keep their meaning."""
+    import zlib
+
+    import torch
+
+    rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.ndim > 1 else tensor.reshape(-1, 1)
+    keep = max(1, math.ceil(sample / rows.shape[1]))
+    generator = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
+    chosen = torch.randperm(rows.shape[0], generator=generator)[:keep].sort().values
+    picked = rows.index_select(0, chosen)
+    return picked if tensor.ndim > 1 else picked.reshape(-1)
+
+
+def _flag(scan: TensorScan, nrmse_threshold: float, ratio_threshold: float | None) -> TensorScan:
+    reasons = []
+    if scan.nan or scan.inf:
+        reasons.append(f"{scan.nan} NaN, {scan.inf} Inf values")
+    if scan.nrmse is not None and scan.nrmse > nrmse_threshold:
+        reasons.append(f"nrmse {scan.nrmse:.4g} > {nrmse_threshold:g}")
+    if ratio_threshold is not None and scan.spread_ratio > ratio_threshold:
+        reasons.append(f"spread ratio {scan.spread_ratio:.4g} > {ratio_threshold:g}")
+    scan.reasons = reasons
+    return scan

@@ -1,0 +1,418 @@
+"""Exact statistics of one weight tensor, streamed in chunks: no sort, no sampling, no upcast copy.
+
+Quartiles come from histograms of bit patterns. A 16-bit (or 8-bit) float has at most 65,536
+distinct values, so one `bincount` over its bit patterns is the whole distribution: every order
+statistic, the mean, the standard deviation and the tail counts follow from the 65,536 counts, and
+so does the per-tensor quantization error (the error of a value depends on the value alone).
+A float32 is split in two: a histogram of its upper 16 bits finds the bucket that holds a wanted
+rank, and a second pass histograms the lower 16 bits of that bucket alone.
+
+Quantiles interpolate linearly between the two nearest order statistics, as `torch.quantile`
+does. std is the population standard deviation (divided by n).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+from torch import Tensor
+
+from llmq.config import QuantArgs, fit_group_size
+from llmq.quant.primitives import (
+    ACCUM_DTYPE,
+    choose_qparams,
+    quantize_grouped,
+    quantize_weight,
+    scale_codes,
+)
+
+CHUNK_ELEMENTS = 1 << 20
+"""Elements processed at once: a few MB of working memory, whatever the tensor's size."""
+TAIL_SIGMAS = 6.0
+_BITS = 16  # bucket width of the histograms
+_LOWER = 0 if sys.byteorder == "little" else 1  # which int16 of a float32 holds its low bits
+
+_PATTERN_DTYPES = {
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float8_e4m3fn: torch.uint8,
+    torch.float8_e5m2: torch.uint8,
+}
+SUPPORTED_DTYPES = tuple(_PATTERN_DTYPES)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorStats:
+    """What the scan reports for one tensor; value statistics cover its finite values."""
+
+    numel: int
+    nan: int
+    inf: int
+    min: float
+    max: float
+    absmax: float
+    mean: float
+    std: float
+    q1: float
+    q3: float
+    tail_share: float  # share of values beyond TAIL_SIGMAS standard deviations of the mean
+    nrmse: float | None  # ||W - deq(q(W))|| / ||W||, None when not finite or not applicable
+    range_nrmse: float | None  # RMSE / (max - min)
+
+
+def spread_ratio(low: float, high: float, q1: float, q3: float) -> float:
+    """(max - min) / (Q3 - Q1): large means a few values far outside the bulk (inf when the
+    bulk is one value and the rest is not)."""
+    spread, iqr = high - low, q3 - q1
+    if iqr > 0:
+        return spread / iqr
+    return math.inf if spread > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Moments:
+    """Count, min, max, sum and sum of squares of the finite values."""
+
+    count: int
+    min: float
+    max: float
+    total: float
+    squares: float
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+    @property
+    def std(self) -> float:
+        if not self.count:
+            return 0.0
+        return math.sqrt(max(self.squares / self.count - self.mean**2, 0.0))
+
+
+def tensor_stats(weight: Tensor, args: QuantArgs | None) -> TensorStats:
+    """Exact statistics of `weight` (any shape, a dtype of SUPPORTED_DTYPES) and, when `args`
+    is given, its quantization error under `args` (rows: every dimension but the last)."""
+    if weight.dtype not in _PATTERN_DTYPES:
+        raise ValueError(f"unsupported dtype {weight.dtype}")
+    flat = weight.reshape(-1)
+    if weight.element_size() <= 2:
+        return _small_float_stats(weight, flat, args)
+    return _float32_stats(weight, flat, args)
+
+
+def _flat_chunks(flat: Tensor) -> Iterator[Tensor]:
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        yield flat[start : start + CHUNK_ELEMENTS]
+
+
+# --- 8- and 16-bit floats: one histogram is the whole distribution ---------------------------
+
+
+@cache
+def _pattern_table(dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Every bit pattern's value (float64) and the patterns in ascending order of value."""
+    bits = torch.finfo(dtype).bits
+    patterns = torch.arange(1 << bits, dtype=torch.int64)
+    as_signed = torch.where(patterns >= 1 << (bits - 1), patterns - (1 << bits), patterns)
+    values = as_signed.to(_PATTERN_DTYPES[dtype]).view(dtype).to(torch.float64)
+    return values, torch.argsort(_order_keys(patterns, bits))
+
+
+def _order_keys(patterns: Tensor, bits: int) -> Tensor:
+    """Unsigned keys that sort sign-magnitude float patterns by value (-0 just below +0)."""
+    sign = 1 << (bits - 1)
+    return torch.where(patterns >= sign, (1 << bits) - 1 - patterns, patterns + sign)
+
+
+def _pattern_histogram(chunks: Iterator[Tensor], bits: int) -> Tensor:
+    """Counts of the `bits`-bit unsigned patterns over all chunks."""
+    counts = torch.zeros(1 << bits, dtype=torch.int64)
+    for chunk in chunks:
+        if chunk.dtype != torch.uint8:
+            chunk = torch.bitwise_and(chunk.to(torch.int32), (1 << bits) - 1)
+        counts += torch.bincount(chunk, minlength=1 << bits)
+    return counts
+
+
+def _small_float_stats(weight: Tensor, flat: Tensor, args: QuantArgs | None) -> TensorStats:
+    bits = torch.finfo(weight.dtype).bits
+    patterns = (c.view(_PATTERN_DTYPES[weight.dtype]) for c in _flat_chunks(flat))
+    counts = _pattern_histogram(patterns, bits)
+    return _histogram_stats(weight, counts, weight.dtype, args)
+
+
+def _histogram_stats(
+    weight: Tensor, counts: Tensor, table: torch.dtype, args: QuantArgs | None
+) -> TensorStats:
+    """Everything from the counts of each bit pattern of `table`, a dtype holding every value
+    of `weight` exactly; only per-channel and per-group errors read the data again."""
+    values, order = _pattern_table(table)
+    nan = int(counts[values.isnan()].sum())
+    inf = int(counts[values.isinf()].sum())
+    finite = values.isfinite() & (counts > 0)
+    present, weights = values[finite], counts[finite].to(torch.float64)
+    moments = _Moments(
+        count=int(weights.sum()),
+        min=float(present.min()) if present.numel() else 0.0,
+        max=float(present.max()) if present.numel() else 0.0,
+        total=float((present * weights).sum()),
+        squares=float((present.square() * weights).sum()),
+    )
+    sorted_counts = torch.where(values.isfinite(), counts, 0)[order]
+    q1, q3 = (
+        _quantile(moments.count, q, lambda k: float(values[order[_rank_index(sorted_counts, k)]]))
+        for q in (0.25, 0.75)
+    )
+    low, high = _tail_bounds(moments)
+    tail = int(weights[(present < low) | (present > high)].sum())
+    squared_error = None
+    if args is not None and not nan + inf:
+        if args.strategy == "tensor":
+            squared_error = _value_error(present, weights, moments, args, weight.dtype)
+        else:
+            squared_error = _row_error(weight, args)
+    return _finish(weight.numel(), moments, nan, inf, q1, q3, tail, squared_error)
+
+
+def _value_error(
+    values: Tensor, counts: Tensor, moments: _Moments, args: QuantArgs, dtype: torch.dtype
+) -> float:
+    """Per-tensor quantization error from the distinct values: each value's error times its
+    count. The codes come from the same primitives as `quantize`."""
+    scale, zero = _tensor_qparams(moments, args, dtype)
+    codes = quantize_grouped(values.view(1, 1, -1), scale.view(1, 1), _view11(zero), args)
+    restored = scale_codes(codes, scale, zero, dtype=torch.float64).view(-1)
+    return float(((values - restored).square() * counts).sum())
+
+
+def _rank_index(sorted_counts: Tensor, rank: int) -> int:
+    """Index into `sorted_counts` of the value at 0-based `rank`."""
+    return int(torch.searchsorted(sorted_counts.cumsum(0), rank, right=True))
+
+
+def _quantile(count: int, q: float, value_at_rank: object) -> float:
+    """torch.quantile's linear interpolation between the order statistics around q·(n-1)."""
+    if count == 0:
+        return 0.0
+    position = q * (count - 1)
+    below = math.floor(position)
+    low = value_at_rank(below)  # type: ignore[operator]
+    if position == below:
+        return float(low)
+    high = value_at_rank(below + 1)  # type: ignore[operator]
+    return float(low + (high - low) * (position - below))
+
+
+def _tail_bounds(moments: _Moments) -> tuple[float, float]:
+    spread = TAIL_SIGMAS * moments.std
+    return moments.mean - spread, moments.mean + spread
+
+
+# --- float32: a histogram of the upper halves, then of the lower halves of one bucket ------
+
+
+def _float32_stats(weight: Tensor, flat: Tensor, args: QuantArgs | None) -> TensorStats:
+    moments, upper, lower_halves_used = _float32_summary(flat)
+    if not lower_halves_used:  # every value is a bfloat16 (a bf16 checkpoint saved as fp32)
+        return _histogram_stats(weight, upper, torch.bfloat16, args)
+    nan = inf = 0
+    if not (math.isfinite(moments.min) and math.isfinite(moments.max)):
+        nan, inf = int(flat.isnan().sum()), int(flat.isinf().sum())
+        flat = flat[flat.isfinite()]  # a copy, in this rare case only
+        moments, upper, _ = _float32_summary(flat)
+    ranks = _quantile_ranks(moments.count)
+    low, high = _tail_bounds(moments)
+    at_rank, tail = _refine_buckets(flat, upper, ranks, low, high)
+    q1, q3 = (_quantile(moments.count, q, lambda k: at_rank[k]) for q in (0.25, 0.75))
+    squared_error = None
+    if args is not None and not nan + inf:
+        if args.strategy == "tensor":
+            squared_error = _chunked_tensor_error(flat, moments, args, weight.dtype)
+        else:
+            squared_error = _row_error(weight, args)
+    return _finish(weight.numel(), moments, nan, inf, q1, q3, tail, squared_error)
+
+
+def _float32_summary(flat: Tensor) -> tuple[_Moments, Tensor, bool]:
+    """One pass: min, max, sum and sum of squares (chunk sums in float32, totals in float64),
+    the histogram of the upper 16 bits, and whether any lower 16 bits are set. min and max are
+    NaN when some value is."""
+    low, high, total, squares = math.inf, -math.inf, 0.0, 0.0
+    upper = torch.zeros(1 << _BITS, dtype=torch.int64)
+    lower_halves_used = False
+    for chunk in _flat_chunks(flat):
+        lower_half, upper_half = _halves(chunk)
+        lower_halves_used = lower_halves_used or bool(torch.count_nonzero(lower_half))
+        chunk_low, chunk_high = (float(v) for v in torch.aminmax(chunk))
+        low = math.nan if math.isnan(chunk_low) else min(low, chunk_low)
+        high = math.nan if math.isnan(chunk_high) else max(high, chunk_high)
+        total += float(chunk.sum())
+        squares += float(torch.dot(chunk, chunk))
+        upper += torch.bincount(_unsigned(upper_half), minlength=1 << _BITS)
+    if not flat.numel():
+        low = high = 0.0
+    return _Moments(flat.numel(), low, high, total, squares), upper, lower_halves_used
+
+
+def _halves(chunk: Tensor) -> tuple[Tensor, Tensor]:
+    """Views of the lower and upper 16 bits of float32 values (the upper half is the value
+    truncated to bfloat16)."""
+    halves = chunk.view(torch.int16).view(-1, 2)
+    return halves[:, _LOWER], halves[:, 1 - _LOWER]
+
+
+def _unsigned(half: Tensor) -> Tensor:
+    """int16 bit patterns as their unsigned values, int32 (what bincount counts)."""
+    return half.view(torch.uint16).to(torch.int32)
+
+
+def _signed16(pattern: int) -> int:
+    return pattern - (1 << _BITS) if pattern >= 1 << (_BITS - 1) else pattern
+
+
+def _quantile_ranks(count: int) -> list[int]:
+    """The 0-based ranks that the quartiles interpolate between."""
+    ranks = set()
+    for q in (0.25, 0.75):
+        position = q * max(count - 1, 0)
+        ranks.update({math.floor(position), min(math.ceil(position), max(count - 1, 0))})
+    return sorted(ranks)
+
+
+def _refine_buckets(
+    flat: Tensor, upper: Tensor, ranks: list[int], low: float, high: float
+) -> tuple[dict[int, float], int]:
+    """Values at `ranks` and the count outside [low, high], from one pass that keeps only the
+    members of the few upper-half buckets those depend on."""
+    if not flat.numel():
+        return dict.fromkeys(ranks, 0.0), 0
+    _, order = _pattern_table(torch.bfloat16)  # bfloat16 is the upper half of a float32
+    cumulative = upper[order].cumsum(0)
+    position_of = torch.empty_like(order)
+    position_of[order] = torch.arange(order.numel())
+    rank_buckets = {k: int(order[torch.searchsorted(cumulative, k, right=True)]) for k in ranks}
+    low_bucket, high_bucket = (_bucket_of(bound) for bound in (low, high))
+    wanted = sorted({*rank_buckets.values(), low_bucket, high_bucket})
+    members = torch.cat([_members(chunk, wanted) for chunk in _flat_chunks(flat)])
+    member_buckets = _unsigned(_halves(members)[1])
+
+    def before(bucket: int) -> int:  # values in buckets below `bucket`, in value order
+        return int(cumulative[position_of[bucket]] - upper[bucket])
+
+    at_rank = {}
+    for k, bucket in rank_buckets.items():
+        in_bucket = members[member_buckets == bucket]
+        at_rank[k] = float(torch.kthvalue(in_bucket, k - before(bucket) + 1).values)
+    below = before(low_bucket) + int((members[member_buckets == low_bucket] < low).sum())
+    above = (
+        flat.numel() - before(high_bucket) - int(upper[high_bucket])
+        + int((members[member_buckets == high_bucket] > high).sum())
+    )  # fmt: skip
+    return at_rank, below + above
+
+
+def _members(chunk: Tensor, buckets: list[int]) -> Tensor:
+    """The values whose upper half is one of `buckets` (a handful: comparisons beat a lookup
+    table)."""
+    upper_half = _halves(chunk)[1]
+    selected = upper_half == _signed16(buckets[0])
+    for bucket in buckets[1:]:
+        selected |= upper_half == _signed16(bucket)
+    return chunk[selected]
+
+
+def _bucket_of(value: float) -> int:
+    return int(_unsigned(_halves(torch.tensor([value], dtype=torch.float32))[1]))
+
+
+def _chunked_tensor_error(
+    flat: Tensor, moments: _Moments, args: QuantArgs, dtype: torch.dtype
+) -> float:
+    scale, zero = _tensor_qparams(moments, args, dtype)
+    total = 0.0
+    for chunk in _flat_chunks(flat):
+        codes = quantize_grouped(chunk.view(1, 1, -1), scale.view(1, 1), _view11(zero), args)
+        error = chunk - scale_codes(codes, scale, zero).view(-1)
+        total += float(torch.dot(error, error))
+    return total
+
+
+# --- shared -------------------------------------------------------------------------------
+
+
+def _tensor_qparams(
+    moments: _Moments, args: QuantArgs, dtype: torch.dtype
+) -> tuple[Tensor, Tensor | None]:
+    scale, zero = choose_qparams(
+        torch.tensor([moments.min]), torch.tensor([moments.max]), args,
+        scale_dtype=scale_dtype_for(dtype),
+    )  # fmt: skip
+    return scale, zero
+
+
+def _view11(zero: Tensor | None) -> Tensor | None:
+    return None if zero is None else zero.view(1, 1)
+
+
+def scale_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """Scales are stored in the weight's dtype, as `quantize` writes them; float32 for FP8."""
+    return dtype if dtype.itemsize >= 2 else ACCUM_DTYPE
+
+
+def _row_error(weight: Tensor, args: QuantArgs) -> float | None:
+    """Per-channel or per-group quantization error over row chunks (rows: all dims but the
+    last). None for a 1-D tensor, which has no rows to scale."""
+    if weight.ndim < 2:
+        return None
+    rows = weight.reshape(-1, weight.shape[-1])
+    args = fit_group_size(args, rows.shape[1])
+    step = max(1, CHUNK_ELEMENTS // rows.shape[1])
+    total = 0.0
+    for start in range(0, rows.shape[0], step):
+        block = rows[start : start + step]
+        if block.element_size() == 1:  # FP8 in: torch has no min/max for it; exact in float32
+            block = block.to(ACCUM_DTYPE)
+        restored = quantize_weight(block, args, scale_dtype=scale_dtype_for(weight.dtype))
+        error = (block.to(ACCUM_DTYPE) - restored.dequantize()).reshape(-1)
+        total += float(torch.dot(error, error))
+    return total
+
+
+def _finish(
+    numel: int,
+    moments: _Moments,
+    nan: int,
+    inf: int,
+    q1: float,
+    q3: float,
+    tail: int,
+    squared_error: float | None,
+) -> TensorStats:
+    nrmse = range_nrmse = None
+    if squared_error is not None and moments.count:
+        nrmse = math.sqrt(squared_error / moments.squares) if moments.squares else 0.0
+        spread = moments.max - moments.min
+        rmse = math.sqrt(squared_error / moments.count)
+        range_nrmse = rmse / spread if spread else 0.0
+    return TensorStats(
+        numel=numel,
+        nan=nan,
+        inf=inf,
+        min=moments.min,
+        max=moments.max,
+        absmax=max(abs(moments.min), abs(moments.max)),
+        mean=moments.mean,
+        std=moments.std,
+        q1=q1,
+        q3=q3,
+        tail_share=tail / moments.count if moments.count else 0.0,
+        nrmse=nrmse,
+        range_nrmse=range_nrmse,
+    )

@@ -8,7 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["calibrate", "evaluate", "list_models", "load_dequantized", "make_recipe", "quantize"]
+__all__ = [
+    "calibrate",
+    "evaluate",
+    "fallback_scan",
+    "list_models",
+    "load_dequantized",
+    "make_recipe",
+    "quantize",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -149,15 +149,14 @@ def render(result: Any, top: int) -> None:
     table = Table(
         title=f"worst {min(top, len(result.tensors))} tensors by NRMSE ({result.args.label})"
     )
-    for column in ("tensor", "shape", "dtype", "NRMSE", "range NRMSE", "ratio", "absmax", ">6 std"):
-        table.add_column(column, justify="left" if column in ("tensor", "shape") else "right")
-    table.add_column("flagged because")
+    table.add_column("tensor", overflow="fold")
+    for column in ("shape", "NRMSE", "ratio", "absmax", ">6 std", "flagged"):
+        table.add_column(column, justify="left" if column == "shape" else "right", no_wrap=True)
     for scan in result.by_nrmse()[:top]:
-        style = "bold red" if scan.flagged else None
         table.add_row(
-            scan.name, "x".join(map(str, scan.shape)), scan.dtype, _number(scan.nrmse),
-            _number(scan.range_nrmse), _number(scan.spread_ratio), _number(scan.absmax),
-            f"{scan.tail_share:.1e}", "; ".join(scan.reasons), style=style,
+            scan.name, "x".join(map(str, scan.shape)), _number(scan.nrmse),
+            _number(scan.spread_ratio), _number(scan.absmax), f"{scan.tail_share:.0e}",
+            "yes" if scan.flagged else "", style="bold red" if scan.flagged else None,
         )  # fmt: skip
     out_console.print(table)
     summary = Table(title="per layer type")
@@ -169,6 +168,8 @@ def render(result: Any, top: int) -> None:
             _number(row["nrmse_max"]), _number(row["ratio_max"]),
         )  # fmt: skip
     out_console.print(summary)
+    for scan in result.flagged:
+        out_console.print(f"flagged {scan.name}: {'; '.join(scan.reasons)}", soft_wrap=True)
     for reason, count in sorted(Counter(s.reason for s in result.skipped).items()):
         out_console.print(f"skipped {count} tensors: {reason}")
     gigabytes = result.bytes_scanned / 1e9

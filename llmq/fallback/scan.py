@@ -178,7 +178,7 @@ def _inventory(
         try:
             header = read_safetensors_header(file)
         except InputError as exc:
-            inventory.failed[_relative(file, base)] = exc.message
+            inventory.failed[_relative(file, base)] = exc.message.removeprefix(f"{file}: ")
             continue
         for name, (dtype, shape) in header.items():
             if (include and not include.search(name)) or (exclude and exclude.search(name)):

@@ -17,6 +17,7 @@ FORBIDDEN = {
     "calib": ("llmq.pipeline", "llmq.cli", "llmq.eval", "llmq.quant.rtn", "llmq.quant.methods"),
     "eval": ("llmq.pipeline", "llmq.cli", "llmq.quant.rtn", "llmq.quant.methods"),
     "pipeline": ("llmq.cli",),
+    "fallback": ("llmq.calib", "llmq.cli", "llmq.pipeline", "llmq.eval", "llmq.pack"),
 }
 LIBRARY_BANS = ("typer", "rich")
 

@@ -1,0 +1,430 @@
+"""Does `fallback-scan` predict real damage, and is it fast? Three measurements, one script.
+
+damage: every linear of the default model (SmolLM2-135M-Instruct, fp32) is quantized alone
+  (INT8 per-tensor, then INT4 g64) and the perplexity increase it causes is measured on held-out
+  pydoc. The scan's score for each linear is then rank-correlated (Spearman) with that damage,
+  and the share of the total damage that the top-k scored linears account for is compared with
+  the best possible top-k. Scores: the scan's NRMSE; its spread ratio; and an activation-weighted
+  NRMSE, sqrt(sum_j ||dW_j||^2 E[x_j^2] / sum_j ||W_j||^2 E[x_j^2]) with E[x_j^2] from
+  calibration windows (pydoc calibration split, disjoint from the held-out text).
+auto: `quantize --fallback` at a few NRMSE thresholds against plain quantization: perplexity
+  (held-out pydoc and Hamlet) and checkpoint size.
+speed: scan throughput against a plain read of the same files (safetensors, sum every tensor),
+  with the page cache dropped for the files (cold) and warm; and against a naive exact scan
+  (load, upcast to float32, sort for the quartiles, quantize, norm), whose numbers must match.
+  On the default model and on a synthetic 2.6 GB bf16 checkpoint with a 262M-element tensor.
+
+    python benchmarks/bench_fallback.py [--only damage,auto,speed] [--out benchmarks/out/fallback]
+
+Perplexity protocol (damage): token perplexity, held-out pydoc, the first --damage-windows x 256
+tokens, no BOS, float32. (auto): the benchmarks' standard protocol, 12 x 512 tokens of held-out
+pydoc and Hamlet, no BOS, float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import held_out_perplexity, machine, ppl_cells, protocol, write_json
+
+HERE = Path(__file__).resolve().parent
+
+
+def _model_folder() -> Path:
+    from llmq.models import resolve_model
+
+    return resolve_model("smollm2-135m")
+
+
+# --- damage -----------------------------------------------------------------------------------
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    import torch
+
+    def ranks(values: list[float]) -> torch.Tensor:
+        order = torch.tensor(values, dtype=torch.float64).argsort()
+        out = torch.empty(len(values), dtype=torch.float64)
+        out[order] = torch.arange(len(values), dtype=torch.float64)
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def _top_k_share(scores: list[float], damage: list[float], k: int) -> tuple[float, float]:
+    """Share of the total (positive) damage in the top-k by score, and the best possible."""
+    positive = [max(d, 0.0) for d in damage]
+    total = sum(positive) or 1.0
+    by_score = sorted(range(len(scores)), key=lambda i: -scores[i])[:k]
+    best = sorted(positive, reverse=True)[:k]
+    return sum(positive[i] for i in by_score) / total, sum(best) / total
+
+
+class _Evaluator:
+    """Loss of the model on fixed windows, re-running only the layers from the changed one on."""
+
+    def __init__(self, folder: Path, windows: int, seq_len: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from llmq.calib.data import evaluation_windows
+        from llmq.calib.tokenizer import load_tokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        tokenizer = load_tokenizer(folder)
+        self.ids = evaluation_windows(tokenizer, "pydoc", seq_len=seq_len, max_windows=windows).input_ids  # fmt: skip
+        self.layers = self.model.model.layers
+        with torch.inference_mode():
+            out = self.model(self.ids, output_hidden_states=True, use_cache=False)
+        self.hidden = [h.clone() for h in out.hidden_states[: len(self.layers)]]
+        self.base_nll = self._nll(out.logits)
+
+    def _nll(self, logits: object) -> float:
+        import torch
+
+        shifted = logits[:, :-1].reshape(-1, logits.shape[-1])  # type: ignore[index]
+        return float(torch.nn.functional.cross_entropy(shifted, self.ids[:, 1:].reshape(-1)))
+
+    def nll_from_layer(self, index: int) -> float:
+        import torch
+
+        self.model.model.layers = torch.nn.ModuleList(list(self.layers)[index:])
+        try:
+            with torch.inference_mode():
+                logits = self.model(inputs_embeds=self.hidden[index], use_cache=False).logits
+        finally:
+            self.model.model.layers = self.layers
+        return self._nll(logits)
+
+
+def _input_second_moments(folder: Path, names: list[str], windows: int) -> dict[str, object]:
+    """E[x_j^2] of each linear's input over calibration windows (pydoc calibration split)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmq.calib.data import calibration_windows
+    from llmq.calib.tokenizer import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = calibration_windows(load_tokenizer(folder), "pydoc", num_samples=windows, seq_len=256, seed=0).input_ids  # fmt: skip
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def hook(name: str):
+        def record(_module: object, inputs: tuple) -> None:
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+            sums[name] = sums.get(name, 0) + x.square().sum(0)
+            counts[name] = counts.get(name, 0) + x.shape[0]
+
+        return record
+
+    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    with torch.inference_mode():
+        model(ids, use_cache=False)
+    for handle in handles:
+        handle.remove()
+    return {n: sums[n] / counts[n] for n in names}
+
+
+def run_damage(out: Path, windows: int) -> dict:
+    import torch
+
+    from llmq.config import QuantArgs
+    from llmq.fallback.scan import ScanOptions
+    from llmq.fallback.scan import fallback_scan as raw_scan
+    from llmq.quant.primitives import quantize_weight
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
+    folder = _model_folder()
+    evaluator = _Evaluator(folder, windows, 256)
+    names = [
+        f"model.layers.{i}.{suffix}"
+        for i in range(len(evaluator.layers))
+        for suffix in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    ]  # fmt: skip
+    moments = _input_second_moments(folder, names, 16)
+    schemes = {
+        "int8-tensor": QuantArgs(num_bits=8, strategy="tensor"),
+        "int4-g64": QuantArgs(num_bits=4, strategy="group", group_size=64),
+    }
+    results = {"base_ppl": math.exp(evaluator.base_nll), "windows": windows, "schemes": {}}
+    for label, args in schemes.items():
+        started = time.perf_counter()
+        scan = raw_scan(folder, ScanOptions(args=args, workers=1))
+        by_name = {t.name.removesuffix(".weight"): t for t in scan.tensors}
+        rows = []
+        for name in names:
+            module = evaluator.model.get_submodule(name)
+            original = module.weight.data.clone()
+            restored = quantize_weight(original, args).dequantize(torch.float32)
+            delta = (original - restored).double()
+            m = moments[name]
+            weighted = math.sqrt(float((delta.square() * m).sum() / (original.double().square() * m).sum()))  # fmt: skip
+            module.weight.data = restored
+            nll = evaluator.nll_from_layer(int(name.split(".")[2]))
+            module.weight.data = original
+            rows.append({
+                "name": name, "damage": math.exp(nll - evaluator.base_nll) - 1,
+                "nrmse": by_name[name].nrmse, "ratio": by_name[name].spread_ratio,
+                "act_nrmse": weighted,
+            })  # fmt: skip
+            print(f"{label} {name}: damage {rows[-1]['damage']:+.4%} nrmse {rows[-1]['nrmse']:.4f}", flush=True)  # fmt: skip
+        damage = [r["damage"] for r in rows]
+        summary = {}
+        for score in ("nrmse", "ratio", "act_nrmse"):
+            values = [r[score] for r in rows]
+            summary[score] = {
+                "spearman": _spearman(values, damage),
+                **{f"top{k}": _top_k_share(values, damage, k) for k in (5, 10, 20)},
+            }
+        results["schemes"][label] = {"rows": rows, "summary": summary, "seconds": time.perf_counter() - started}  # fmt: skip
+        write_json(out / "damage.json", results)
+    return results
+
+
+def damage_markdown(results: dict) -> str:
+    lines = [
+        f"Per-linear damage: {len(next(iter(results['schemes'].values()))['rows'])} linears, each "
+        f"quantized alone; base perplexity {results['base_ppl']:.3f} on {results['windows']} x 256 "
+        "tokens of held-out pydoc (no BOS, float32).",
+        "",
+        "| scheme | score | Spearman vs damage | top-5 share (best) | top-10 share (best) | top-20 share (best) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for label, block in results["schemes"].items():
+        for score, s in block["summary"].items():
+            cells = " | ".join(f"{s[f'top{k}'][0]:.0%} ({s[f'top{k}'][1]:.0%})" for k in (5, 10, 20))
+            lines.append(f"| {label} | {score} | {s['spearman']:.3f} | {cells} |")
+    return "\n".join(lines)
+
+
+# --- auto -------------------------------------------------------------------------------------
+
+
+def run_auto(out: Path, windows: int) -> list[dict]:
+    from common import llmq_quantize_cmd, run_measured
+
+    folder = _model_folder()
+    base = ["--scheme", "w4a16", "--group-size", "64", "--skip-layer-check"]
+    scan_file = out / "scan-w4a16-g64.json"
+    from llmq.config import QuantArgs
+    from llmq.fallback.scan import ScanOptions
+    from llmq.fallback.scan import fallback_scan as raw_scan
+    from llmq.io.atomic import write_json as atomic_json
+
+    args = QuantArgs(num_bits=4, strategy="group", group_size=64)
+    rows = []
+    for threshold in (None, 0.13, 0.125, 0.12):
+        options = list(base)
+        kept = 0
+        if threshold is not None:
+            report = raw_scan(folder, ScanOptions(args=args, nrmse_threshold=threshold, ratio_threshold=None, workers=2))  # fmt: skip
+            atomic_json(scan_file, report.to_dict())
+            kept = len(report.flagged_modules())
+            options += ["--fallback", str(scan_file)]
+        target = out / f"auto-{threshold}"
+        measured = run_measured(llmq_quantize_cmd(folder, target, options))
+        size = sum(p.stat().st_size for p in target.glob("*.safetensors"))
+        rows.append({"threshold": threshold, "kept": kept, "size_bytes": size,
+                     "wall_s": measured.wall_s, "ppl": held_out_perplexity(target, folder, windows)})  # fmt: skip
+        write_json(out / "auto.json", rows)
+    return rows
+
+
+def auto_markdown(rows: list[dict], windows: int) -> str:
+    lines = [
+        f"W4A16 g64 RTN with `--fallback` (scan: int4 g64 NRMSE threshold). Protocol: {protocol(windows)}.",
+        "",
+        "| NRMSE threshold | linears kept | size MB | held-out pydoc | Hamlet |",
+        "|---|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for row in rows:
+        label = "plain (no fallback)" if row["threshold"] is None else f"{row['threshold']:g}"
+        lines.append(f"| {label} | {row['kept']} | {row['size_bytes'] / 1e6:.1f} | {ppl_cells(row)} |")
+    return "\n".join(lines)
+
+
+# --- speed ------------------------------------------------------------------------------------
+
+
+def _evict(files: list[Path]) -> None:
+    """Drop the files' pages from the page cache (so the next read comes from disk)."""
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def plain_read(files: list[Path]) -> float:
+    """Read every tensor once with safetensors and sum it: the reference read speed."""
+    from safetensors import safe_open
+
+    started = time.perf_counter()
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                handle.get_tensor(name).sum()
+    return time.perf_counter() - started
+
+
+def naive_scan(files: list[Path], args: object) -> dict[str, dict[str, float]]:
+    """The obvious exact scan: load, upcast to float32, sort for quartiles, quantize, norm."""
+    import torch
+    from safetensors import safe_open
+
+    from llmq.fallback.stats import scale_dtype_for
+    from llmq.quant.primitives import quantize_weight
+
+    out = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118
+                tensor = handle.get_tensor(name)
+                x = tensor.to(torch.float32)
+                ordered = x.reshape(-1).sort().values
+                n = ordered.numel()
+                quartiles = []
+                for q in (0.25, 0.75):
+                    pos = q * (n - 1)
+                    low, high = float(ordered[math.floor(pos)]), float(ordered[math.ceil(pos)])
+                    quartiles.append(low + (high - low) * (pos - math.floor(pos)))
+                rows = x.reshape(1, -1)  # per-tensor scheme: one row is the whole tensor
+                restored = quantize_weight(rows, args, scale_dtype=scale_dtype_for(tensor.dtype)).dequantize()  # fmt: skip
+                error = torch.linalg.vector_norm((rows - restored).double())
+                nrmse = float(error / torch.linalg.vector_norm(rows.double()))
+                out[name] = {"q1": quartiles[0], "q3": quartiles[1], "nrmse": nrmse}
+    return out
+
+
+def make_synthetic(folder: Path) -> list[Path]:
+    """A 2.6 GB bf16 checkpoint in two shards: a 128256 x 2048 embedding (262M values, over
+    torch.quantile's 16M limit) and 24 layers of heavy-tailed projection weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    shards = [folder / "model-00001-of-00002.safetensors", folder / "model-00002-of-00002.safetensors"]  # fmt: skip
+    if all(s.is_file() for s in shards):
+        return shards
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(0)
+
+    def weight(rows: int, cols: int) -> torch.Tensor:
+        w = torch.randn(rows, cols, generator=generator) * 0.02
+        w[torch.randint(0, rows, (8,), generator=generator), torch.randint(0, cols, (8,), generator=generator)] = 0.9  # fmt: skip
+        return w.to(torch.bfloat16)
+
+    first = {"model.embed_tokens.weight": weight(128256, 2048)}
+    for i in range(12):
+        first |= {f"model.layers.{i}.mlp.up_proj.weight": weight(5632, 2048),
+                  f"model.layers.{i}.mlp.down_proj.weight": weight(2048, 5632)}  # fmt: skip
+    save_file(first, str(shards[0]))
+    del first
+    second = {}
+    for i in range(12, 24):
+        second |= {f"model.layers.{i}.self_attn.q_proj.weight": weight(2048, 2048),
+                   f"model.layers.{i}.mlp.up_proj.weight": weight(5632, 2048),
+                   f"model.layers.{i}.mlp.down_proj.weight": weight(2048, 5632)}  # fmt: skip
+    save_file(second, str(shards[1]))
+    return shards
+
+
+def run_speed(out: Path, synthetic_dir: Path, naive: bool) -> list[dict]:
+    import llmq
+    from llmq.fallback.scan import safetensors_files, scan_args
+
+    rows = []
+    targets = {"default model (fp32, 0.54 GB)": _model_folder(),
+               "synthetic bf16 (2.6 GB)": synthetic_dir}  # fmt: skip
+    make_synthetic(synthetic_dir)
+    for label, folder in targets.items():
+        files = safetensors_files(folder)
+        size = sum(f.stat().st_size for f in files)
+        row: dict = {"target": label, "bytes": size}
+        for cache in ("cold", "warm"):
+            times = {}
+            for what in ("read", "scan"):
+                if cache == "cold":
+                    _evict(files)
+                else:
+                    plain_read(files)  # bring the files into the page cache
+                started = time.perf_counter()
+                if what == "read":
+                    plain_read(files)
+                else:
+                    report = llmq.fallback_scan(folder, workers=2)
+                times[what] = time.perf_counter() - started
+            row[cache] = times
+            print(label, cache, times, flush=True)
+        if naive:
+            started = time.perf_counter()
+            reference = naive_scan(files, scan_args("int8-tensor"))
+            row["naive_s"] = time.perf_counter() - started
+            started = time.perf_counter()
+            report = llmq.fallback_scan(folder, workers=1)
+            row["scan_1_worker_s"] = time.perf_counter() - started
+            row["identical"] = _compare(report, reference)
+            print(label, "naive", row["naive_s"], "scan 1 worker", row["scan_1_worker_s"], row["identical"], flush=True)  # fmt: skip
+        rows.append(row)
+        write_json(out / "speed.json", rows)
+    return rows
+
+
+def _compare(report: object, reference: dict) -> dict:
+    """Quartiles must be bit-identical; NRMSE equal up to float summation order."""
+    worst_nrmse, quartiles_equal = 0.0, True
+    for scan in report.tensors:  # type: ignore[attr-defined]
+        expected = reference[scan.name]
+        quartiles_equal &= (scan.q1, scan.q3) == (expected["q1"], expected["q3"])
+        worst_nrmse = max(worst_nrmse, abs(scan.nrmse / expected["nrmse"] - 1) if expected["nrmse"] else abs(scan.nrmse))  # fmt: skip
+    return {"quartiles_bit_identical": quartiles_equal, "nrmse_max_rel_diff": worst_nrmse}
+
+
+def speed_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| files | size GB | plain read cold s | scan cold s | ratio cold | plain read warm s | scan warm s | ratio warm | naive exact s | scan 1 worker s | speed-up vs naive | identical |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]  # fmt: skip
+    for r in rows:
+        cold, warm = r["cold"], r["warm"]
+        naive = f"{r['naive_s']:.1f} | {r['scan_1_worker_s']:.2f} | {r['naive_s'] / r['scan_1_worker_s']:.1f}x | quartiles {'bit-identical' if r['identical']['quartiles_bit_identical'] else 'DIFFER'}, NRMSE max rel diff {r['identical']['nrmse_max_rel_diff']:.1e}" if "naive_s" in r else "- | - | - | -"  # fmt: skip
+        lines.append(
+            f"| {r['target']} | {r['bytes'] / 1e9:.2f} | {cold['read']:.2f} | {cold['scan']:.2f} | "
+            f"{cold['read'] / cold['scan']:.0%} | {warm['read']:.3f} | {warm['scan']:.2f} | "
+            f"{warm['read'] / warm['scan']:.0%} | {naive} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="damage,auto,speed")
+    parser.add_argument("--out", type=Path, default=HERE / "out" / "fallback")
+    parser.add_argument("--damage-windows", type=int, default=4)
+    parser.add_argument("--windows", type=int, default=12)
+    parser.add_argument("--synthetic", type=Path, default=HERE / "out" / "synthetic-bf16")
+    parser.add_argument("--no-naive", action="store_true")
+    options = parser.parse_args()
+    options.out.mkdir(parents=True, exist_ok=True)
+    parts = options.only.split(",")
+    print(f"# {time.strftime('%Y-%m-%d')} on {machine()}")
+    if "damage" in parts:
+        print(damage_markdown(run_damage(options.out, options.damage_windows)))
+    if "auto" in parts:
+        print(auto_markdown(run_auto(options.out, options.windows), options.windows))
+    if "speed" in parts:
+        print(speed_markdown(run_speed(options.out, options.synthetic, not options.no_naive)))
+
+
+if __name__ == "__main__":
+    main()

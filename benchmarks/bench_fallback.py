@@ -85,15 +85,21 @@ class _Evaluator:
         with torch.inference_mode():
             out = self.model(self.ids, output_hidden_states=True, use_cache=False)
         self.hidden = [h.clone() for h in out.hidden_states[: len(self.layers)]]
-        self.base_nll = self._nll(out.logits)
+        self.base_logprobs = self._logprobs(out.logits)
+        self.base_nll = self._nll(self.base_logprobs)
 
-    def _nll(self, logits: object) -> float:
+    def _logprobs(self, logits: object) -> object:
         import torch
 
-        shifted = logits[:, :-1].reshape(-1, logits.shape[-1])  # type: ignore[index]
-        return float(torch.nn.functional.cross_entropy(shifted, self.ids[:, 1:].reshape(-1)))
+        flat = logits[:, :-1].reshape(-1, logits.shape[-1])  # type: ignore[index]
+        return torch.log_softmax(flat.float(), dim=-1)
 
-    def nll_from_layer(self, index: int) -> float:
+    def _nll(self, logprobs: object) -> float:
+        targets = self.ids[:, 1:].reshape(-1, 1)
+        return float(-logprobs.gather(1, targets).mean())  # type: ignore[attr-defined]
+
+    def damage_from_layer(self, index: int) -> tuple[float, float]:
+        """(mean token NLL, mean KL(float || changed) per token), re-running layers index..end."""
         import torch
 
         self.model.model.layers = torch.nn.ModuleList(list(self.layers)[index:])
@@ -102,7 +108,9 @@ class _Evaluator:
                 logits = self.model(inputs_embeds=self.hidden[index], use_cache=False).logits
         finally:
             self.model.model.layers = self.layers
-        return self._nll(logits)
+        logprobs = self._logprobs(logits)
+        kl = (self.base_logprobs.exp() * (self.base_logprobs - logprobs)).sum(-1).mean()
+        return self._nll(logprobs), float(kl)
 
 
 def _input_second_moments(folder: Path, names: list[str], windows: int) -> dict[str, object]:
@@ -170,22 +178,23 @@ def run_damage(out: Path, windows: int) -> dict:
             m = moments[name]
             weighted = math.sqrt(float((delta.square() * m).sum() / (original.double().square() * m).sum()))  # fmt: skip
             module.weight.data = restored
-            nll = evaluator.nll_from_layer(int(name.split(".")[2]))
+            nll, kl = evaluator.damage_from_layer(int(name.split(".")[2]))
             module.weight.data = original
             rows.append({
-                "name": name, "damage": math.exp(nll - evaluator.base_nll) - 1,
+                "name": name, "damage": math.exp(nll - evaluator.base_nll) - 1, "kl": kl,
                 "nrmse": by_name[name].nrmse, "ratio": by_name[name].spread_ratio,
                 "act_nrmse": weighted,
             })  # fmt: skip
-            print(f"{label} {name}: damage {rows[-1]['damage']:+.4%} nrmse {rows[-1]['nrmse']:.4f}", flush=True)  # fmt: skip
-        damage = [r["damage"] for r in rows]
-        summary = {}
-        for score in ("nrmse", "ratio", "act_nrmse"):
-            values = [r[score] for r in rows]
-            summary[score] = {
-                "spearman": _spearman(values, damage),
-                **{f"top{k}": _top_k_share(values, damage, k) for k in (5, 10, 20)},
-            }
+            print(f"{label} {name}: damage {rows[-1]['damage']:+.4%} kl {kl:.2e} nrmse {rows[-1]['nrmse']:.4f}", flush=True)  # fmt: skip
+        summary: dict = {}
+        for target in ("damage", "kl"):
+            measured = [r[target] for r in rows]
+            for score in ("nrmse", "ratio", "act_nrmse"):
+                values = [r[score] for r in rows]
+                summary[f"{score} vs {target}"] = {
+                    "spearman": _spearman(values, measured),
+                    **{f"top{k}": _top_k_share(values, measured, k) for k in (5, 10, 20)},
+                }
         results["schemes"][label] = {"rows": rows, "summary": summary, "seconds": time.perf_counter() - started}  # fmt: skip
         write_json(out / "damage.json", results)
     return results
@@ -197,7 +206,7 @@ def damage_markdown(results: dict) -> str:
         f"quantized alone; base perplexity {results['base_ppl']:.3f} on {results['windows']} x 256 "
         "tokens of held-out pydoc (no BOS, float32).",
         "",
-        "| scheme | score | Spearman vs damage | top-5 share (best) | top-10 share (best) | top-20 share (best) |",
+        "| scheme | score vs measured damage | Spearman | top-5 share (best) | top-10 share (best) | top-20 share (best) |",
         "|---|---|---:|---:|---:|---:|",
     ]  # fmt: skip
     for label, block in results["schemes"].items():

@@ -419,6 +419,7 @@ def fallback_scan(
     exclude: str | None = None,
     workers: int = 1,
     sample: int | None = None,
+    calib_stats: str | Path | None = None,
     progress: Progress = NO_PROGRESS,
 ) -> Any:
     """Scan every .safetensors file under PATH (a folder, a file or a built-in model name) for
@@ -427,7 +428,9 @@ def fallback_scan(
     Flags a tensor whose NRMSE ||W - deq(q(W))|| / ||W|| exceeds `nrmse_threshold` (None: the
     scheme's default), whose spread ratio (max - min) / (Q3 - Q1) exceeds `ratio_threshold`
     (None: not used), or that holds NaN/Inf. Statistics are exact unless `sample` (values per
-    tensor) is given. Needs no model class, no calibration data and no GPU."""
+    tensor) is given. Needs no model class, no calibration data and no GPU; given `calib_stats`
+    (from `calibrate`), linears are scored by their activation-weighted NRMSE instead, with
+    E[x_j^2] from the Hessian's diagonal (or mean|x_j|^2 without one)."""
     from llmq.fallback.scan import ScanOptions
     from llmq.fallback.scan import fallback_scan as scan
 
@@ -437,5 +440,20 @@ def fallback_scan(
     options = ScanOptions(
         scheme=scheme, nrmse_threshold=nrmse_threshold, ratio_threshold=ratio_threshold,
         include=include, exclude=exclude, workers=workers, sample=sample,
+        input_weights=_input_weights(Path(calib_stats)) if calib_stats else None,
     )  # fmt: skip
-    return scan(root, options, progress=progress)
+    report = scan(root, options, progress=progress)
+    report.calib_stats = None if calib_stats is None else str(calib_stats)
+    return report
+
+
+def _input_weights(path: Path) -> dict[str, Any]:
+    """Per linear, how much each input channel matters: E[x_j^2] (the Hessian's diagonal, up to
+    a constant) or, for statistics collected without --hessian, mean|x_j|^2."""
+    from llmq.calib.stats import CalibStats
+
+    stats = CalibStats.load(path)
+    return {
+        name: s.mean_abs.square() if s.hessian is None else s.hessian.diagonal().clone()
+        for name, s in stats.inputs.items()
+    }

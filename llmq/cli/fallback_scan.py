@@ -64,6 +64,12 @@ def fallback_scan(
             help="Approximate: about this many values per tensor (whole rows, chosen reproducibly). Default: every value, exact."
         ),
     ] = None,
+    calib_stats: Annotated[
+        Path | None,
+        typer.Option(
+            help="Statistics from `llmq calibrate` (with --hessian for E[x²]): linears are then scored and flagged by their activation-weighted NRMSE, sqrt(Σⱼ ||ΔW:ⱼ||² E[xⱼ²] / Σⱼ ||W:ⱼ||² E[xⱼ²]), an estimate of their output error."
+        ),
+    ] = None,
     report: Annotated[
         Path | None,
         typer.Option(
@@ -104,7 +110,7 @@ def fallback_scan(
                 path, scheme=scheme, nrmse_threshold=nrmse_threshold,
                 ratio_threshold=None if ratio_threshold == float("inf") else ratio_threshold,
                 include=include, exclude=exclude, workers=workers, sample=sample,
-                progress=progress,
+                calib_stats=calib_stats, progress=progress,
             )  # fmt: skip
         _write_outputs(result, outputs, top)
     if json_out:
@@ -146,15 +152,16 @@ def _write_outputs(result: Any, outputs: dict[str, Path | None], top: int) -> No
 
 
 def render(result: Any, top: int) -> None:
+    score = "NRMSE" if result.calib_stats is None else "weighted NRMSE where calibrated"
     table = Table(
-        title=f"worst {min(top, len(result.tensors))} tensors by NRMSE ({result.args.label})"
+        title=f"worst {min(top, len(result.tensors))} tensors by {score} ({result.args.label})"
     )
     table.add_column("tensor", overflow="fold")
-    for column in ("shape", "NRMSE", "ratio", "absmax", ">6 std", "flagged"):
+    for column in ("shape", "score", "ratio", "absmax", ">6 std", "flagged"):
         table.add_column(column, justify="left" if column == "shape" else "right", no_wrap=True)
-    for scan in result.by_nrmse()[:top]:
+    for scan in result.by_score()[:top]:
         table.add_row(
-            scan.name, "x".join(map(str, scan.shape)), _number(scan.nrmse),
+            scan.name, "x".join(map(str, scan.shape)), _number(scan.score),
             _number(scan.spread_ratio), _number(scan.absmax), f"{scan.tail_share:.0e}",
             "yes" if scan.flagged else "", style="bold red" if scan.flagged else None,
         )  # fmt: skip

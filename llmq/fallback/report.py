@@ -3,9 +3,10 @@ plus CSV, Markdown and a heat-map picture of the same rows.
 
 JSON schema `llmq.fallback-scan`, version 1 (stable: fields are only ever added):
   schema, version, llmq_version, root, scheme, args (QuantArgs), thresholds {nrmse, ratio},
-  sample, seconds, workers, bytes_scanned,
+  sample, calib_stats, seconds, workers, bytes_scanned,
   tensors: [{name, file, dtype, shape, numel, kind, layer, min, max, absmax, mean, std, q1, q3,
-             spread_ratio, tail_share, nan, inf, nrmse, range_nrmse, sampled, flagged, reasons}],
+             spread_ratio, tail_share, nan, inf, nrmse, range_nrmse, weighted_nrmse, sampled,
+             flagged, reasons}],
   flagged: [tensor names], skipped: [{name, file, dtype, shape, reason}],
   failed: [{file, error}], summary: [{kind, tensors, flagged, nrmse_mean, nrmse_max, ratio_max}]
 """
@@ -74,6 +75,7 @@ class TensorScan:
     tail_share: float
     nrmse: float | None
     range_nrmse: float | None
+    weighted_nrmse: float | None = None  # with calibration statistics: see fallback.stats
     sampled: bool = False
     reasons: list[str] = field(default_factory=list)  # why it is flagged; empty: not flagged
 
@@ -89,6 +91,12 @@ class TensorScan:
         from llmq.fallback.stats import spread_ratio
 
         return spread_ratio(self.min, self.max, self.q1, self.q3)
+
+    @property
+    def score(self) -> float | None:
+        """What flags and ranks the tensor: the activation-weighted NRMSE when calibration
+        statistics cover it, else the NRMSE."""
+        return self.nrmse if self.weighted_nrmse is None else self.weighted_nrmse
 
     @property
     def flagged(self) -> bool:
@@ -138,6 +146,7 @@ class ScanReport:
     failed: dict[str, str]  # file -> why it could not be scanned
     seconds: float
     workers: int
+    calib_stats: str | None = None  # statistics file that weighted the linears' errors
 
     @property
     def flagged(self) -> list[TensorScan]:
@@ -149,9 +158,9 @@ class ScanReport:
 
         return sum(t.numel * DTYPE_BYTES[t.dtype] for t in self.tensors)
 
-    def by_nrmse(self) -> list[TensorScan]:
-        """Worst first; tensors without an NRMSE (non-finite, 1-D under a row scheme) lead."""
-        return sorted(self.tensors, key=lambda t: -math.inf if t.nrmse is None else -t.nrmse)
+    def by_score(self) -> list[TensorScan]:
+        """Worst first; tensors without a score (non-finite, 1-D under a row scheme) lead."""
+        return sorted(self.tensors, key=lambda t: -math.inf if t.score is None else -t.score)
 
     def summary(self) -> list[dict[str, Any]]:
         """Per layer type: how many tensors, how many flagged, mean and worst NRMSE and ratio."""
@@ -187,6 +196,7 @@ class ScanReport:
             "args": self.args.model_dump(),
             "thresholds": {"nrmse": self.nrmse_threshold, "ratio": self.ratio_threshold},
             "sample": self.sample,
+            "calib_stats": self.calib_stats,
             "seconds": self.seconds,
             "workers": self.workers,
             "bytes_scanned": self.bytes_scanned,
@@ -238,10 +248,11 @@ class ScanReport:
             failed={f["file"]: f["error"] for f in data["failed"]},
             seconds=data["seconds"],
             workers=data["workers"],
+            calib_stats=data.get("calib_stats"),
         )
 
 
-_CSV_COLUMNS = ("name", "file", "kind", "layer", "dtype", "shape", "numel", "nrmse", "range_nrmse",
+_CSV_COLUMNS = ("name", "file", "kind", "layer", "dtype", "shape", "numel", "nrmse", "weighted_nrmse", "range_nrmse",
                 "spread_ratio", "absmax", "min", "max", "mean", "std", "q1", "q3", "tail_share",
                 "nan", "inf", "sampled", "flagged", "reasons")  # fmt: skip
 
@@ -256,7 +267,7 @@ def write_csv(report: ScanReport, path: Path) -> None:
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(_CSV_COLUMNS)
-    for scan in report.by_nrmse():
+    for scan in report.by_score():
         row = scan.to_dict()
         row["shape"] = "x".join(map(str, scan.shape))
         row["reasons"] = "; ".join(scan.reasons)
@@ -286,7 +297,7 @@ def write_markdown(report: ScanReport, path: Path, *, top: int) -> None:
             f"| {_num(row['nrmse_max'])} | {_num(row['ratio_max'])} |"
         )
     lines += ["", "| tensor | shape | dtype | NRMSE | ratio | absmax | flagged |", "|---|---|---|---:|---:|---:|---|"]  # fmt: skip
-    for scan in report.by_nrmse()[:top]:
+    for scan in report.by_score()[:top]:
         lines.append(
             f"| {scan.name} | {'x'.join(map(str, scan.shape))} | {scan.dtype} | "
             f"{_num(scan.nrmse)} | {_num(scan.spread_ratio)} | {_num(scan.absmax)} | "

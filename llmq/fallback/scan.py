@@ -13,6 +13,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -75,6 +76,9 @@ class ScanOptions:
     exclude: str | None = None
     workers: int = 1
     sample: int | None = None  # elements per tensor; None: exact, every value
+    # module name -> per-input-channel weights (E[x_j^2] on calibration data): linears are then
+    # scored by the weighted NRMSE
+    input_weights: Mapping[str, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -249,7 +253,7 @@ def _run(
         reused_heap(),
         ThreadPoolExecutor(max_workers=options.workers) as pool,
     ):
-        futures = {pool.submit(_scan_one, job, args, options.sample): job for job in inventory.jobs}
+        futures = {pool.submit(_scan_one, job, args, options): job for job in inventory.jobs}
         for future in as_completed(futures):
             job = futures[future]
             try:
@@ -261,17 +265,20 @@ def _run(
     return scans
 
 
-def _scan_one(job: _Job, args: QuantArgs, sample: int | None) -> TensorScan:
+def _scan_one(job: _Job, args: QuantArgs, options: ScanOptions) -> TensorScan:
     from safetensors import safe_open
 
     from llmq.fallback.stats import tensor_stats
 
+    weights = None
+    if options.input_weights is not None and job.name.endswith(".weight"):
+        weights = options.input_weights.get(job.name.removesuffix(".weight"))
     with safe_open(str(job.file), framework="pt") as handle:
         tensor = handle.get_tensor(job.name)
-        sampled = sample is not None and tensor.numel() > sample
+        sampled = options.sample is not None and tensor.numel() > options.sample
         if sampled:
-            tensor = sample_rows(tensor, int(sample), seed=job.name)
-        stats = tensor_stats(tensor, args)
+            tensor = sample_rows(tensor, int(options.sample or 0), seed=job.name)
+        stats = tensor_stats(tensor, args, input_weights=weights)
     return TensorScan.from_stats(job.name, job.relative, job.dtype, list(job.shape), stats, sampled)
 
 
@@ -294,8 +301,9 @@ def _flag(scan: TensorScan, nrmse_threshold: float, ratio_threshold: float | Non
     reasons = []
     if scan.nan or scan.inf:
         reasons.append(f"{scan.nan} NaN, {scan.inf} Inf values")
-    if scan.nrmse is not None and scan.nrmse > nrmse_threshold:
-        reasons.append(f"nrmse {scan.nrmse:.4g} > {nrmse_threshold:g}")
+    if scan.score is not None and scan.score > nrmse_threshold:
+        which = "nrmse" if scan.weighted_nrmse is None else "weighted nrmse"
+        reasons.append(f"{which} {scan.score:.4g} > {nrmse_threshold:g}")
     if ratio_threshold is not None and scan.spread_ratio > ratio_threshold:
         reasons.append(f"spread ratio {scan.spread_ratio:.4g} > {ratio_threshold:g}")
     scan.reasons = reasons

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 
@@ -64,6 +64,7 @@ class TensorStats:
     tail_share: float  # share of values beyond TAIL_SIGMAS standard deviations of the mean
     nrmse: float | None  # ||W - deq(q(W))|| / ||W||, None when not finite or not applicable
     range_nrmse: float | None  # RMSE / (max - min)
+    weighted_nrmse: float | None = None  # with input weights: see tensor_stats
 
 
 def spread_ratio(low: float, high: float, q1: float, q3: float) -> float:
@@ -96,15 +97,29 @@ class _Moments:
         return math.sqrt(max(self.squares / self.count - self.mean**2, 0.0))
 
 
-def tensor_stats(weight: Tensor, args: QuantArgs | None) -> TensorStats:
+def tensor_stats(
+    weight: Tensor, args: QuantArgs | None, *, input_weights: Tensor | None = None
+) -> TensorStats:
     """Exact statistics of `weight` (any shape, a dtype of SUPPORTED_DTYPES) and, when `args`
-    is given, its quantization error under `args` (rows: every dimension but the last)."""
+    is given, its quantization error under `args` (rows: every dimension but the last).
+
+    input_weights [in]: how much each input channel matters, e.g. E[x_j^2] on calibration data;
+    gives `weighted_nrmse` = sqrt(sum_j ||dW_:j||^2 w_j / sum_j ||W_:j||^2 w_j), the diagonal
+    approximation of the output error ||dW X|| / ||W X||."""
     if weight.dtype not in _PATTERN_DTYPES:
         raise ValueError(f"unsupported dtype {weight.dtype}")
+    if input_weights is not None and (weight.ndim < 2 or input_weights.numel() != weight.shape[-1]):
+        input_weights = None  # not this tensor's inputs (a 1-D tensor, another width)
     flat = weight.reshape(-1)
     if weight.element_size() <= 2:
-        return _small_float_stats(weight, flat, args)
-    return _float32_stats(weight, flat, args)
+        return _small_float_stats(weight, flat, args, input_weights)
+    return _float32_stats(weight, flat, args, input_weights)
+
+
+def _sum_of_squares(x: Tensor) -> float:
+    """In float64: a float32 dot over a million values is off by ~1e-5 relative."""
+    wide = x.to(torch.float64)
+    return float(torch.dot(wide, wide))
 
 
 def _flat_chunks(flat: Tensor) -> Iterator[Tensor]:
@@ -135,21 +150,26 @@ def _pattern_histogram(chunks: Iterator[Tensor], bits: int) -> Tensor:
     """Counts of the `bits`-bit unsigned patterns over all chunks."""
     counts = torch.zeros(1 << bits, dtype=torch.int64)
     for chunk in chunks:
-        if chunk.dtype != torch.uint8:
-            chunk = torch.bitwise_and(chunk.to(torch.int32), (1 << bits) - 1)
-        counts += torch.bincount(chunk, minlength=1 << bits)
+        patterns = chunk if chunk.dtype == torch.uint8 else _unsigned(chunk)
+        counts += torch.bincount(patterns, minlength=1 << bits)
     return counts
 
 
-def _small_float_stats(weight: Tensor, flat: Tensor, args: QuantArgs | None) -> TensorStats:
+def _small_float_stats(
+    weight: Tensor, flat: Tensor, args: QuantArgs | None, input_weights: Tensor | None
+) -> TensorStats:
     bits = torch.finfo(weight.dtype).bits
     patterns = (c.view(_PATTERN_DTYPES[weight.dtype]) for c in _flat_chunks(flat))
     counts = _pattern_histogram(patterns, bits)
-    return _histogram_stats(weight, counts, weight.dtype, args)
+    return _histogram_stats(weight, counts, weight.dtype, args, input_weights)
 
 
 def _histogram_stats(
-    weight: Tensor, counts: Tensor, table: torch.dtype, args: QuantArgs | None
+    weight: Tensor,
+    counts: Tensor,
+    table: torch.dtype,
+    args: QuantArgs | None,
+    input_weights: Tensor | None,
 ) -> TensorStats:
     """Everything from the counts of each bit pattern of `table`, a dtype holding every value
     of `weight` exactly; only per-channel and per-group errors read the data again."""
@@ -157,13 +177,13 @@ def _histogram_stats(
     nan = int(counts[values.isnan()].sum())
     inf = int(counts[values.isinf()].sum())
     finite = values.isfinite() & (counts > 0)
-    present, weights = values[finite], counts[finite].to(torch.float64)
+    present, multiplicity = values[finite], counts[finite].to(torch.float64)
     moments = _Moments(
-        count=int(weights.sum()),
+        count=int(multiplicity.sum()),
         min=float(present.min()) if present.numel() else 0.0,
         max=float(present.max()) if present.numel() else 0.0,
-        total=float((present * weights).sum()),
-        squares=float((present.square() * weights).sum()),
+        total=float((present * multiplicity).sum()),
+        squares=float((present.square() * multiplicity).sum()),
     )
     sorted_counts = torch.where(values.isfinite(), counts, 0)[order]
     q1, q3 = (
@@ -171,14 +191,12 @@ def _histogram_stats(
         for q in (0.25, 0.75)
     )
     low, high = _tail_bounds(moments)
-    tail = int(weights[(present < low) | (present > high)].sum())
-    squared_error = None
-    if args is not None and not nan + inf:
-        if args.strategy == "tensor":
-            squared_error = _value_error(present, weights, moments, args, weight.dtype)
-        else:
-            squared_error = _row_error(weight, args)
-    return _finish(weight.numel(), moments, nan, inf, q1, q3, tail, squared_error)
+    tail = int(multiplicity[(present < low) | (present > high)].sum())
+    errors = _quantization_errors(
+        weight, moments, None if nan + inf else args, input_weights,
+        lambda: _value_error(present, multiplicity, moments, args, weight.dtype),
+    )  # fmt: skip
+    return _finish(weight.numel(), moments, nan, inf, q1, q3, tail, errors)
 
 
 def _value_error(
@@ -218,10 +236,12 @@ def _tail_bounds(moments: _Moments) -> tuple[float, float]:
 # --- float32: a histogram of the upper halves, then of the lower halves of one bucket ------
 
 
-def _float32_stats(weight: Tensor, flat: Tensor, args: QuantArgs | None) -> TensorStats:
+def _float32_stats(
+    weight: Tensor, flat: Tensor, args: QuantArgs | None, input_weights: Tensor | None
+) -> TensorStats:
     moments, upper, lower_halves_used = _float32_summary(flat)
     if not lower_halves_used:  # every value is a bfloat16 (a bf16 checkpoint saved as fp32)
-        return _histogram_stats(weight, upper, torch.bfloat16, args)
+        return _histogram_stats(weight, upper, torch.bfloat16, args, input_weights)
     nan = inf = 0
     if not (math.isfinite(moments.min) and math.isfinite(moments.max)):
         nan, inf = int(flat.isnan().sum()), int(flat.isinf().sum())
@@ -231,17 +251,12 @@ def _float32_stats(weight: Tensor, flat: Tensor, args: QuantArgs | None) -> Tens
     low, high = _tail_bounds(moments)
     at_rank, tail = _refine_buckets(flat, upper, ranks, low, high)
     q1, q3 = (_quantile(moments.count, q, lambda k: at_rank[k]) for q in (0.25, 0.75))
-    squared_error = None
-    if args is not None and not nan + inf:
-        if args.strategy == "tensor":
-            squared_error = _chunked_tensor_error(flat, moments, args, weight.dtype)
-        else:
-            squared_error = _row_error(weight, args)
-    return _finish(weight.numel(), moments, nan, inf, q1, q3, tail, squared_error)
+    errors = _quantization_errors(weight, moments, None if nan + inf else args, input_weights)
+    return _finish(weight.numel(), moments, nan, inf, q1, q3, tail, errors)
 
 
 def _float32_summary(flat: Tensor) -> tuple[_Moments, Tensor, bool]:
-    """One pass: min, max, sum and sum of squares (chunk sums in float32, totals in float64),
+    """One pass: min, max, sum and sum of squares (float64),
     the histogram of the upper 16 bits, and whether any lower 16 bits are set. min and max are
     NaN when some value is."""
     low, high, total, squares = math.inf, -math.inf, 0.0, 0.0
@@ -253,8 +268,9 @@ def _float32_summary(flat: Tensor) -> tuple[_Moments, Tensor, bool]:
         chunk_low, chunk_high = (float(v) for v in torch.aminmax(chunk))
         low = math.nan if math.isnan(chunk_low) else min(low, chunk_low)
         high = math.nan if math.isnan(chunk_high) else max(high, chunk_high)
-        total += float(chunk.sum())
-        squares += float(torch.dot(chunk, chunk))
+        wide = chunk.to(torch.float64)
+        total += float(wide.sum())
+        squares += _sum_of_squares(wide)
         upper += torch.bincount(_unsigned(upper_half), minlength=1 << _BITS)
     if not flat.numel():
         low = high = 0.0
@@ -332,18 +348,6 @@ def _bucket_of(value: float) -> int:
     return int(_unsigned(_halves(torch.tensor([value], dtype=torch.float32))[1]))
 
 
-def _chunked_tensor_error(
-    flat: Tensor, moments: _Moments, args: QuantArgs, dtype: torch.dtype
-) -> float:
-    scale, zero = _tensor_qparams(moments, args, dtype)
-    total = 0.0
-    for chunk in _flat_chunks(flat):
-        codes = quantize_grouped(chunk.view(1, 1, -1), scale.view(1, 1), _view11(zero), args)
-        error = chunk - scale_codes(codes, scale, zero).view(-1)
-        total += float(torch.dot(error, error))
-    return total
-
-
 # --- shared -------------------------------------------------------------------------------
 
 
@@ -366,23 +370,53 @@ def scale_dtype_for(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype.itemsize >= 2 else ACCUM_DTYPE
 
 
-def _row_error(weight: Tensor, args: QuantArgs) -> float | None:
-    """Per-channel or per-group quantization error over row chunks (rows: all dims but the
-    last). None for a 1-D tensor, which has no rows to scale."""
-    if weight.ndim < 2:
-        return None
-    rows = weight.reshape(-1, weight.shape[-1])
-    args = fit_group_size(args, rows.shape[1])
+def _quantization_errors(
+    weight: Tensor,
+    moments: _Moments,
+    args: QuantArgs | None,
+    input_weights: Tensor | None,
+    per_tensor_error: Callable[[], float] | None = None,
+) -> tuple[float | None, float | None]:
+    """(squared quantization error, weighted NRMSE). A per-tensor error comes from the value
+    histogram when it can (`per_tensor_error`); a 1-D tensor has no rows to scale per channel."""
+    if args is None or (weight.ndim < 2 and args.strategy != "tensor"):
+        return None, None
+    if input_weights is None and args.strategy == "tensor" and per_tensor_error is not None:
+        return per_tensor_error(), None
+    return _blocked_errors(weight, moments, args, input_weights)
+
+
+def _blocked_errors(
+    weight: Tensor, moments: _Moments, args: QuantArgs, input_weights: Tensor | None
+) -> tuple[float, float | None]:
+    """Quantize-dequantize in blocks of whole rows (rows: every dim but the last) with the same
+    primitives as `quantize`: the squared error and, given input weights, the weighted NRMSE."""
+    rows = weight.reshape(-1, weight.shape[-1]) if weight.ndim >= 2 else weight.reshape(1, -1)
+    scale_dtype = scale_dtype_for(weight.dtype)
+    if args.strategy == "tensor":
+        scale, zero = _tensor_qparams(moments, args, weight.dtype)
+    else:
+        args = fit_group_size(args, rows.shape[1])
+    total, column_error, column_norm = 0.0, 0.0, 0.0
     step = max(1, CHUNK_ELEMENTS // rows.shape[1])
-    total = 0.0
     for start in range(0, rows.shape[0], step):
-        block = rows[start : start + step]
-        if block.element_size() == 1:  # FP8 in: torch has no min/max for it; exact in float32
-            block = block.to(ACCUM_DTYPE)
-        restored = quantize_weight(block, args, scale_dtype=scale_dtype_for(weight.dtype))
-        error = (block.to(ACCUM_DTYPE) - restored.dequantize()).reshape(-1)
-        total += float(torch.dot(error, error))
-    return total
+        block = rows[start : start + step].to(ACCUM_DTYPE)  # FP8 has no min/max; exact in fp32
+        if args.strategy == "tensor":
+            codes = quantize_grouped(block.view(1, 1, -1), scale.view(1, 1), _view11(zero), args)
+            restored = scale_codes(codes, scale, zero).view(block.shape)
+        else:
+            restored = quantize_weight(block, args, scale_dtype=scale_dtype).dequantize()
+        error = (block - restored).to(torch.float64)
+        total += float(torch.dot(error.view(-1), error.view(-1)))
+        if input_weights is not None:
+            column_error = column_error + error.square().sum(0)
+            column_norm = column_norm + block.to(torch.float64).square().sum(0)
+    if input_weights is None:
+        return total, None
+    weights = input_weights.to(torch.float64)
+    denominator = float((column_norm * weights).sum())  # type: ignore[operator]
+    numerator = float((column_error * weights).sum())  # type: ignore[operator]
+    return total, math.sqrt(numerator / denominator) if denominator else 0.0
 
 
 def _finish(
@@ -393,8 +427,9 @@ def _finish(
     q1: float,
     q3: float,
     tail: int,
-    squared_error: float | None,
+    errors: tuple[float | None, float | None],
 ) -> TensorStats:
+    squared_error, weighted_nrmse = errors
     nrmse = range_nrmse = None
     if squared_error is not None and moments.count:
         nrmse = math.sqrt(squared_error / moments.squares) if moments.squares else 0.0
@@ -415,4 +450,5 @@ def _finish(
         tail_share=tail / moments.count if moments.count else 0.0,
         nrmse=nrmse,
         range_nrmse=range_nrmse,
+        weighted_nrmse=weighted_nrmse,
     )

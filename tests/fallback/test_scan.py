@@ -251,6 +251,20 @@ def test_quantize_keeps_flagged_linears_and_reloads(model_with_outlier, tmp_path
     assert auto.fallback["kept"] == [target]  # 40.0 in one row: that row's int8 steps are 0.3
 
 
+def test_calibration_statistics_weight_the_linears(model_with_outlier, tmp_path: Path) -> None:
+    folder, target = model_with_outlier
+    stats = tmp_path / "stats.safetensors"
+    llmq.calibrate(folder, stats, num_samples=2, seq_len=32, hessian=True)
+    plain = llmq.fallback_scan(folder)
+    weighted = llmq.fallback_scan(folder, calib_stats=stats)
+    assert weighted.calib_stats == str(stats)
+    by_name = {t.name: t for t in weighted.tensors}
+    assert by_name[f"{target}.weight"].weighted_nrmse is not None
+    assert by_name["model.norm.weight"].weighted_nrmse is None
+    assert all(t.weighted_nrmse is None for t in plain.tensors)
+    assert any("weighted nrmse" in r for t in weighted.flagged for r in t.reasons)
+
+
 def test_quantize_refuses_a_report_of_another_checkpoint(
     model_with_outlier, tmp_path: Path
 ) -> None:

@@ -133,3 +133,20 @@ def test_one_dimensional_tensor_has_no_row_error() -> None:
     norm = torch.linspace(0.5, 1.5, 576)
     assert tensor_stats(norm, INT8_CHANNEL).nrmse is None
     assert tensor_stats(norm, INT8_TENSOR).nrmse is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("args", [INT8_TENSOR, INT4_G64_ASYM])
+def test_weighted_nrmse_matches_float64_reference(dtype: torch.dtype, args: QuantArgs) -> None:
+    weight = heavy_tailed(64, 256, dtype)
+    g = torch.Generator().manual_seed(5)
+    input_weights = torch.rand(256, generator=g) ** 4  # a few inputs matter, most barely
+    stats = tensor_stats(weight, args, input_weights=input_weights)
+    restored = quantize_weight(weight, args).dequantize(torch.float64)
+    w64, iw = weight.to(torch.float64), input_weights.to(torch.float64)
+    expected = ((w64 - restored).square().sum(0) @ iw / (w64.square().sum(0) @ iw)).sqrt()
+    assert stats.weighted_nrmse == pytest.approx(float(expected), rel=1e-5)
+    assert stats.nrmse == pytest.approx(reference(weight, args)["nrmse"], rel=1e-5)
+    uniform = tensor_stats(weight, args, input_weights=torch.ones(256))
+    assert uniform.weighted_nrmse == pytest.approx(uniform.nrmse, rel=1e-9)
+    assert tensor_stats(weight, args, input_weights=torch.ones(7)).weighted_nrmse is None

@@ -12,7 +12,7 @@ auto: `quantize --fallback` at a few NRMSE thresholds against plain quantization
 speed: scan throughput against a plain read of the same files (safetensors, sum every tensor),
   with the page cache dropped for the files (cold) and warm; and against a naive exact scan
   (load, upcast to float32, sort for the quartiles, quantize, norm), whose numbers must match.
-  On the default model and on a synthetic 2.6 GB bf16 checkpoint with a 262M-element tensor.
+  On the default model and on a synthetic 2.5 GB bf16 checkpoint with a 262M-element tensor.
 
     python benchmarks/bench_fallback.py [--only damage,auto,speed] [--out benchmarks/out/fallback]
 
@@ -24,6 +24,7 @@ pydoc and Hamlet, no BOS, float32.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -182,7 +183,7 @@ def run_damage(out: Path, windows: int) -> dict:
             module.weight.data = original
             rows.append({
                 "name": name, "damage": math.exp(nll - evaluator.base_nll) - 1, "kl": kl,
-                "nrmse": by_name[name].nrmse, "ratio": by_name[name].spread_ratio,
+                "nrmse": by_name[name].stats.nrmse, "ratio": by_name[name].stats.spread_ratio,
                 "act_nrmse": weighted,
             })  # fmt: skip
             print(f"{label} {name}: damage {rows[-1]['damage']:+.4%} kl {kl:.2e} nrmse {rows[-1]['nrmse']:.4f}", flush=True)  # fmt: skip
@@ -211,7 +212,9 @@ def damage_markdown(results: dict) -> str:
     ]  # fmt: skip
     for label, block in results["schemes"].items():
         for score, s in block["summary"].items():
-            cells = " | ".join(f"{s[f'top{k}'][0]:.0%} ({s[f'top{k}'][1]:.0%})" for k in (5, 10, 20))
+            cells = " | ".join(
+                f"{s[f'top{k}'][0]:.0%} ({s[f'top{k}'][1]:.0%})" for k in (5, 10, 20)
+            )
             lines.append(f"| {label} | {score} | {s['spearman']:.3f} | {cells} |")
     return "\n".join(lines)
 
@@ -219,46 +222,63 @@ def damage_markdown(results: dict) -> str:
 # --- auto -------------------------------------------------------------------------------------
 
 
+def _threshold_keeping(report: object, k: int) -> float:
+    """An NRMSE threshold that flags exactly the k worst-scored decoder linears."""
+    scores = sorted(
+        (t.score for t in report.tensors if t.score is not None and ".layers." in t.name and t.kind != "norm"),  # type: ignore[attr-defined]
+        reverse=True,
+    )  # fmt: skip
+    return (scores[k - 1] + scores[k]) / 2
+
+
 def run_auto(out: Path, windows: int) -> list[dict]:
+    """W4A16 g64 RTN, plain and with --fallback from reports at thresholds that keep the 3, 10
+    and 25 worst linears by the plain NRMSE and by the activation-weighted NRMSE; and
+    `--fallback auto` with its default thresholds."""
     from common import llmq_quantize_cmd, run_measured
+
+    import llmq
+    from llmq.io.atomic import write_json as atomic_json
 
     folder = _model_folder()
     base = ["--scheme", "w4a16", "--group-size", "64", "--skip-layer-check"]
-    scan_file = out / "scan-w4a16-g64.json"
-    from llmq.config import QuantArgs
-    from llmq.fallback.scan import ScanOptions
-    from llmq.fallback.scan import fallback_scan as raw_scan
-    from llmq.io.atomic import write_json as atomic_json
-
-    args = QuantArgs(num_bits=4, strategy="group", group_size=64)
+    stats = out / "calib-pydoc-16x256.safetensors"
+    if not stats.exists():
+        llmq.calibrate(folder, stats, calib_text="pydoc", num_samples=16, seq_len=256, hessian=True)
+    configs: list[tuple[str, list[str], int]] = [("plain", [], 0), ("--fallback auto (defaults)", ["--fallback", "auto"], -1)]  # fmt: skip
+    for score, calib in (("nrmse", None), ("weighted nrmse", stats)):
+        scan = llmq.fallback_scan(folder, scheme="w4a16", calib_stats=calib, ratio_threshold=None, workers=2)  # fmt: skip
+        for k in (3, 10, 25):
+            threshold = _threshold_keeping(scan, k)
+            report = llmq.fallback_scan(folder, scheme="w4a16", nrmse_threshold=threshold, calib_stats=calib, ratio_threshold=None, workers=2)  # fmt: skip
+            report_file = out / f"scan-{score.replace(' ', '-')}-{k}.json"
+            atomic_json(report_file, report.to_dict())
+            configs.append((f"{score} > {threshold:.4g}", ["--fallback", str(report_file)], k))
     rows = []
-    for threshold in (None, 0.13, 0.125, 0.12):
-        options = list(base)
-        kept = 0
-        if threshold is not None:
-            report = raw_scan(folder, ScanOptions(args=args, nrmse_threshold=threshold, ratio_threshold=None, workers=2))  # fmt: skip
-            atomic_json(scan_file, report.to_dict())
-            kept = len(report.flagged_modules())
-            options += ["--fallback", str(scan_file)]
-        target = out / f"auto-{threshold}"
-        measured = run_measured(llmq_quantize_cmd(folder, target, options))
+    for label, options, kept in configs:
+        target = out / ("auto-" + "".join(c if c.isalnum() else "-" for c in label))
+        measured = run_measured(llmq_quantize_cmd(folder, target, base + options))
+        result = json.loads(measured.stdout)
         size = sum(p.stat().st_size for p in target.glob("*.safetensors"))
-        rows.append({"threshold": threshold, "kept": kept, "size_bytes": size,
-                     "wall_s": measured.wall_s, "ppl": held_out_perplexity(target, folder, windows)})  # fmt: skip
+        rows.append({"config": label, "kept": len((result.get("fallback") or {}).get("kept", [])),
+                     "size_bytes": size, "wall_s": measured.wall_s,
+                     "ppl": held_out_perplexity(target, folder, windows)})  # fmt: skip
+        assert kept < 0 or rows[-1]["kept"] == kept, (label, rows[-1]["kept"])
+        print(rows[-1], flush=True)
         write_json(out / "auto.json", rows)
     return rows
 
 
 def auto_markdown(rows: list[dict], windows: int) -> str:
     lines = [
-        f"W4A16 g64 RTN with `--fallback` (scan: int4 g64 NRMSE threshold). Protocol: {protocol(windows)}.",
+        "W4A16 g64 RTN (`--skip-layer-check`), plain and with `--fallback` reports that keep the k worst "
+        f"linears by each score (int4 g64 scan). Protocol: {protocol(windows)}.",
         "",
-        "| NRMSE threshold | linears kept | size MB | held-out pydoc | Hamlet |",
+        "| fallback | linears kept | size MB | held-out pydoc | Hamlet |",
         "|---|---:|---:|---:|---:|",
     ]  # fmt: skip
     for row in rows:
-        label = "plain (no fallback)" if row["threshold"] is None else f"{row['threshold']:g}"
-        lines.append(f"| {label} | {row['kept']} | {row['size_bytes'] / 1e6:.1f} | {ppl_cells(row)} |")
+        lines.append(f"| {row['config']} | {row['kept']} | {row['size_bytes'] / 1e6:.1f} | {ppl_cells(row)} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -317,8 +337,8 @@ def naive_scan(files: list[Path], args: object) -> dict[str, dict[str, float]]:
 
 
 def make_synthetic(folder: Path) -> list[Path]:
-    """A 2.6 GB bf16 checkpoint in two shards: a 128256 x 2048 embedding (262M values, over
-    torch.quantile's 16M limit) and 24 layers of heavy-tailed projection weights."""
+    """A 2.5 GB bf16 checkpoint in two shards: a 128256 x 2048 embedding (262M values, over
+    torch.quantile's 16M limit) and 40 layers of projection weights with a few outliers."""
     import torch
     from safetensors.torch import save_file
 
@@ -334,13 +354,13 @@ def make_synthetic(folder: Path) -> list[Path]:
         return w.to(torch.bfloat16)
 
     first = {"model.embed_tokens.weight": weight(128256, 2048)}
-    for i in range(12):
+    for i in range(20):
         first |= {f"model.layers.{i}.mlp.up_proj.weight": weight(5632, 2048),
                   f"model.layers.{i}.mlp.down_proj.weight": weight(2048, 5632)}  # fmt: skip
     save_file(first, str(shards[0]))
     del first
     second = {}
-    for i in range(12, 24):
+    for i in range(20, 40):
         second |= {f"model.layers.{i}.self_attn.q_proj.weight": weight(2048, 2048),
                    f"model.layers.{i}.mlp.up_proj.weight": weight(5632, 2048),
                    f"model.layers.{i}.mlp.down_proj.weight": weight(2048, 5632)}  # fmt: skip
@@ -354,7 +374,7 @@ def run_speed(out: Path, synthetic_dir: Path, naive: bool) -> list[dict]:
 
     rows = []
     targets = {"default model (fp32, 0.54 GB)": _model_folder(),
-               "synthetic bf16 (2.6 GB)": synthetic_dir}  # fmt: skip
+               "synthetic bf16 (2.5 GB)": synthetic_dir}  # fmt: skip
     make_synthetic(synthetic_dir)
     for label, folder in targets.items():
         files = safetensors_files(folder)
@@ -394,8 +414,9 @@ def _compare(report: object, reference: dict) -> dict:
     worst_nrmse, quartiles_equal = 0.0, True
     for scan in report.tensors:  # type: ignore[attr-defined]
         expected = reference[scan.name]
-        quartiles_equal &= (scan.q1, scan.q3) == (expected["q1"], expected["q3"])
-        worst_nrmse = max(worst_nrmse, abs(scan.nrmse / expected["nrmse"] - 1) if expected["nrmse"] else abs(scan.nrmse))  # fmt: skip
+        stats = scan.stats
+        quartiles_equal &= (stats.q1, stats.q3) == (expected["q1"], expected["q3"])
+        worst_nrmse = max(worst_nrmse, abs(stats.nrmse / expected["nrmse"] - 1) if expected["nrmse"] else abs(stats.nrmse))  # fmt: skip
     return {"quartiles_bit_identical": quartiles_equal, "nrmse_max_rel_diff": worst_nrmse}
 
 

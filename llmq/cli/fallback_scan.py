@@ -162,7 +162,8 @@ def render(result: Any, top: int) -> None:
     for scan in result.by_score()[:top]:
         table.add_row(
             scan.name, "x".join(map(str, scan.shape)), _number(scan.score),
-            _number(scan.spread_ratio), _number(scan.absmax), f"{scan.tail_share:.0e}",
+            _number(scan.stats.spread_ratio), _number(scan.stats.absmax),
+            f"{scan.stats.tail_share:.0e}",
             "yes" if scan.flagged else "", style="bold red" if scan.flagged else None,
         )  # fmt: skip
     out_console.print(table)

@@ -56,47 +56,22 @@ def layer_index(name: str) -> int | None:
 
 @dataclass(slots=True)
 class TensorScan:
-    """One scanned tensor: statistics of its finite values and its simulated quantization error."""
+    """One scanned tensor: where it is, its statistics, and why it is flagged."""
 
     name: str
     file: str
     dtype: str
     shape: list[int]
-    numel: int
-    nan: int
-    inf: int
-    min: float
-    max: float
-    absmax: float
-    mean: float
-    std: float
-    q1: float
-    q3: float
-    tail_share: float
-    nrmse: float | None
-    range_nrmse: float | None
-    weighted_nrmse: float | None = None  # with calibration statistics: see fallback.stats
+    stats: TensorStats
     sampled: bool = False
     reasons: list[str] = field(default_factory=list)  # why it is flagged; empty: not flagged
-
-    @classmethod
-    def from_stats(
-        cls, name: str, file: str, dtype: str, shape: list[int], stats: TensorStats, sampled: bool
-    ) -> TensorScan:
-        values = {f.name: getattr(stats, f.name) for f in fields(stats)}
-        return cls(name=name, file=file, dtype=dtype, shape=shape, sampled=sampled, **values)
-
-    @property
-    def spread_ratio(self) -> float:
-        from llmq.fallback.stats import spread_ratio
-
-        return spread_ratio(self.min, self.max, self.q1, self.q3)
 
     @property
     def score(self) -> float | None:
         """What flags and ranks the tensor: the activation-weighted NRMSE when calibration
         statistics cover it, else the NRMSE."""
-        return self.nrmse if self.weighted_nrmse is None else self.weighted_nrmse
+        weighted = self.stats.weighted_nrmse
+        return self.stats.nrmse if weighted is None else weighted
 
     @property
     def flagged(self) -> bool:
@@ -111,13 +86,21 @@ class TensorScan:
         return layer_index(self.name)
 
     def to_dict(self) -> dict[str, Any]:
+        """One flat JSON object (schema above)."""
         return {
-            **asdict(self),
-            "kind": self.kind,
-            "layer": self.layer,
-            "spread_ratio": _finite_or_none(self.spread_ratio),
-            "flagged": self.flagged,
-        }
+            "name": self.name, "file": self.file, "dtype": self.dtype, "shape": self.shape,
+            **asdict(self.stats), "kind": self.kind, "layer": self.layer,
+            "spread_ratio": _finite_or_none(self.stats.spread_ratio), "sampled": self.sampled,
+            "flagged": self.flagged, "reasons": self.reasons,
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TensorScan:
+        from llmq.fallback.stats import TensorStats
+
+        stats = TensorStats(**{f.name: data[f.name] for f in fields(TensorStats)})
+        return cls(data["name"], data["file"], data["dtype"], data["shape"], stats,
+                   data["sampled"], data["reasons"])  # fmt: skip
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -156,7 +139,7 @@ class ScanReport:
     def bytes_scanned(self) -> int:
         from llmq.io.checkpoint import DTYPE_BYTES
 
-        return sum(t.numel * DTYPE_BYTES[t.dtype] for t in self.tensors)
+        return sum(t.stats.numel * DTYPE_BYTES[t.dtype] for t in self.tensors)
 
     def by_score(self) -> list[TensorScan]:
         """Worst first; tensors without a score (non-finite, 1-D under a row scheme) lead."""
@@ -169,14 +152,14 @@ class ScanReport:
             members = [t for t in self.tensors if t.kind == kind]
             if not members:
                 continue
-            errors = [t.nrmse for t in members if t.nrmse is not None]
+            errors = [t.stats.nrmse for t in members if t.stats.nrmse is not None]
             rows.append({
                 "kind": kind,
                 "tensors": len(members),
                 "flagged": sum(t.flagged for t in members),
                 "nrmse_mean": sum(errors) / len(errors) if errors else None,
                 "nrmse_max": max(errors) if errors else None,
-                "ratio_max": _finite_or_none(max(t.spread_ratio for t in members)),
+                "ratio_max": _finite_or_none(max(t.stats.spread_ratio for t in members)),
             })  # fmt: skip
         return rows
 
@@ -232,7 +215,6 @@ class ScanReport:
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> ScanReport:
-        scan_fields = {f.name for f in fields(TensorScan)}
         return cls(
             root=data["root"],
             scheme=data["scheme"],
@@ -240,10 +222,7 @@ class ScanReport:
             nrmse_threshold=data["thresholds"]["nrmse"],
             ratio_threshold=data["thresholds"]["ratio"],
             sample=data["sample"],
-            tensors=[
-                TensorScan(**{k: v for k, v in t.items() if k in scan_fields})
-                for t in data["tensors"]
-            ],
+            tensors=[TensorScan.from_dict(t) for t in data["tensors"]],
             skipped=[Skipped(**s) for s in data["skipped"]],
             failed={f["file"]: f["error"] for f in data["failed"]},
             seconds=data["seconds"],
@@ -300,7 +279,7 @@ def write_markdown(report: ScanReport, path: Path, *, top: int) -> None:
     for scan in report.by_score()[:top]:
         lines.append(
             f"| {scan.name} | {'x'.join(map(str, scan.shape))} | {scan.dtype} | "
-            f"{_num(scan.nrmse)} | {_num(scan.spread_ratio)} | {_num(scan.absmax)} | "
+            f"{_num(scan.score)} | {_num(scan.stats.spread_ratio)} | {_num(scan.stats.absmax)} | "
             f"{'; '.join(scan.reasons) or 'no'} |"
         )
     write_text(path, "\n".join(lines) + "\n")
@@ -314,10 +293,10 @@ def heatmap_grid(report: ScanReport) -> tuple[list[int], list[str], list[list[fl
     """Layers (rows) x layer types (columns) of the worst NRMSE in each cell."""
     cells: dict[tuple[int, str], float] = {}
     for scan in report.tensors:
-        if scan.layer is None or scan.nrmse is None or scan.kind in ("norm", "other"):
+        if scan.layer is None or scan.score is None or scan.kind in ("norm", "other"):
             continue
         key = (scan.layer, scan.kind)
-        cells[key] = max(cells.get(key, 0.0), scan.nrmse)
+        cells[key] = max(cells.get(key, 0.0), scan.score)
     layers = sorted({layer for layer, _ in cells})
     kinds = [k for k in KIND_ORDER if any(kind == k for _, kind in cells)]
     return layers, kinds, [[cells.get((layer, k)) for k in kinds] for layer in layers]

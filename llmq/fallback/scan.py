@@ -279,7 +279,7 @@ def _scan_one(job: _Job, args: QuantArgs, options: ScanOptions) -> TensorScan:
         if sampled:
             tensor = sample_rows(tensor, int(options.sample or 0), seed=job.name)
         stats = tensor_stats(tensor, args, input_weights=weights)
-    return TensorScan.from_stats(job.name, job.relative, job.dtype, list(job.shape), stats, sampled)
+    return TensorScan(job.name, job.relative, job.dtype, list(job.shape), stats, sampled)
 
 
 def sample_rows(tensor: torch.Tensor, sample: int, *, seed: str) -> torch.Tensor:
@@ -299,12 +299,13 @@ def sample_rows(tensor: torch.Tensor, sample: int, *, seed: str) -> torch.Tensor
 
 def _flag(scan: TensorScan, nrmse_threshold: float, ratio_threshold: float | None) -> TensorScan:
     reasons = []
-    if scan.nan or scan.inf:
-        reasons.append(f"{scan.nan} NaN, {scan.inf} Inf values")
+    stats = scan.stats
+    if stats.nan or stats.inf:
+        reasons.append(f"{stats.nan} NaN, {stats.inf} Inf values")
     if scan.score is not None and scan.score > nrmse_threshold:
-        which = "nrmse" if scan.weighted_nrmse is None else "weighted nrmse"
+        which = "nrmse" if stats.weighted_nrmse is None else "weighted nrmse"
         reasons.append(f"{which} {scan.score:.4g} > {nrmse_threshold:g}")
-    if ratio_threshold is not None and scan.spread_ratio > ratio_threshold:
-        reasons.append(f"spread ratio {scan.spread_ratio:.4g} > {ratio_threshold:g}")
+    if ratio_threshold is not None and stats.spread_ratio > ratio_threshold:
+        reasons.append(f"spread ratio {stats.spread_ratio:.4g} > {ratio_threshold:g}")
     scan.reasons = reasons
     return scan

@@ -66,6 +66,10 @@ class TensorStats:
     range_nrmse: float | None  # RMSE / (max - min)
     weighted_nrmse: float | None = None  # with input weights: see tensor_stats
 
+    @property
+    def spread_ratio(self) -> float:
+        return spread_ratio(self.min, self.max, self.q1, self.q3)
+
 
 def spread_ratio(low: float, high: float, q1: float, q3: float) -> float:
     """(max - min) / (Q3 - Q1): large means a few values far outside the bulk (inf when the

@@ -369,8 +369,11 @@ def make_synthetic(folder: Path) -> list[Path]:
 
 
 def run_speed(out: Path, synthetic_dir: Path, naive: bool) -> list[dict]:
+    from common import run_measured
+
     import llmq
     from llmq.fallback.scan import safetensors_files, scan_args
+    from llmq.io.checkpoint import DTYPE_BYTES
 
     rows = []
     targets = {"default model (fp32, 0.54 GB)": _model_folder(),
@@ -395,6 +398,10 @@ def run_speed(out: Path, synthetic_dir: Path, naive: bool) -> list[dict]:
                 times[what] = time.perf_counter() - started
             row[cache] = times
             print(label, cache, times, flush=True)
+        cli = run_measured([sys.executable, "-m", "llmq.cli.main", "fallback-scan", str(folder), "--workers", "2", "--json"])  # fmt: skip
+        largest = max(t.stats.numel * DTYPE_BYTES[t.dtype] for t in report.tensors)
+        row["cli"] = {"wall_s": cli.wall_s, "peak_rss_bytes": cli.peak_rss_bytes, "largest_tensor_bytes": largest}  # fmt: skip
+        print(label, "cli", row["cli"], flush=True)
         if naive:
             started = time.perf_counter()
             reference = naive_scan(files, scan_args("int8-tensor"))
@@ -422,6 +429,17 @@ def _compare(report: object, reference: dict) -> dict:
 
 def speed_markdown(rows: list[dict]) -> str:
     lines = [
+        "| files | largest tensor MB | `llmq fallback-scan --workers 2` wall s (whole process) | peak RSS MB | RSS / (2 workers x largest tensor) |",
+        "|---|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for r in rows:
+        cli = r["cli"]
+        lines.append(
+            f"| {r['target']} | {cli['largest_tensor_bytes'] / 1e6:.0f} | {cli['wall_s']:.2f} | "
+            f"{cli['peak_rss_bytes'] / 1e6:.0f} | {cli['peak_rss_bytes'] / (2 * cli['largest_tensor_bytes']):.2f} |"
+        )
+    lines += [
+        "",
         "| files | size GB | plain read cold s | scan cold s | ratio cold | plain read warm s | scan warm s | ratio warm | naive exact s | scan 1 worker s | speed-up vs naive | identical |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]  # fmt: skip

@@ -454,6 +454,15 @@ def speed_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def print_saved_tables(out: Path, parts: list[str], windows: int) -> None:
+    saved = {"damage": (damage_markdown, "damage.json"), "auto": (lambda r: auto_markdown(r, windows), "auto.json"),
+             "speed": (speed_markdown, "speed.json")}  # fmt: skip
+    for part in parts:
+        markdown, name = saved[part]
+        if (out / name).is_file():
+            print(markdown(json.loads((out / name).read_text())), end="\n\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default="damage,auto,speed")
@@ -462,9 +471,13 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=12)
     parser.add_argument("--synthetic", type=Path, default=HERE / "out" / "synthetic-bf16")
     parser.add_argument("--no-naive", action="store_true")
+    parser.add_argument("--tables", action="store_true", help="print the tables of saved results")
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
     parts = options.only.split(",")
+    if options.tables:
+        print_saved_tables(options.out, parts, options.windows)
+        return
     print(f"# {time.strftime('%Y-%m-%d')} on {machine()}")
     if "damage" in parts:
         print(damage_markdown(run_damage(options.out, options.damage_windows)))

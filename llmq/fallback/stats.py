@@ -319,7 +319,9 @@ def _refine_buckets(
     position_of[order] = torch.arange(order.numel())
     rank_buckets = {k: int(order[torch.searchsorted(cumulative, k, right=True)]) for k in ranks}
     low_bucket, high_bucket = (_bucket_of(bound) for bound in (low, high))
-    wanted = sorted({*rank_buckets.values(), low_bucket, high_bucket})
+    # a threshold's bucket is only read when it holds values (in the far tails it rarely does)
+    occupied = [b for b in (low_bucket, high_bucket) if upper[b] > 0]
+    wanted = sorted({*rank_buckets.values(), *occupied})
     members = torch.cat([_members(chunk, wanted) for chunk in _flat_chunks(flat)])
     member_buckets = _unsigned(_halves(members)[1])
 

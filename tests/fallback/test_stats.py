@@ -149,3 +149,14 @@ def test_weighted_nrmse_matches_float64_reference(dtype: torch.dtype, args: Quan
     uniform = tensor_stats(weight, args, input_weights=torch.ones(256))
     assert uniform.weighted_nrmse == pytest.approx(uniform.nrmse, rel=1e-9)
     assert tensor_stats(weight, args, input_weights=torch.ones(7)).weighted_nrmse is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tails_counted_exactly_when_values_sit_at_the_threshold(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(60000, generator=g) * 0.01
+    weight[::20] = torch.rand(3000, generator=g) * 4 - 2  # 6 sigma (~1.55) falls inside these
+    weight = weight.reshape(300, 200).to(dtype)
+    stats, expected = tensor_stats(weight, None), reference(weight, None)
+    assert stats.tail_share == expected["tail_share"] > 0
+    assert (stats.q1, stats.q3) == (expected["q1"], expected["q3"])

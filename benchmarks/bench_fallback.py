@@ -232,9 +232,9 @@ def _threshold_keeping(report: object, k: int) -> float:
 
 
 def run_auto(out: Path, windows: int) -> list[dict]:
-    """W4A16 g64 RTN, plain and with --fallback from reports at thresholds that keep the 3, 10
-    and 25 worst linears by the plain NRMSE and by the activation-weighted NRMSE; and
-    `--fallback auto` with its default thresholds."""
+    """W4A16 g64 RTN: plain; `--fallback auto` with its default thresholds and with NRMSE
+    thresholds that keep the 3, 10 and 25 worst linears; `--fallback REPORT` from scans weighted
+    by calibration statistics (`fallback-scan --calib-stats`) keeping as many."""
     from common import llmq_quantize_cmd, run_measured
 
     import llmq
@@ -246,14 +246,17 @@ def run_auto(out: Path, windows: int) -> list[dict]:
     if not stats.exists():
         llmq.calibrate(folder, stats, calib_text="pydoc", num_samples=16, seq_len=256, hessian=True)
     configs: list[tuple[str, list[str], int]] = [("plain", [], 0), ("--fallback auto (defaults)", ["--fallback", "auto"], -1)]  # fmt: skip
-    for score, calib in (("nrmse", None), ("weighted nrmse", stats)):
-        scan = llmq.fallback_scan(folder, scheme="w4a16", calib_stats=calib, ratio_threshold=None, workers=2)  # fmt: skip
-        for k in (3, 10, 25):
-            threshold = _threshold_keeping(scan, k)
-            report = llmq.fallback_scan(folder, scheme="w4a16", nrmse_threshold=threshold, calib_stats=calib, ratio_threshold=None, workers=2)  # fmt: skip
-            report_file = out / f"scan-{score.replace(' ', '-')}-{k}.json"
-            atomic_json(report_file, report.to_dict())
-            configs.append((f"{score} > {threshold:.4g}", ["--fallback", str(report_file)], k))
+    nrmse_scan = llmq.fallback_scan(folder, scheme="w4a16", ratio_threshold=None, workers=2)
+    for k in (3, 10, 25):
+        threshold = _threshold_keeping(nrmse_scan, k)
+        configs.append((f"auto, nrmse > {threshold:.4g}", ["--fallback", "auto", "--fallback-threshold", f"{threshold:.6g}"], k))  # fmt: skip
+    weighted_scan = llmq.fallback_scan(folder, scheme="w4a16", calib_stats=stats, ratio_threshold=None, workers=2)  # fmt: skip
+    for k in (3, 10, 25):
+        threshold = _threshold_keeping(weighted_scan, k)
+        report = llmq.fallback_scan(folder, scheme="w4a16", nrmse_threshold=threshold, calib_stats=stats, ratio_threshold=None, workers=2)  # fmt: skip
+        report_file = out / f"scan-weighted-{k}.json"
+        atomic_json(report_file, report.to_dict())
+        configs.append((f"report, weighted nrmse > {threshold:.4g}", ["--fallback", str(report_file)], k))  # fmt: skip
     rows = []
     for label, options, kept in configs:
         target = out / ("auto-" + "".join(c if c.isalnum() else "-" for c in label))
@@ -271,8 +274,9 @@ def run_auto(out: Path, windows: int) -> list[dict]:
 
 def auto_markdown(rows: list[dict], windows: int) -> str:
     lines = [
-        "W4A16 g64 RTN (`--skip-layer-check`), plain and with `--fallback` reports that keep the k worst "
-        f"linears by each score (int4 g64 scan). Protocol: {protocol(windows)}.",
+        "W4A16 g64 RTN (`--skip-layer-check`), plain and with `--fallback` keeping the k worst linears by "
+        "each score (int4 g64 scan; weighted: E[x^2] from `llmq calibrate --hessian` on 16 x 256 pydoc "
+        f"calibration tokens). Protocol: {protocol(windows)}.",
         "",
         "| fallback | linears kept | size MB | held-out pydoc | Hamlet |",
         "|---|---:|---:|---:|---:|",

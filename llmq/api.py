@@ -134,6 +134,7 @@ def quantize(
     recipe: Recipe | None = None,
     calib_stats: str | Path | None = None,
     fallback: str | Path | None = None,
+    fallback_threshold: float | None = None,
     overwrite: bool = False,
     resume: bool = False,
     progress: Progress = NO_PROGRESS,
@@ -145,8 +146,9 @@ def quantize(
     Options are those of `make_recipe` (scheme, method, group_size, ignore, clip, calib_text,
     num_samples, seq_len, seed); or pass a ready `recipe`. `device`: where each layer runs
     (default: the GPU when there is one). `fallback`: a `fallback_scan` JSON report, or "auto"
-    to scan now with the recipe's weight arguments; the linears it flags stay in full precision
-    and join the checkpoint's `ignore` list. Returns a `QuantizeResult`.
+    to scan now with the recipe's weight arguments (NRMSE threshold `fallback_threshold`, default
+    the scheme's; activation-weighted when `calib_stats` are given); the linears it flags stay in
+    full precision and join the checkpoint's `ignore` list. Returns a `QuantizeResult`.
     """
     from llmq.calib.stats import CalibStats
     from llmq.io.atomic import check_output_dir
@@ -155,9 +157,16 @@ def quantize(
 
     recipe = recipe or make_recipe(**options)
     ckpt = _open(model, progress)
+    if fallback_threshold is not None and str(fallback) != "auto":
+        raise InputError(
+            "--fallback-threshold sets the inline scan's threshold: use --fallback auto"
+        )
     fallback_record = None
     if fallback is not None:
-        recipe, fallback_record = _apply_fallback(ckpt, recipe, fallback, progress)
+        weights = _input_weights(Path(calib_stats)) if calib_stats and str(fallback) == "auto" else None  # fmt: skip
+        recipe, fallback_record = _apply_fallback(
+            ckpt, recipe, fallback, fallback_threshold, weights, progress
+        )
     plan = plan_quantization(ckpt, recipe)
     _check_pairings(ckpt, recipe)
     out = Path(out)
@@ -192,7 +201,12 @@ def quantize(
 
 
 def _apply_fallback(
-    ckpt: Any, recipe: Recipe, fallback: str | Path, progress: Progress
+    ckpt: Any,
+    recipe: Recipe,
+    fallback: str | Path,
+    threshold: float | None,
+    input_weights: dict[str, Any] | None,
+    progress: Progress,
 ) -> tuple[Recipe, dict[str, Any]]:
     """The recipe with the linears a scan flags added to `ignore`, and what was kept and why."""
     from llmq.fallback.report import ScanReport
@@ -200,7 +214,11 @@ def _apply_fallback(
     from llmq.fallback.scan import fallback_scan as scan
 
     if str(fallback) == "auto":
-        report = scan(ckpt.path, ScanOptions(args=recipe.weight_args, workers=2), progress=progress)
+        options = ScanOptions(
+            args=recipe.weight_args, nrmse_threshold=threshold, workers=2,
+            input_weights=input_weights,
+        )  # fmt: skip
+        report = scan(ckpt.path, options, progress=progress)
     else:
         report = ScanReport.load(Path(fallback))
     modules = report.flagged_modules()

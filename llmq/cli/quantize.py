@@ -111,6 +111,12 @@ def quantize(
             help="Keep the linears a fallback scan flags in full precision (they join the checkpoint's ignore list): a JSON report from `llmq fallback-scan MODEL --report FILE`, or auto to scan now with this scheme's weight arguments and default thresholds."
         ),
     ] = None,
+    fallback_threshold: Annotated[
+        float | None,
+        typer.Option(
+            help="--fallback auto: flag linears whose NRMSE exceeds this (default: the scheme's, as in `fallback-scan`); with --calib-stats, the activation-weighted NRMSE."
+        ),
+    ] = None,
     overwrite: Annotated[
         bool, typer.Option(help="Replace an existing OUT (only once the new one is complete).")
     ] = False,
@@ -141,6 +147,7 @@ def quantize(
             try:
                 result = api.quantize(
                     model, out, recipe=recipe, calib_stats=calib_stats, fallback=fallback,
+                    fallback_threshold=fallback_threshold,
                     overwrite=overwrite, resume=resume, progress=progress, device=device,
                 )  # fmt: skip
             except KeyboardInterrupt:

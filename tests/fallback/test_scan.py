@@ -253,6 +253,9 @@ def test_quantize_keeps_flagged_linears_and_reloads(model_with_outlier, tmp_path
     auto = llmq.quantize(folder, tmp_path / "auto", scheme="w8a16", fallback="auto", skip_layer_check=True)  # fmt: skip
     assert auto.fallback["report"] == "auto" and auto.fallback["scheme"] == "int8 channel"
     assert auto.fallback["kept"] == [target]  # 40.0 in one row: that row's int8 steps are 0.3
+    assert auto.fallback["thresholds"]["nrmse"] == 0.05  # int8's default
+    tuned = llmq.quantize(folder, tmp_path / "tuned", scheme="w8a16", fallback="auto", fallback_threshold=0.5, skip_layer_check=True)  # fmt: skip
+    assert tuned.fallback["thresholds"]["nrmse"] == 0.5
 
 
 def test_calibration_statistics_weight_the_linears(model_with_outlier, tmp_path: Path) -> None:
@@ -280,6 +283,8 @@ def test_quantize_refuses_a_report_of_another_checkpoint(
     runner.invoke(app, ["fallback-scan", str(other), "--report", str(report_file)])
     result = runner.invoke(app, ["quantize", str(folder), "-o", str(tmp_path / "q"), "--fallback", str(report_file), "--skip-layer-check"])  # fmt: skip
     assert result.exit_code == 2 and "does not have" in result.output
+    misused = runner.invoke(app, ["quantize", str(folder), "-o", str(tmp_path / "q"), "--fallback", str(report_file), "--fallback-threshold", "0.1"])  # fmt: skip
+    assert misused.exit_code == 2 and "use --fallback auto" in misused.output
     (tmp_path / "junk.json").write_text("{}")
     junk = runner.invoke(app, ["quantize", str(folder), "-o", str(tmp_path / "q"), "--fallback", str(tmp_path / "junk.json"), "--skip-layer-check"])  # fmt: skip
     assert junk.exit_code == 2 and "not a fallback-scan report" in junk.output

@@ -114,91 +114,91 @@ class _Evaluator:
         return self._nll(logprobs), float(kl)
 
 
-def _input_second_moments(folder: Path, names: list[str], windows: int) -> dict[str, object]:
-    """E[x_j^2] of each linear's input over calibration windows (pydoc calibration split)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from llmq.calib.data import calibration_windows
-    from llmq.calib.tokenizer import load_tokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = calibration_windows(load_tokenizer(folder), "pydoc", num_samples=windows, seq_len=256, seed=0).input_ids  # fmt: skip
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-
-    def hook(name: str):
-        def record(_module: object, inputs: tuple) -> None:
-            x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
-            sums[name] = sums.get(name, 0) + x.square().sum(0)
-            counts[name] = counts.get(name, 0) + x.shape[0]
-
-        return record
-
-    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
-    with torch.inference_mode():
-        model(ids, use_cache=False)
-    for handle in handles:
-        handle.remove()
-    return {n: sums[n] / counts[n] for n in names}
+DAMAGE_SCHEMES = {"int8-tensor": ("int8-tensor", None), "int4-g64": ("w4a16", 64)}
+"""label -> (fallback-scan --scheme, --group-size)"""
 
 
-def run_damage(out: Path, windows: int) -> dict:
+def _damage_args(label: str) -> object:
+    from llmq.config import with_group_size
+    from llmq.fallback.scan import scan_args
+
+    scheme, group_size = DAMAGE_SCHEMES[label]
+    return with_group_size(scan_args(scheme), group_size)
+
+
+def measure_damage(out: Path, windows: int) -> dict:
+    """Perplexity increase and KL(float || quantized) of each linear quantized alone."""
     import torch
 
-    from llmq.config import QuantArgs
-    from llmq.fallback.scan import ScanOptions
-    from llmq.fallback.scan import fallback_scan as raw_scan
     from llmq.quant.primitives import quantize_weight
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
-    folder = _model_folder()
-    evaluator = _Evaluator(folder, windows, 256)
+    evaluator = _Evaluator(_model_folder(), windows, 256)
     names = [
         f"model.layers.{i}.{suffix}"
         for i in range(len(evaluator.layers))
         for suffix in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     ]  # fmt: skip
-    moments = _input_second_moments(folder, names, 16)
-    schemes = {
-        "int8-tensor": QuantArgs(num_bits=8, strategy="tensor"),
-        "int4-g64": QuantArgs(num_bits=4, strategy="group", group_size=64),
-    }
     results = {"base_ppl": math.exp(evaluator.base_nll), "windows": windows, "schemes": {}}
-    for label, args in schemes.items():
-        started = time.perf_counter()
-        scan = raw_scan(folder, ScanOptions(args=args, workers=1))
-        by_name = {t.name.removesuffix(".weight"): t for t in scan.tensors}
+    for label in DAMAGE_SCHEMES:
+        args = _damage_args(label)
         rows = []
         for name in names:
             module = evaluator.model.get_submodule(name)
             original = module.weight.data.clone()
-            restored = quantize_weight(original, args).dequantize(torch.float32)
-            delta = (original - restored).double()
-            m = moments[name]
-            weighted = math.sqrt(float((delta.square() * m).sum() / (original.double().square() * m).sum()))  # fmt: skip
-            module.weight.data = restored
+            module.weight.data = quantize_weight(original, args).dequantize(torch.float32)
             nll, kl = evaluator.damage_from_layer(int(name.split(".")[2]))
             module.weight.data = original
-            rows.append({
-                "name": name, "damage": math.exp(nll - evaluator.base_nll) - 1, "kl": kl,
-                "nrmse": by_name[name].stats.nrmse, "ratio": by_name[name].stats.spread_ratio,
-                "act_nrmse": weighted,
-            })  # fmt: skip
-            print(f"{label} {name}: damage {rows[-1]['damage']:+.4%} kl {kl:.2e} nrmse {rows[-1]['nrmse']:.4f}", flush=True)  # fmt: skip
+            rows.append({"name": name, "damage": math.exp(nll - evaluator.base_nll) - 1, "kl": kl})
+            print(f"{label} {name}: damage {rows[-1]['damage']:+.4%} kl {kl:.2e}", flush=True)
+        results["schemes"][label] = {"rows": rows}
+        write_json(out / "damage.json", results)
+    return results
+
+
+def score_damage(out: Path, results: dict) -> dict:
+    """The scan's scores for each linear (plain, and with calibration statistics) against the
+    measured damage: Spearman correlation and the damage share of the top-k."""
+    import llmq
+
+    folder = _model_folder()
+    stats = _calibration_stats(out)
+    for label, (scheme, group_size) in DAMAGE_SCHEMES.items():
+        plain = _by_module(llmq.fallback_scan(folder, scheme=scheme, group_size=group_size, workers=2))  # fmt: skip
+        calibrated = _by_module(llmq.fallback_scan(folder, scheme=scheme, group_size=group_size, calib_stats=stats, workers=2))  # fmt: skip
+        block = results["schemes"][label]
+        for row in block["rows"]:
+            name = row["name"]
+            row |= {"nrmse": plain[name].stats.nrmse, "ratio": plain[name].stats.spread_ratio,
+                    "weighted_nrmse": calibrated[name].stats.weighted_nrmse,
+                    "error_share": calibrated[name].error_share}  # fmt: skip
         summary: dict = {}
         for target in ("damage", "kl"):
-            measured = [r[target] for r in rows]
-            for score in ("nrmse", "ratio", "act_nrmse"):
-                values = [r[score] for r in rows]
+            measured = [r[target] for r in block["rows"]]
+            for score in ("nrmse", "ratio", "weighted_nrmse", "error_share"):
+                values = [r[score] for r in block["rows"]]
                 summary[f"{score} vs {target}"] = {
                     "spearman": _spearman(values, measured),
                     **{f"top{k}": _top_k_share(values, measured, k) for k in (5, 10, 20)},
                 }
-        results["schemes"][label] = {"rows": rows, "summary": summary, "seconds": time.perf_counter() - started}  # fmt: skip
-        write_json(out / "damage.json", results)
+        block["summary"] = summary
+    write_json(out / "damage.json", results)
     return results
+
+
+def _by_module(report: object) -> dict:
+    return {t.name.removesuffix(".weight"): t for t in report.tensors}  # type: ignore[attr-defined]
+
+
+def _calibration_stats(out: Path) -> Path:
+    """E[x^2] per linear input (Hessian diagonals) on 16 x 256 pydoc calibration tokens."""
+    import llmq
+
+    stats = out / "calib-pydoc-16x256.safetensors"
+    if not stats.exists():
+        llmq.calibrate(_model_folder(), stats, calib_text="pydoc", num_samples=16, seq_len=256, hessian=True)  # fmt: skip
+    return stats
 
 
 def damage_markdown(results: dict) -> str:
@@ -233,8 +233,9 @@ def _threshold_keeping(report: object, k: int) -> float:
 
 def run_auto(out: Path, windows: int) -> list[dict]:
     """W4A16 g64 RTN: plain; `--fallback auto` with its default thresholds and with NRMSE
-    thresholds that keep the 3, 10 and 25 worst linears; `--fallback REPORT` from scans weighted
-    by calibration statistics (`fallback-scan --calib-stats`) keeping as many."""
+    thresholds that keep the 3, 10 and 25 worst linears; `--fallback REPORT` from scans with
+    calibration statistics (`fallback-scan --calib-stats`, ranked by output error share)
+    keeping as many."""
     from common import llmq_quantize_cmd, run_measured
 
     import llmq
@@ -242,21 +243,20 @@ def run_auto(out: Path, windows: int) -> list[dict]:
 
     folder = _model_folder()
     base = ["--scheme", "w4a16", "--group-size", "64", "--skip-layer-check"]
-    stats = out / "calib-pydoc-16x256.safetensors"
-    if not stats.exists():
-        llmq.calibrate(folder, stats, calib_text="pydoc", num_samples=16, seq_len=256, hessian=True)
+    stats = _calibration_stats(out)
     configs: list[tuple[str, list[str], int]] = [("plain", [], 0), ("--fallback auto (defaults)", ["--fallback", "auto"], -1)]  # fmt: skip
-    nrmse_scan = llmq.fallback_scan(folder, scheme="w4a16", ratio_threshold=None, workers=2)
+    scan = {"scheme": "w4a16", "group_size": 64, "ratio_threshold": None, "workers": 2}
+    nrmse_scan = llmq.fallback_scan(folder, **scan)
     for k in (3, 10, 25):
         threshold = _threshold_keeping(nrmse_scan, k)
-        configs.append((f"auto, nrmse > {threshold:.4g}", ["--fallback", "auto", "--fallback-threshold", f"{threshold:.6g}"], k))  # fmt: skip
-    weighted_scan = llmq.fallback_scan(folder, scheme="w4a16", calib_stats=stats, ratio_threshold=None, workers=2)  # fmt: skip
+        configs.append((f"auto, NRMSE > {threshold:.4g}", ["--fallback", "auto", "--fallback-threshold", f"{threshold:.6g}"], k))  # fmt: skip
+    share_scan = llmq.fallback_scan(folder, calib_stats=stats, **scan)
     for k in (3, 10, 25):
-        threshold = _threshold_keeping(weighted_scan, k)
-        report = llmq.fallback_scan(folder, scheme="w4a16", nrmse_threshold=threshold, calib_stats=stats, ratio_threshold=None, workers=2)  # fmt: skip
-        report_file = out / f"scan-weighted-{k}.json"
+        threshold = _threshold_keeping(share_scan, k)
+        report = llmq.fallback_scan(folder, calib_stats=stats, error_share_threshold=threshold, **scan)  # fmt: skip
+        report_file = out / f"scan-error-share-{k}.json"
         atomic_json(report_file, report.to_dict())
-        configs.append((f"report, weighted nrmse > {threshold:.4g}", ["--fallback", str(report_file)], k))  # fmt: skip
+        configs.append((f"report, error share > {threshold:.3g}", ["--fallback", str(report_file)], k))  # fmt: skip
     rows = []
     for label, options, kept in configs:
         target = out / ("auto-" + "".join(c if c.isalnum() else "-" for c in label))
@@ -275,7 +275,7 @@ def run_auto(out: Path, windows: int) -> list[dict]:
 def auto_markdown(rows: list[dict], windows: int) -> str:
     lines = [
         "W4A16 g64 RTN (`--skip-layer-check`), plain and with `--fallback` keeping the k worst linears by "
-        "each score (int4 g64 scan; weighted: E[x^2] from `llmq calibrate --hessian` on 16 x 256 pydoc "
+        "each score (int4 g64 scan; error share: E[x^2] from `llmq calibrate --hessian` on 16 x 256 pydoc "
         f"calibration tokens). Protocol: {protocol(windows)}.",
         "",
         "| fallback | linears kept | size MB | held-out pydoc | Hamlet |",
@@ -476,6 +476,8 @@ def main() -> None:
     parser.add_argument("--synthetic", type=Path, default=HERE / "out" / "synthetic-bf16")
     parser.add_argument("--no-naive", action="store_true")
     parser.add_argument("--tables", action="store_true", help="print the tables of saved results")
+    parser.add_argument("--rescore", action="store_true",
+                        help="damage: score the saved measurements again, do not re-measure")  # fmt: skip
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
     parts = options.only.split(",")
@@ -484,7 +486,12 @@ def main() -> None:
         return
     print(f"# {time.strftime('%Y-%m-%d')} on {machine()}")
     if "damage" in parts:
-        print(damage_markdown(run_damage(options.out, options.damage_windows)))
+        saved = options.out / "damage.json"
+        if options.rescore and saved.is_file():
+            measured = json.loads(saved.read_text())
+        else:
+            measured = measure_damage(options.out, options.damage_windows)
+        print(damage_markdown(score_damage(options.out, measured)))
     if "auto" in parts:
         print(auto_markdown(run_auto(options.out, options.windows), options.windows))
     if "speed" in parts:

@@ -146,9 +146,10 @@ def quantize(
     Options are those of `make_recipe` (scheme, method, group_size, ignore, clip, calib_text,
     num_samples, seq_len, seed); or pass a ready `recipe`. `device`: where each layer runs
     (default: the GPU when there is one). `fallback`: a `fallback_scan` JSON report, or "auto"
-    to scan now with the recipe's weight arguments (NRMSE threshold `fallback_threshold`, default
-    the scheme's; activation-weighted when `calib_stats` are given); the linears it flags stay in
-    full precision and join the checkpoint's `ignore` list. Returns a `QuantizeResult`.
+    to scan now with the recipe's weight arguments (`fallback_threshold`: the NRMSE threshold,
+    default the scheme's; with `calib_stats`, the output error share threshold, default 0.05);
+    the linears it flags stay in full precision and join the checkpoint's `ignore` list.
+    Returns a `QuantizeResult`.
     """
     from llmq.calib.stats import CalibStats
     from llmq.io.atomic import check_output_dir
@@ -214,9 +215,12 @@ def _apply_fallback(
     from llmq.fallback.scan import fallback_scan as scan
 
     if str(fallback) == "auto":
+        calibrated = input_weights is not None  # the threshold is then the error share's
         options = ScanOptions(
-            args=recipe.weight_args, nrmse_threshold=threshold, workers=2,
+            scheme=recipe.scheme.name.lower(), args=recipe.weight_args, workers=2,
             input_weights=input_weights,
+            nrmse_threshold=None if calibrated else threshold,
+            **({"share_threshold": threshold} if calibrated and threshold else {}),
         )  # fmt: skip
         report = scan(ckpt.path, options, progress=progress)
     else:
@@ -234,7 +238,7 @@ def _apply_fallback(
     record = {
         "report": "auto" if str(fallback) == "auto" else str(fallback),
         "scheme": report.args.label,
-        "thresholds": {"nrmse": report.nrmse_threshold, "ratio": report.ratio_threshold},
+        "rule": report.rule,
         "kept": kept,
         "flagged_not_quantized": [m for m in modules if m not in linears],
     }
@@ -431,6 +435,7 @@ def fallback_scan(
     path: str | Path,
     *,
     scheme: str = "int8-tensor",
+    group_size: int | None = None,
     nrmse_threshold: float | None = None,
     ratio_threshold: float | None = 60.0,
     include: str | None = None,
@@ -438,27 +443,33 @@ def fallback_scan(
     workers: int = 1,
     sample: int | None = None,
     calib_stats: str | Path | None = None,
+    error_share_threshold: float = 0.05,
     progress: Progress = NO_PROGRESS,
 ) -> Any:
     """Scan every .safetensors file under PATH (a folder, a file or a built-in model name) for
-    tensors that will not survive quantization under `scheme`; returns a `ScanReport`.
+    tensors that will not survive quantization under `scheme` (its group size overridden by
+    `group_size`, -1 per-channel, as in `quantize`); returns a `ScanReport`.
 
     Flags a tensor whose NRMSE ||W - deq(q(W))|| / ||W|| exceeds `nrmse_threshold` (None: the
     scheme's default), whose spread ratio (max - min) / (Q3 - Q1) exceeds `ratio_threshold`
     (None: not used), or that holds NaN/Inf. Statistics are exact unless `sample` (values per
-    tensor) is given. Needs no model class, no calibration data and no GPU; given `calib_stats`
-    (from `calibrate`), linears are scored by their activation-weighted NRMSE instead, with
-    E[x_j^2] from the Hessian's diagonal (or mean|x_j|^2 without one)."""
-    from llmq.fallback.scan import ScanOptions
+    tensor) is given. Needs no model class, no calibration data and no GPU. Given `calib_stats`
+    (from `calibrate`), each linear's output error is estimated as sum_j ||dW_:j||^2 E[x_j^2]
+    (E[x_j^2] from the Hessian's diagonal, or mean|x_j|^2 without one), and linears are flagged
+    when their share of the total exceeds `error_share_threshold`."""
+    from llmq.config import with_group_size
+    from llmq.fallback.scan import ScanOptions, scan_args
     from llmq.fallback.scan import fallback_scan as scan
 
+    args = with_group_size(scan_args(scheme), group_size) if group_size is not None else None
     root = Path(path)
     if not root.exists() and str(path) in BUILTIN_MODELS:
         root = resolve_model(str(path), progress=progress)
     options = ScanOptions(
-        scheme=scheme, nrmse_threshold=nrmse_threshold, ratio_threshold=ratio_threshold,
+        scheme=scheme, args=args, nrmse_threshold=nrmse_threshold, ratio_threshold=ratio_threshold,
         include=include, exclude=exclude, workers=workers, sample=sample,
         input_weights=_input_weights(Path(calib_stats)) if calib_stats else None,
+        share_threshold=error_share_threshold,
     )  # fmt: skip
     report = scan(root, options, progress=progress)
     report.calib_stats = None if calib_stats is None else str(calib_stats)

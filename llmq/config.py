@@ -187,12 +187,20 @@ class Recipe(BaseModel):
     @property
     def weight_args(self) -> QuantArgs:
         """The scheme's weight arguments after the --group-size override."""
-        args = self.scheme.weights
-        if self.group_size is None:
-            return args
-        if self.group_size == -1:
-            return args.model_copy(update={"strategy": "channel", "group_size": None})
-        return args.model_copy(update={"strategy": "group", "group_size": self.group_size})
+        return with_group_size(self.scheme.weights, self.group_size)
+
+
+def with_group_size(args: QuantArgs, group_size: int | None) -> QuantArgs:
+    """`args` with a --group-size override: None keeps it, -1 is per-channel (validated)."""
+    if group_size is None:
+        return args
+    if group_size != -1 and not is_valid_group_size(group_size):
+        raise InputError(f"--group-size {group_size}: not -1 or a power of two >= 16")
+    if args.type == "float":
+        raise InputError(f"--group-size {group_size}: FP8 weights have no group size")
+    if group_size == -1:
+        return args.model_copy(update={"strategy": "channel", "group_size": None})
+    return args.model_copy(update={"strategy": "group", "group_size": group_size})
 
 
 def build(model_cls: type[BaseModel], /, **fields: object) -> BaseModel:

@@ -36,6 +36,12 @@ def fallback_scan(
             help="Quantization to simulate: int8-tensor (int8 symmetric per-tensor, the classic check), fp8-tensor, or a quantize preset with its weight arguments: w8a8/w8a16 (int8 per-channel), w4a16/w4a16-asym (int4 group 128), fp8 (E4M3 per-channel). Computed by the same code as `llmq quantize`."
         ),
     ] = "int8-tensor",
+    group_size: Annotated[
+        int | None,
+        typer.Option(
+            help="Override the scheme's group size, as in `llmq quantize`: -1 (per-channel) or a power of two >= 16; a tensor whose width it does not divide uses its largest power-of-two divisor."
+        ),
+    ] = None,
     nrmse_threshold: Annotated[
         float | None,
         typer.Option(
@@ -48,6 +54,12 @@ def fallback_scan(
             help="Flag tensors whose spread ratio (max - min) / (Q3 - Q1) exceeds this (heavy outliers; a Gaussian tensor scores about 8-10). inf turns it off."
         ),
     ] = 60.0,
+    error_share_threshold: Annotated[
+        float,
+        typer.Option(
+            help="With --calib-stats: flag linears causing more than this share of the estimated output error of all scanned linears (default 5%; the average share is 1 / their number)."
+        ),
+    ] = 0.05,
     top: Annotated[int, typer.Option(help="Rows of the worst-NRMSE table (and --markdown).")] = 20,
     include: Annotated[
         str | None, typer.Option(help="Scan only tensors whose name matches this regex.")
@@ -67,7 +79,7 @@ def fallback_scan(
     calib_stats: Annotated[
         Path | None,
         typer.Option(
-            help="Statistics from `llmq calibrate` (with --hessian for E[x²]): linears are then scored and flagged by their activation-weighted NRMSE, sqrt(Σⱼ ||ΔW:ⱼ||² E[xⱼ²] / Σⱼ ||W:ⱼ||² E[xⱼ²]), an estimate of their output error."
+            help="Statistics from `llmq calibrate` (--hessian gives E[x²]; without it mean|x|² stands in): each linear's output error is estimated as Σⱼ ||ΔW:ⱼ||² E[xⱼ²], and linears are ranked and flagged by their share of the total (see --error-share-threshold). The activation-weighted NRMSE is reported beside it."
         ),
     ] = None,
     report: Annotated[
@@ -107,10 +119,11 @@ def fallback_scan(
             raise InputError(f"--top {top}: must be >= 1")
         with progress_bars(json_out=json_out) as progress:
             result = api.fallback_scan(
-                path, scheme=scheme, nrmse_threshold=nrmse_threshold,
+                path, scheme=scheme, group_size=group_size, nrmse_threshold=nrmse_threshold,
                 ratio_threshold=None if ratio_threshold == float("inf") else ratio_threshold,
                 include=include, exclude=exclude, workers=workers, sample=sample,
-                calib_stats=calib_stats, progress=progress,
+                calib_stats=calib_stats, error_share_threshold=error_share_threshold,
+                progress=progress,
             )  # fmt: skip
         _write_outputs(result, outputs, top)
     if json_out:
@@ -152,7 +165,7 @@ def _write_outputs(result: Any, outputs: dict[str, Path | None], top: int) -> No
 
 
 def render(result: Any, top: int) -> None:
-    score = "NRMSE" if result.calib_stats is None else "weighted NRMSE where calibrated"
+    score = "NRMSE" if result.share_threshold is None else "output error share, then NRMSE"
     table = Table(
         title=f"worst {min(top, len(result.tensors))} tensors by {score} ({result.args.label})"
     )
@@ -184,9 +197,8 @@ def render(result: Any, top: int) -> None:
     out_console.print(
         f"scanned {len(result.tensors)} tensors ({gigabytes:.2f} GB) in {result.seconds:.1f} s "
         f"({gigabytes / max(result.seconds, 1e-9):.2f} GB/s, {result.workers} workers"
-        f"{', sampled' if result.sample else ', exact'}); flagged {len(result.flagged)}: NRMSE > "
-        f"{result.nrmse_threshold:g}"
-        + (f" or ratio > {result.ratio_threshold:g}" if result.ratio_threshold else "")
+        f"{', sampled' if result.sample else ', exact'}); flagged {len(result.flagged)}: "
+        f"{result.rule}"
     )
 
 

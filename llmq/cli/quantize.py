@@ -114,7 +114,7 @@ def quantize(
     fallback_threshold: Annotated[
         float | None,
         typer.Option(
-            help="--fallback auto: flag linears whose NRMSE exceeds this (default: the scheme's, as in `fallback-scan`); with --calib-stats, the activation-weighted NRMSE."
+            help="--fallback auto: flag linears whose NRMSE exceeds this (default: the scheme's, as in `fallback-scan`); with --calib-stats, whose share of the estimated output error exceeds this (default 0.05)."
         ),
     ] = None,
     overwrite: Annotated[

@@ -2,11 +2,11 @@
 plus CSV, Markdown and a heat-map picture of the same rows.
 
 JSON schema `llmq.fallback-scan`, version 1 (stable: fields are only ever added):
-  schema, version, llmq_version, root, scheme, args (QuantArgs), thresholds {nrmse, ratio},
+  schema, version, llmq_version, root, scheme, args (QuantArgs), thresholds {nrmse, ratio, error_share},
   sample, calib_stats, seconds, workers, bytes_scanned,
   tensors: [{name, file, dtype, shape, numel, kind, layer, min, max, absmax, mean, std, q1, q3,
-             spread_ratio, tail_share, nan, inf, nrmse, range_nrmse, weighted_nrmse, sampled,
-             flagged, reasons}],
+             spread_ratio, tail_share, nan, inf, nrmse, range_nrmse, weighted_nrmse, output_error,
+             error_share, sampled, flagged, reasons}],
   flagged: [tensor names], skipped: [{name, file, dtype, shape, reason}],
   failed: [{file, error}], summary: [{kind, tensors, flagged, nrmse_mean, nrmse_max, ratio_max}]
 """
@@ -65,13 +65,14 @@ class TensorScan:
     stats: TensorStats
     sampled: bool = False
     reasons: list[str] = field(default_factory=list)  # why it is flagged; empty: not flagged
+    # with calibration statistics: this linear's share of all scanned linears' output error
+    error_share: float | None = None
 
     @property
     def score(self) -> float | None:
-        """What flags and ranks the tensor: the activation-weighted NRMSE when calibration
-        statistics cover it, else the NRMSE."""
-        weighted = self.stats.weighted_nrmse
-        return self.stats.nrmse if weighted is None else weighted
+        """What flags and ranks the tensor: its share of the estimated output error when
+        calibration statistics cover it, else its NRMSE."""
+        return self.stats.nrmse if self.error_share is None else self.error_share
 
     @property
     def flagged(self) -> bool:
@@ -91,7 +92,7 @@ class TensorScan:
             "name": self.name, "file": self.file, "dtype": self.dtype, "shape": self.shape,
             **asdict(self.stats), "kind": self.kind, "layer": self.layer,
             "spread_ratio": _finite_or_none(self.stats.spread_ratio), "sampled": self.sampled,
-            "flagged": self.flagged, "reasons": self.reasons,
+            "error_share": self.error_share, "flagged": self.flagged, "reasons": self.reasons,
         }  # fmt: skip
 
     @classmethod
@@ -100,7 +101,7 @@ class TensorScan:
 
         stats = TensorStats(**{f.name: data[f.name] for f in fields(TensorStats)})
         return cls(data["name"], data["file"], data["dtype"], data["shape"], stats,
-                   data["sampled"], data["reasons"])  # fmt: skip
+                   data["sampled"], data["reasons"], data["error_share"])  # fmt: skip
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -123,6 +124,7 @@ class ScanReport:
     args: QuantArgs
     nrmse_threshold: float
     ratio_threshold: float | None
+    share_threshold: float | None  # with calibration statistics only
     sample: int | None
     tensors: list[TensorScan]
     skipped: list[Skipped]
@@ -136,14 +138,32 @@ class ScanReport:
         return [t for t in self.tensors if t.flagged]
 
     @property
+    def rule(self) -> str:
+        """When a tensor is flagged, in words."""
+        parts = []
+        if self.share_threshold is not None:
+            parts.append(f"output error share > {self.share_threshold:g} (calibrated linears)")
+        parts.append(f"NRMSE > {self.nrmse_threshold:g}")
+        if self.ratio_threshold is not None:
+            parts.append(f"spread ratio > {self.ratio_threshold:g}")
+        return " or ".join([*parts, "NaN/Inf"])
+
+    @property
     def bytes_scanned(self) -> int:
         from llmq.io.checkpoint import DTYPE_BYTES
 
         return sum(t.stats.numel * DTYPE_BYTES[t.dtype] for t in self.tensors)
 
     def by_score(self) -> list[TensorScan]:
-        """Worst first; tensors without a score (non-finite, 1-D under a row scheme) lead."""
-        return sorted(self.tensors, key=lambda t: -math.inf if t.score is None else -t.score)
+        """Worst first: tensors without a score (non-finite, 1-D under a row scheme), then the
+        calibrated linears by error share, then the rest by NRMSE."""
+
+        def key(t: TensorScan) -> tuple[int, float]:
+            if t.score is None:
+                return (0, 0.0)
+            return (1 if t.error_share is not None else 2, -t.score)
+
+        return sorted(self.tensors, key=key)
 
     def summary(self) -> list[dict[str, Any]]:
         """Per layer type: how many tensors, how many flagged, mean and worst NRMSE and ratio."""
@@ -177,7 +197,11 @@ class ScanReport:
             "root": self.root,
             "scheme": self.scheme,
             "args": self.args.model_dump(),
-            "thresholds": {"nrmse": self.nrmse_threshold, "ratio": self.ratio_threshold},
+            "thresholds": {
+                "nrmse": self.nrmse_threshold,
+                "ratio": self.ratio_threshold,
+                "error_share": self.share_threshold,
+            },
             "sample": self.sample,
             "calib_stats": self.calib_stats,
             "seconds": self.seconds,
@@ -221,6 +245,7 @@ class ScanReport:
             args=QuantArgs(**data["args"]),
             nrmse_threshold=data["thresholds"]["nrmse"],
             ratio_threshold=data["thresholds"]["ratio"],
+            share_threshold=data["thresholds"]["error_share"],
             sample=data["sample"],
             tensors=[TensorScan.from_dict(t) for t in data["tensors"]],
             skipped=[Skipped(**s) for s in data["skipped"]],
@@ -231,7 +256,7 @@ class ScanReport:
         )
 
 
-_CSV_COLUMNS = ("name", "file", "kind", "layer", "dtype", "shape", "numel", "nrmse", "weighted_nrmse", "range_nrmse",
+_CSV_COLUMNS = ("name", "file", "kind", "layer", "dtype", "shape", "numel", "nrmse", "error_share", "weighted_nrmse", "range_nrmse",
                 "spread_ratio", "absmax", "min", "max", "mean", "std", "q1", "q3", "tail_share",
                 "nan", "inf", "sampled", "flagged", "reasons")  # fmt: skip
 
@@ -261,9 +286,7 @@ def write_markdown(report: ScanReport, path: Path, *, top: int) -> None:
     lines = [
         f"# fallback-scan: {report.root}",
         "",
-        f"Scheme {report.scheme} ({report.args.label}); flagged when NRMSE > "
-        f"{report.nrmse_threshold:g}"
-        + (f" or spread ratio > {report.ratio_threshold:g}" if report.ratio_threshold else "")
+        f"Scheme {report.scheme} ({report.args.label}); flagged when {report.rule}"
         + f". {len(report.tensors)} tensors scanned, {len(report.flagged)} flagged, "
         f"{len(report.skipped)} skipped, {len(report.failed)} files failed.",
         "",
@@ -289,17 +312,25 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
-def heatmap_grid(report: ScanReport) -> tuple[list[int], list[str], list[list[float | None]]]:
-    """Layers (rows) x layer types (columns) of the worst NRMSE in each cell."""
+Grid = list[list[Any]]
+
+
+def heatmap_grid(report: ScanReport) -> tuple[list[int], list[str], Grid, Grid]:
+    """Layers (rows) x layer types (columns): the worst score in each cell, and whether a tensor
+    of the cell is flagged."""
     cells: dict[tuple[int, str], float] = {}
+    flagged: set[tuple[int, str]] = set()
     for scan in report.tensors:
         if scan.layer is None or scan.score is None or scan.kind in ("norm", "other"):
             continue
         key = (scan.layer, scan.kind)
         cells[key] = max(cells.get(key, 0.0), scan.score)
+        if scan.flagged:
+            flagged.add(key)
     layers = sorted({layer for layer, _ in cells})
     kinds = [k for k in KIND_ORDER if any(kind == k for _, kind in cells)]
-    return layers, kinds, [[cells.get((layer, k)) for k in kinds] for layer in layers]
+    grid = [[cells.get((layer, k)) for k in kinds] for layer in layers]
+    return layers, kinds, grid, [[(layer, k) in flagged for k in kinds] for layer in layers]
 
 
 def write_plot(report: ScanReport, path: Path) -> None:
@@ -315,7 +346,7 @@ def write_plot(report: ScanReport, path: Path) -> None:
         ) from None
     from llmq.io.atomic import partial_file
 
-    layers, kinds, grid = heatmap_grid(report)
+    layers, kinds, grid, flagged = heatmap_grid(report)
     if not layers:
         raise InputError("--plot: no tensor with a layer number and an NRMSE to draw")
     values = [[math.nan if v is None else v for v in row] for row in grid]
@@ -325,12 +356,13 @@ def write_plot(report: ScanReport, path: Path) -> None:
     axes.set_yticks(range(len(layers)), [str(layer) for layer in layers])
     axes.set_xlabel("projection")
     axes.set_ylabel("layer")
-    axes.set_title(f"NRMSE under {report.args.label} (outlined: > {report.nrmse_threshold:g})")
-    for row, layer_values in enumerate(values):
+    score = "NRMSE" if report.share_threshold is None else "output error share"
+    axes.set_title(f"{score} under {report.args.label} (outlined: flagged)")
+    for row, layer_values in enumerate(flagged):
         for column, value in enumerate(layer_values):
-            if value > report.nrmse_threshold:
+            if value:
                 axes.add_patch(plt.Rectangle((column - 0.5, row - 0.5), 1, 1, fill=False, edgecolor="cyan", linewidth=1.5))  # fmt: skip
-    figure.colorbar(image, ax=axes, label="NRMSE")
+    figure.colorbar(image, ax=axes, label=score)
     figure.tight_layout()
     with partial_file(path) as partial:
         figure.savefig(partial, format="png", dpi=110)

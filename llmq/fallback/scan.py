@@ -42,6 +42,9 @@ DEFAULT_SCHEME = "int8-tensor"
 # per-tensor, 0.006 int8 per-channel, 0.11 int4 g128, 0.02 fp8: the defaults flag tensors
 # several times worse than that.
 _DEFAULT_NRMSE = {"int8": 0.05, "int4": 0.2, "fp8": 0.06}
+DEFAULT_SHARE_THRESHOLD = 0.05
+"""With calibration statistics: flag a linear that causes over 5% of the estimated output error
+of all the scanned linears together (the average share is 1 / their number)."""
 DEFAULT_RATIO_THRESHOLD = 60.0
 """(max - min) / IQR is about 8-10 for a Gaussian tensor of a few million values. Kept in step
 with `llmq.api.fallback_scan`'s default."""
@@ -69,15 +72,16 @@ def default_nrmse_threshold(args: QuantArgs) -> float:
 @dataclass(frozen=True, slots=True)
 class ScanOptions:
     scheme: str = DEFAULT_SCHEME
-    args: QuantArgs | None = None  # simulate these weight arguments in place of `scheme`'s
+    args: QuantArgs | None = None  # simulate these weight arguments (named `scheme`) instead
     nrmse_threshold: float | None = None  # None: the scheme's default
     ratio_threshold: float | None = DEFAULT_RATIO_THRESHOLD  # None: not used
+    share_threshold: float = DEFAULT_SHARE_THRESHOLD  # used with input_weights only
     include: str | None = None  # regex searched in tensor names
     exclude: str | None = None
     workers: int = 1
     sample: int | None = None  # elements per tensor; None: exact, every value
     # module name -> per-input-channel weights (E[x_j^2] on calibration data): linears are then
-    # scored by the weighted NRMSE
+    # scored by their share of the estimated output error
     input_weights: Mapping[str, torch.Tensor] | None = None
 
 
@@ -118,14 +122,19 @@ def fallback_scan(
     inventory = _inventory(root, include, exclude)
     started = time.perf_counter()
     scans = _run(inventory, args, options, progress)
+    calibrated = _share_output_error(scans)
+    share_threshold = options.share_threshold if calibrated else None
     return ScanReport(
         root=str(root),
-        scheme="quantize" if options.args else options.scheme,
+        scheme=options.scheme,
         args=args,
         nrmse_threshold=nrmse_threshold,
         ratio_threshold=options.ratio_threshold,
+        share_threshold=share_threshold,
         sample=options.sample,
-        tensors=[_flag(s, nrmse_threshold, options.ratio_threshold) for s in scans],
+        tensors=[
+            _flag(s, nrmse_threshold, share_threshold, options.ratio_threshold) for s in scans
+        ],
         skipped=inventory.skipped,
         failed=inventory.failed,
         seconds=time.perf_counter() - started,
@@ -133,9 +142,21 @@ def fallback_scan(
     )
 
 
+def _share_output_error(scans: list[TensorScan]) -> bool:
+    """Set each calibrated linear's share of the summed output error; False if none has one."""
+    errors = [s.stats.output_error for s in scans if s.stats.output_error is not None]
+    total = sum(errors)
+    for scan in scans:
+        if scan.stats.output_error is not None:
+            scan.error_share = scan.stats.output_error / total if total else 0.0
+    return bool(errors)
+
+
 def _check_options(options: ScanOptions, nrmse_threshold: float) -> None:
     if not nrmse_threshold > 0:
         raise InputError(f"--nrmse-threshold {nrmse_threshold}: must be > 0")
+    if not 0 < options.share_threshold <= 1:
+        raise InputError(f"--error-share-threshold {options.share_threshold}: must be in (0, 1]")
     if options.ratio_threshold is not None and not options.ratio_threshold > 0:
         raise InputError(f"--ratio-threshold {options.ratio_threshold}: must be > 0")
     if not 1 <= options.workers <= 256:
@@ -297,14 +318,21 @@ def sample_rows(tensor: torch.Tensor, sample: int, *, seed: str) -> torch.Tensor
     return picked if tensor.ndim > 1 else picked.reshape(-1)
 
 
-def _flag(scan: TensorScan, nrmse_threshold: float, ratio_threshold: float | None) -> TensorScan:
+def _flag(
+    scan: TensorScan,
+    nrmse_threshold: float,
+    share_threshold: float | None,
+    ratio_threshold: float | None,
+) -> TensorScan:
     reasons = []
     stats = scan.stats
     if stats.nan or stats.inf:
         reasons.append(f"{stats.nan} NaN, {stats.inf} Inf values")
-    if scan.score is not None and scan.score > nrmse_threshold:
-        which = "nrmse" if stats.weighted_nrmse is None else "weighted nrmse"
-        reasons.append(f"{which} {scan.score:.4g} > {nrmse_threshold:g}")
+    if scan.error_share is not None and share_threshold is not None:
+        if scan.error_share > share_threshold:
+            reasons.append(f"output error share {scan.error_share:.3g} > {share_threshold:g}")
+    elif stats.nrmse is not None and stats.nrmse > nrmse_threshold:
+        reasons.append(f"nrmse {stats.nrmse:.4g} > {nrmse_threshold:g}")
     if ratio_threshold is not None and stats.spread_ratio > ratio_threshold:
         reasons.append(f"spread ratio {stats.spread_ratio:.4g} > {ratio_threshold:g}")
     scan.reasons = reasons

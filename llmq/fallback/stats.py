@@ -65,6 +65,7 @@ class TensorStats:
     nrmse: float | None  # ||W - deq(q(W))|| / ||W||, None when not finite or not applicable
     range_nrmse: float | None  # RMSE / (max - min)
     weighted_nrmse: float | None = None  # with input weights: see tensor_stats
+    output_error: float | None = None  # with input weights: sum_j ||dW_:j||^2 w_j
 
     @property
     def spread_ratio(self) -> float:
@@ -108,8 +109,9 @@ def tensor_stats(
     is given, its quantization error under `args` (rows: every dimension but the last).
 
     input_weights [in]: how much each input channel matters, e.g. E[x_j^2] on calibration data;
-    gives `weighted_nrmse` = sqrt(sum_j ||dW_:j||^2 w_j / sum_j ||W_:j||^2 w_j), the diagonal
-    approximation of the output error ||dW X|| / ||W X||."""
+    gives `output_error` = sum_j ||dW_:j||^2 w_j, the diagonal approximation of the squared
+    output error per token E||dW x||^2, and `weighted_nrmse` = sqrt(output_error /
+    sum_j ||W_:j||^2 w_j), its approximation of ||dW X|| / ||W X||."""
     if weight.dtype not in _PATTERN_DTYPES:
         raise ValueError(f"unsupported dtype {weight.dtype}")
     if input_weights is not None and (weight.ndim < 2 or input_weights.numel() != weight.shape[-1]):
@@ -376,27 +378,32 @@ def scale_dtype_for(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype.itemsize >= 2 else ACCUM_DTYPE
 
 
+_Errors = tuple[float | None, float | None, float | None]  # squared, weighted NRMSE, output
+
+
 def _quantization_errors(
     weight: Tensor,
     moments: _Moments,
     args: QuantArgs | None,
     input_weights: Tensor | None,
     per_tensor_error: Callable[[], float] | None = None,
-) -> tuple[float | None, float | None]:
-    """(squared quantization error, weighted NRMSE). A per-tensor error comes from the value
-    histogram when it can (`per_tensor_error`); a 1-D tensor has no rows to scale per channel."""
+) -> _Errors:
+    """(squared quantization error, weighted NRMSE, output error). A per-tensor error comes from
+    the value histogram when it can (`per_tensor_error`); a 1-D tensor has no rows to scale per
+    channel."""
     if args is None or (weight.ndim < 2 and args.strategy != "tensor"):
-        return None, None
+        return None, None, None
     if input_weights is None and args.strategy == "tensor" and per_tensor_error is not None:
-        return per_tensor_error(), None
+        return per_tensor_error(), None, None
     return _blocked_errors(weight, moments, args, input_weights)
 
 
 def _blocked_errors(
     weight: Tensor, moments: _Moments, args: QuantArgs, input_weights: Tensor | None
-) -> tuple[float, float | None]:
+) -> _Errors:
     """Quantize-dequantize in blocks of whole rows (rows: every dim but the last) with the same
-    primitives as `quantize`: the squared error and, given input weights, the weighted NRMSE."""
+    primitives as `quantize`: the squared error and, given input weights, the weighted NRMSE and
+    the output error."""
     rows = weight.reshape(-1, weight.shape[-1]) if weight.ndim >= 2 else weight.reshape(1, -1)
     scale_dtype = scale_dtype_for(weight.dtype)
     if args.strategy == "tensor":
@@ -418,11 +425,11 @@ def _blocked_errors(
             column_error = column_error + error.square().sum(0)
             column_norm = column_norm + block.to(torch.float64).square().sum(0)
     if input_weights is None:
-        return total, None
+        return total, None, None
     weights = input_weights.to(torch.float64)
-    denominator = float((column_norm * weights).sum())  # type: ignore[operator]
-    numerator = float((column_error * weights).sum())  # type: ignore[operator]
-    return total, math.sqrt(numerator / denominator) if denominator else 0.0
+    output = float((column_error * weights).sum())  # type: ignore[operator]
+    reference = float((column_norm * weights).sum())  # type: ignore[operator]
+    return total, math.sqrt(output / reference) if reference else 0.0, output
 
 
 def _finish(
@@ -433,9 +440,9 @@ def _finish(
     q1: float,
     q3: float,
     tail: int,
-    errors: tuple[float | None, float | None],
+    errors: _Errors,
 ) -> TensorStats:
-    squared_error, weighted_nrmse = errors
+    squared_error, weighted_nrmse, output_error = errors
     nrmse = range_nrmse = None
     if squared_error is not None and moments.count:
         nrmse = math.sqrt(squared_error / moments.squares) if moments.squares else 0.0
@@ -457,4 +464,5 @@ def _finish(
         nrmse=nrmse,
         range_nrmse=range_nrmse,
         weighted_nrmse=weighted_nrmse,
+        output_error=output_error,
     )

@@ -253,23 +253,31 @@ def test_quantize_keeps_flagged_linears_and_reloads(model_with_outlier, tmp_path
     auto = llmq.quantize(folder, tmp_path / "auto", scheme="w8a16", fallback="auto", skip_layer_check=True)  # fmt: skip
     assert auto.fallback["report"] == "auto" and auto.fallback["scheme"] == "int8 channel"
     assert auto.fallback["kept"] == [target]  # 40.0 in one row: that row's int8 steps are 0.3
-    assert auto.fallback["thresholds"]["nrmse"] == 0.05  # int8's default
+    assert "NRMSE > 0.05" in auto.fallback["rule"]  # int8's default
     tuned = llmq.quantize(folder, tmp_path / "tuned", scheme="w8a16", fallback="auto", fallback_threshold=0.5, skip_layer_check=True)  # fmt: skip
-    assert tuned.fallback["thresholds"]["nrmse"] == 0.5
+    assert "NRMSE > 0.5" in tuned.fallback["rule"]
 
 
-def test_calibration_statistics_weight_the_linears(model_with_outlier, tmp_path: Path) -> None:
+def test_calibration_statistics_score_linears_by_output_error_share(
+    model_with_outlier, tmp_path: Path
+) -> None:
     folder, target = model_with_outlier
     stats = tmp_path / "stats.safetensors"
     llmq.calibrate(folder, stats, num_samples=2, seq_len=32, hessian=True)
     plain = llmq.fallback_scan(folder)
-    weighted = llmq.fallback_scan(folder, calib_stats=stats)
-    assert weighted.calib_stats == str(stats)
+    weighted = llmq.fallback_scan(folder, calib_stats=stats, ratio_threshold=None)
+    assert weighted.calib_stats == str(stats) and plain.share_threshold is None
+    shares = {t.name: t.error_share for t in weighted.tensors if t.error_share is not None}
+    assert len(shares) == 14 and sum(shares.values()) == pytest.approx(1.0)  # 2 layers x 7
+    assert max(shares, key=shares.get) == f"{target}.weight"
+    assert weighted.by_score()[0].name == f"{target}.weight"
+    assert [t.name for t in weighted.flagged] == [f"{target}.weight"]
+    assert weighted.flagged[0].reasons[0].startswith("output error share")
     by_name = {t.name: t for t in weighted.tensors}
-    assert by_name[f"{target}.weight"].stats.weighted_nrmse is not None
-    assert by_name["model.norm.weight"].stats.weighted_nrmse is None
-    assert all(t.stats.weighted_nrmse is None for t in plain.tensors)
-    assert any("weighted nrmse" in r for t in weighted.flagged for r in t.reasons)
+    assert by_name["model.norm.weight"].error_share is None  # judged by its NRMSE
+    assert all(t.error_share is None and t.stats.weighted_nrmse is None for t in plain.tensors)
+    auto = llmq.quantize(folder, tmp_path / "q", scheme="w8a16", fallback="auto", calib_stats=stats, fallback_threshold=0.5, skip_layer_check=True)  # fmt: skip
+    assert "output error share > 0.5" in auto.fallback["rule"] and auto.fallback["kept"] == [target]
 
 
 def test_quantize_refuses_a_report_of_another_checkpoint(

@@ -145,6 +145,8 @@ def test_weighted_nrmse_matches_float64_reference(dtype: torch.dtype, args: Quan
     w64, iw = weight.to(torch.float64), input_weights.to(torch.float64)
     expected = ((w64 - restored).square().sum(0) @ iw / (w64.square().sum(0) @ iw)).sqrt()
     assert stats.weighted_nrmse == pytest.approx(float(expected), rel=1e-5)
+    output = (w64 - restored).square().sum(0) @ iw  # sum_j ||dW_:j||^2 w_j
+    assert stats.output_error == pytest.approx(float(output), rel=1e-5)
     assert stats.nrmse == pytest.approx(reference(weight, args)["nrmse"], rel=1e-5)
     uniform = tensor_stats(weight, args, input_weights=torch.ones(256))
     assert uniform.weighted_nrmse == pytest.approx(uniform.nrmse, rel=1e-9)

@@ -212,7 +212,7 @@ def _value_error(
     count. The codes come from the same primitives as `quantize`."""
     scale, zero = _tensor_qparams(moments, args, dtype)
     codes = quantize_grouped(values.view(1, 1, -1), scale.view(1, 1), _view11(zero), args)
-    restored = scale_codes(codes, scale, zero, dtype=torch.float64).view(-1)
+    restored = scale_codes(codes, scale, zero).to(torch.float64).view(-1)  # as quantize reads back
     return float(((values - restored).square() * counts).sum())
 
 

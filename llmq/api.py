@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from llmq import __version__
-from llmq.config import CalibConfig, Recipe, build, get_scheme
+from llmq.config import (
+    SCAN_RATIO_THRESHOLD,
+    SCAN_SCHEME,
+    SCAN_SHARE_THRESHOLD,
+    CalibConfig,
+    Recipe,
+    build,
+    get_scheme,
+)
 from llmq.errors import InputError
 from llmq.models import BUILTIN_MODELS, cache_dir, resolve_model
 from llmq.progress import NO_PROGRESS, Progress
@@ -434,16 +442,16 @@ def load_dequantized(path: str | Path) -> Any:
 def fallback_scan(
     path: str | Path,
     *,
-    scheme: str = "int8-tensor",
+    scheme: str = SCAN_SCHEME,
     group_size: int | None = None,
     nrmse_threshold: float | None = None,
-    ratio_threshold: float | None = 60.0,
+    ratio_threshold: float | None = SCAN_RATIO_THRESHOLD,
     include: str | None = None,
     exclude: str | None = None,
     workers: int = 1,
     sample: int | None = None,
     calib_stats: str | Path | None = None,
-    error_share_threshold: float = 0.05,
+    error_share_threshold: float = SCAN_SHARE_THRESHOLD,
     progress: Progress = NO_PROGRESS,
 ) -> Any:
     """Scan every .safetensors file under PATH (a folder, a file or a built-in model name) for

@@ -124,6 +124,15 @@ def get_scheme(name: str) -> Scheme:
         ) from None
 
 
+# fallback-scan's defaults (shared by the scan, the API and the CLI)
+SCAN_SCHEME = "int8-tensor"
+SCAN_RATIO_THRESHOLD = 60.0
+"""(max - min) / IQR is about 8-10 for a Gaussian tensor of a few million values."""
+SCAN_SHARE_THRESHOLD = 0.05
+"""With calibration statistics: flag a linear that causes over 5% of the estimated output error
+of all the scanned linears together (the average share is 1 / their number)."""
+
+
 class CalibConfig(BaseModel):
     """Which calibration text, and how it is sampled (reproducibly, from `seed`)."""
 

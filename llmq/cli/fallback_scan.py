@@ -18,6 +18,7 @@ from llmq.cli.console import (
     quiet_libraries,
 )
 from llmq.cli.options import JsonFlag
+from llmq.config import SCAN_RATIO_THRESHOLD, SCAN_SCHEME, SCAN_SHARE_THRESHOLD
 from llmq.errors import InputError
 
 _OUTPUT_SUFFIXES = {"--report": ".json", "--csv": ".csv", "--markdown": ".md", "--plot": ".png"}
@@ -35,7 +36,7 @@ def fallback_scan(
         typer.Option(
             help="Quantization to simulate: int8-tensor (int8 symmetric per-tensor, the classic check), fp8-tensor, or a quantize preset with its weight arguments: w8a8/w8a16 (int8 per-channel), w4a16/w4a16-asym (int4 group 128), fp8 (E4M3 per-channel). Computed by the same code as `llmq quantize`."
         ),
-    ] = "int8-tensor",
+    ] = SCAN_SCHEME,
     group_size: Annotated[
         int | None,
         typer.Option(
@@ -53,13 +54,13 @@ def fallback_scan(
         typer.Option(
             help="Flag tensors whose spread ratio (max - min) / (Q3 - Q1) exceeds this (heavy outliers; a Gaussian tensor scores about 8-10). inf turns it off."
         ),
-    ] = 60.0,
+    ] = SCAN_RATIO_THRESHOLD,
     error_share_threshold: Annotated[
         float,
         typer.Option(
             help="With --calib-stats: flag linears causing more than this share of the estimated output error of all scanned linears (default 5%; the average share is 1 / their number)."
         ),
-    ] = 0.05,
+    ] = SCAN_SHARE_THRESHOLD,
     top: Annotated[int, typer.Option(help="Rows of the worst-NRMSE table (and --markdown).")] = 20,
     include: Annotated[
         str | None, typer.Option(help="Scan only tensors whose name matches this regex.")

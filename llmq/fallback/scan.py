@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmq.config import QuantArgs, get_scheme
+from llmq.config import (
+    SCAN_RATIO_THRESHOLD,
+    SCAN_SCHEME,
+    SCAN_SHARE_THRESHOLD,
+    QuantArgs,
+    get_scheme,
+)
 from llmq.errors import InputError
 from llmq.fallback.report import ScanReport, Skipped, TensorScan
 from llmq.io.checkpoint import DTYPE_BYTES, INDEX_FILE, read_safetensors_header
@@ -29,25 +35,17 @@ from llmq.progress import NO_PROGRESS, Progress
 if TYPE_CHECKING:
     import torch
 
-_INT8_TENSOR = QuantArgs(num_bits=8, strategy="tensor")
 SCAN_SCHEMES: dict[str, QuantArgs] = {
-    "int8-tensor": _INT8_TENSOR,
+    "int8-tensor": QuantArgs(num_bits=8, strategy="tensor"),
     "fp8-tensor": QuantArgs(num_bits=8, type="float", strategy="tensor"),
 }
 """Per-tensor checks beyond the presets; any `quantize` preset name (w4a16, w8a8, fp8, ...)
 is also accepted and scans with its weight arguments."""
-DEFAULT_SCHEME = "int8-tensor"
 
 # NRMSE of a Gaussian tensor (4096 x 4096) under each kind of scheme is about 0.012 for int8
 # per-tensor, 0.006 int8 per-channel, 0.11 int4 g128, 0.02 fp8: the defaults flag tensors
 # several times worse than that.
 _DEFAULT_NRMSE = {"int8": 0.05, "int4": 0.2, "fp8": 0.06}
-DEFAULT_SHARE_THRESHOLD = 0.05
-"""With calibration statistics: flag a linear that causes over 5% of the estimated output error
-of all the scanned linears together (the average share is 1 / their number)."""
-DEFAULT_RATIO_THRESHOLD = 60.0
-"""(max - min) / IQR is about 8-10 for a Gaussian tensor of a few million values. Kept in step
-with `llmq.api.fallback_scan`'s default."""
 
 _READABLE = {"BF16", "F16", "F32", "F8_E4M3", "F8_E5M2"}
 
@@ -71,11 +69,11 @@ def default_nrmse_threshold(args: QuantArgs) -> float:
 
 @dataclass(frozen=True, slots=True)
 class ScanOptions:
-    scheme: str = DEFAULT_SCHEME
+    scheme: str = SCAN_SCHEME
     args: QuantArgs | None = None  # simulate these weight arguments (named `scheme`) instead
     nrmse_threshold: float | None = None  # None: the scheme's default
-    ratio_threshold: float | None = DEFAULT_RATIO_THRESHOLD  # None: not used
-    share_threshold: float = DEFAULT_SHARE_THRESHOLD  # used with input_weights only
+    ratio_threshold: float | None = SCAN_RATIO_THRESHOLD  # None: not used
+    share_threshold: float = SCAN_SHARE_THRESHOLD  # used with input_weights only
     include: str | None = None  # regex searched in tensor names
     exclude: str | None = None
     workers: int = 1

@@ -102,7 +102,7 @@ def fallback_scan(
     ] = False,
     json_out: JsonFlag = False,
 ) -> None:
-    """Find the tensors that will not survive quantization, exactly and at disk speed.
+    """Find the tensors that will not survive quantization: exact statistics, from the files alone.
 
     For every float tensor: the NRMSE of a simulated quantize-dequantize, the spread ratio,
     quartiles (exact for every size), absmax, the share of values beyond 6 standard deviations,

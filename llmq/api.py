@@ -228,7 +228,7 @@ def _apply_fallback(
             scheme=recipe.scheme.name.lower(), args=recipe.weight_args, workers=2,
             input_weights=input_weights,
             nrmse_threshold=None if calibrated else threshold,
-            **({"share_threshold": threshold} if calibrated and threshold else {}),
+            share_threshold=threshold if calibrated and threshold else SCAN_SHARE_THRESHOLD,
         )  # fmt: skip
         report = scan(ckpt.path, options, progress=progress)
     else:
@@ -241,7 +241,7 @@ def _apply_fallback(
             f"({unknown[0]}.weight and {len(unknown) - 1} more)",
             hint=f"scan this checkpoint: llmq fallback-scan {ckpt.path} --report scan.json",
         )
-    linears = {ckpt.layout.layer_prefix(i) + s for i in range(ckpt.num_layers) for s in ckpt.layout.linears}  # fmt: skip
+    linears = {name for i in range(ckpt.num_layers) for name in ckpt.layout.linear_names(i)}
     kept = [m for m in modules if m in linears]
     record = {
         "report": "auto" if str(fallback) == "auto" else str(fallback),

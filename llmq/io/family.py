@@ -37,6 +37,10 @@ class DecoderLayout:
     def layer_prefix(self, index: int) -> str:
         return f"{self.layers}.{index}."
 
+    def linear_names(self, index: int) -> list[str]:
+        """Full module names of decoder layer `index`'s linears, in execution order."""
+        return [self.layer_prefix(index) + suffix for suffix in self.linears]
+
 
 _ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _MLP_IN = ("mlp.gate_proj", "mlp.up_proj")

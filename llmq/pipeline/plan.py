@@ -68,8 +68,7 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe) -> Plan:
     adjustments: list[GroupSizeAdjustment] = []
     for index in range(ckpt.num_layers):
         planned = []
-        for suffix in layout.linears:
-            name = layout.layer_prefix(index) + suffix
+        for name in layout.linear_names(index):
             if matches_any(recipe.ignore, name):
                 ignored.append(name)
                 continue

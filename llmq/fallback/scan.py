@@ -29,7 +29,7 @@ from llmq.config import (
 )
 from llmq.errors import InputError
 from llmq.fallback.report import ScanReport, Skipped, TensorScan
-from llmq.io.checkpoint import DTYPE_BYTES, INDEX_FILE, read_safetensors_header
+from llmq.io.checkpoint import DTYPE_BYTES, INDEX_FILE, read_index, read_safetensors_header
 from llmq.progress import NO_PROGRESS, Progress
 
 if TYPE_CHECKING:
@@ -217,12 +217,10 @@ def _inventory(
 
 
 def _check_index(index: Path, base: Path, inventory: _Inventory) -> None:
-    import json
-
     try:
-        shards = set(json.loads(index.read_text())["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        inventory.failed[_relative(index, base)] = "not a valid safetensors index (no weight_map)"
+        shards = {str(shard) for shard in read_index(index).values()}
+    except (InputError, OSError) as exc:
+        inventory.failed[_relative(index, base)] = str(exc).removeprefix(f"{index}: ")
         return
     for shard in sorted(shards):
         if not (index.parent / shard).is_file():

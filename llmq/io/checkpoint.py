@@ -129,7 +129,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
 def _shard_files(folder: Path) -> list[Path]:
     index_path = folder / INDEX_FILE
     if index_path.is_file():
-        shards = sorted({folder / shard for shard in _read_index(index_path).values()})
+        shards = sorted({folder / shard for shard in read_index(index_path).values()})
         for shard in shards:
             if not shard.is_file():
                 raise InputError(f"{shard}: listed in {INDEX_FILE} but missing")
@@ -142,7 +142,8 @@ def _shard_files(folder: Path) -> list[Path]:
     return shards
 
 
-def _read_index(index_path: Path) -> dict[str, str]:
+def read_index(index_path: Path) -> dict[str, str]:
+    """The weight_map of a safetensors index: tensor name -> shard file name."""
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
@@ -156,7 +157,7 @@ def _check_index_matches(folder: Path, tensors: dict[str, TensorInfo]) -> None:
     index_path = folder / INDEX_FILE
     if not index_path.is_file():
         return
-    for name, shard in _read_index(index_path).items():
+    for name, shard in read_index(index_path).items():
         info = tensors.get(name)
         if info is None or info.shard.name != Path(shard).name:
             raise InputError(f"{index_path}: tensor {name!r} is not in {shard}")

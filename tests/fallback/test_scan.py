@@ -118,8 +118,11 @@ def test_corrupt_files_are_reported_and_the_rest_scanned(checkpoint: Path, tmp_p
     (checkpoint / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"x": "model-00003-of-00003.safetensors"}})
     )
+    (checkpoint / "extra" / "model.safetensors.index.json").write_text("[1, 2]")
     report = llmq.fallback_scan(checkpoint)
-    assert set(report.failed) == {*broken, "model-00003-of-00003.safetensors"}
+    assert set(report.failed) == {
+        *broken, "model-00003-of-00003.safetensors", str(Path("extra") / "model.safetensors.index.json")
+    }  # fmt: skip
     assert "exceeds file size" in report.failed["huge-header.safetensors"]
     assert "not valid JSON" in report.failed["not-json.safetensors"]
     assert "outside the" in report.failed["offsets.safetensors"]

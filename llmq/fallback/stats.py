@@ -308,6 +308,16 @@ def _quantile_ranks(count: int) -> list[int]:
     return sorted(ranks)
 
 
+@cache
+def _bucket_order() -> tuple[Tensor, Tensor]:
+    """Upper-half buckets in ascending order of value, and each bucket's place in that order
+    (bfloat16 is the upper half of a float32)."""
+    _, order = _pattern_table(torch.bfloat16)
+    position_of = torch.empty_like(order)
+    position_of[order] = torch.arange(order.numel())
+    return order, position_of
+
+
 def _refine_buckets(
     flat: Tensor, upper: Tensor, ranks: list[int], low: float, high: float
 ) -> tuple[dict[int, float], int]:
@@ -315,10 +325,8 @@ def _refine_buckets(
     members of the few upper-half buckets those depend on."""
     if not flat.numel():
         return dict.fromkeys(ranks, 0.0), 0
-    _, order = _pattern_table(torch.bfloat16)  # bfloat16 is the upper half of a float32
+    order, position_of = _bucket_order()
     cumulative = upper[order].cumsum(0)
-    position_of = torch.empty_like(order)
-    position_of[order] = torch.arange(order.numel())
     rank_buckets = {k: int(order[torch.searchsorted(cumulative, k, right=True)]) for k in ranks}
     low_bucket, high_bucket = (_bucket_of(bound) for bound in (low, high))
     # a threshold's bucket is only read when it holds values (in the far tails it rarely does)

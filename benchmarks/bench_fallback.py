@@ -251,6 +251,7 @@ def run_auto(out: Path, windows: int) -> list[dict]:
     for k in (3, 10, 25):
         threshold = _threshold_keeping(nrmse_scan, k)
         configs.append((f"auto, NRMSE > {threshold:.4g}", ["--fallback", "auto", "--fallback-threshold", f"{threshold:.6g}"]))  # fmt: skip
+    configs.append(("--fallback auto --calib-stats (defaults)", ["--fallback", "auto", "--calib-stats", str(stats)]))  # fmt: skip
     share_scan = llmq.fallback_scan(folder, calib_stats=stats, **scan)
     for k in (3, 10, 25):
         threshold = _threshold_keeping(share_scan, k)

@@ -76,3 +76,10 @@ def tiny_llama_sharded(tmp_path_factory: pytest.TempPathFactory, default_model: 
         dtype=torch.bfloat16,
         shards="5MB",
     )
+
+
+def assert_bad_input(result, fragment: str) -> None:
+    """A CLI result that refused bad input: exit 2, one `error:` line naming it, no traceback."""
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert "error:" in result.output and fragment in result.output

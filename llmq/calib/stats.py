@@ -67,7 +67,7 @@ class CalibStats:
     def save(self, path: Path) -> None:
         """One safetensors file: `<linear>.absmax|mean_abs|hessian` for the first linear of each
         shared input, and the aliases of the others in the metadata."""
-        from safetensors.torch import save_file
+        from llmq.io.atomic import save_safetensors
 
         tensors: dict[str, Tensor] = {}
         owners: dict[int, str] = {}
@@ -88,9 +88,7 @@ class CalibStats:
             "metadata": json.dumps(self.metadata),
         }
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.partial")
-        save_file(tensors, str(partial), metadata=metadata)
-        partial.replace(path)
+        save_safetensors(path, tensors, metadata)
 
     @classmethod
     def load(cls, path: Path) -> CalibStats:

@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmq.cli.main import app
+from tests.conftest import assert_bad_input
 
 runner = CliRunner()
 
@@ -27,12 +28,6 @@ def test_help_does_not_import_torch() -> None:
 
 def run(*args: str):
     return runner.invoke(app, list(args))
-
-
-def assert_bad_input(result, fragment: str) -> None:
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    assert "error:" in result.output and fragment in result.output
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import llmq
 from llmq.cli.main import app
 from llmq.errors import InputError
 from llmq.fallback.report import ScanReport, tensor_kind
-from tests.conftest import make_tiny
+from tests.conftest import assert_bad_input, make_tiny
 
 runner = CliRunner()
 
@@ -214,9 +214,7 @@ def test_cli_reports_and_exit_codes(checkpoint: Path, tmp_path: Path) -> None:
     ],
 )
 def test_cli_bad_options(checkpoint: Path, extra: list[str], fragment: str) -> None:
-    result = runner.invoke(app, ["fallback-scan", str(checkpoint), *extra])
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output and fragment in result.output
+    assert_bad_input(runner.invoke(app, ["fallback-scan", str(checkpoint), *extra]), fragment)
 
 
 # --- scan -> report -> quantize --fallback -> reload ------------------------------------------

@@ -21,6 +21,7 @@ from llmq.config import (
     Recipe,
     build,
     get_scheme,
+    parse_smooth,
 )
 from llmq.errors import InputError
 from llmq.models import BUILTIN_MODELS, cache_dir, resolve_model
@@ -88,11 +89,18 @@ def make_recipe(
     block_size: int = 128,
     awq_grid: int = 20,
     awq_duo_scaling: bool = True,
+    smooth: str | float | None = None,
+    activations: str = "dynamic",
+    observer: str = "absmax",
+    kv_cache: str | None = None,
 ) -> Recipe:
     """Validate options into a Recipe (InputError naming the option on bad values).
 
     GPTQ: dampening_frac, actorder ("static" or "none"), block_size. AWQ: awq_grid alphas,
-    awq_duo_scaling (s = mean|x|^a / mean|w|^(1-a); off: mean|x|^a).
+    awq_duo_scaling (s = mean|x|^a / mean|w|^(1-a); off: mean|x|^a). SmoothQuant: smooth
+    (alpha in [0, 1], "auto" or None). activations: "dynamic" (per token) or "static" (one
+    calibrated input_scale per linear, chosen by observer: absmax, percentile or mse).
+    kv_cache: "fp8" or "int8" (calibrated k_scale / v_scale per layer), or None.
     """
     from llmq.quant.methods import get_method
 
@@ -105,8 +113,13 @@ def make_recipe(
     if clip == "output" and skip_layer_check:
         raise InputError("--clip output weighs errors by calibration data; drop --skip-layer-check")
 
-    if num_samples is None:
-        num_samples = DEFAULT_REPORT_SAMPLES if method == "rtn" else DEFAULT_CALIB_SAMPLES
+    if num_samples is None:  # data-free rtn needs windows only for the report
+        calibrated = (
+            method != "rtn"
+            or activations == "static"
+            or any(option not in (None, "none") for option in (smooth, kv_cache))
+        )
+        num_samples = DEFAULT_CALIB_SAMPLES if calibrated else DEFAULT_REPORT_SAMPLES
     if num_samples < 1:
         raise InputError(f"--num-samples {num_samples}: must be >= 1")
     if skip_layer_check and method != "rtn":
@@ -129,6 +142,10 @@ def make_recipe(
         calibration=calibration,
         gptq={"dampening_frac": dampening_frac, "actorder": actorder, "block_size": block_size},
         awq={"grid": awq_grid, "duo_scaling": awq_duo_scaling},
+        smooth=parse_smooth(smooth),
+        activations=activations,
+        observer=observer,
+        kv_cache=None if kv_cache in (None, "none") else kv_cache,
     )
     assert isinstance(recipe, Recipe)
     get_method(recipe)  # an unknown method fails here, before any work
@@ -257,11 +274,13 @@ def _check_pairings(ckpt: Any, recipe: Recipe) -> None:
     """AWQ folds scales into the norms and linears the family table pairs; refuse without."""
     from llmq.quant.methods import get_method
 
-    if get_method(recipe).awq is not None and not ckpt.layout.smooth:
+    scaled = get_method(recipe).awq is not None or recipe.smooth is not None
+    if scaled and not ckpt.layout.smooth:
+        option = f"--method {recipe.method}" if recipe.smooth is None else "--smooth"
         raise InputError(
-            f"--method {recipe.method}: llmq has no norm/linear pairings for "
+            f"{option}: llmq has no norm/linear pairings for "
             f"model_type {ckpt.config.get('model_type')!r}",
-            hint="use --method gptq or rtn, which need none",
+            hint="use --method gptq or rtn without --smooth, which need none",
         )
 
 

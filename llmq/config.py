@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from llmq.errors import InputError
 
-Strategy = Literal["tensor", "channel", "group", "token"]
+Strategy = Literal["tensor", "channel", "group", "block", "token"]
 
 
 class QuantArgs(BaseModel):
@@ -26,6 +26,8 @@ class QuantArgs(BaseModel):
     symmetric: bool = True
     strategy: Strategy
     group_size: int | None = None
+    # strategy "block": [rows, columns] of the weight tiles sharing one scale (FP8 128x128)
+    block_structure: tuple[int, int] | None = None
     dynamic: bool = False
 
     @model_validator(mode="after")
@@ -35,6 +37,12 @@ class QuantArgs(BaseModel):
                 raise ValueError(f"group_size {self.group_size} is not a power of two >= 16")
         elif self.group_size is not None:
             raise ValueError(f"group_size is only used with strategy 'group', not {self.strategy}")
+        if (self.strategy == "block") != (self.block_structure is not None):
+            raise ValueError("block_structure goes with strategy 'block', and only with it")
+        if self.block_structure is not None and not all(
+            is_valid_group_size(side) for side in self.block_structure
+        ):
+            raise ValueError(f"block_structure {self.block_structure}: powers of two >= 16")
         if self.type == "float" and (self.num_bits != 8 or not self.symmetric):
             raise ValueError("float quantization is FP8 E4M3: num_bits 8, symmetric")
         return self
@@ -43,7 +51,11 @@ class QuantArgs(BaseModel):
     def label(self) -> str:
         kind = "fp8" if self.type == "float" else f"int{self.num_bits}"
         side = "" if self.symmetric else " asym"
-        detail = f"g{self.group_size}" if self.strategy == "group" else self.strategy
+        detail = self.strategy
+        if self.strategy == "group":
+            detail = f"g{self.group_size}"
+        elif self.block_structure is not None:
+            detail = "block {}x{}".format(*self.block_structure)
         return f"{kind} {detail}{side}"
 
 
@@ -53,14 +65,30 @@ def is_valid_group_size(group_size: int) -> bool:
 
 
 def fit_group_size(args: QuantArgs, in_features: int) -> QuantArgs:
-    """`args` for a linear whose in_features the group size does not divide: the largest
-    power-of-two divisor of in_features, else per-channel (what `quantize` does, and reports)."""
-    if args.strategy != "group" or in_features % int(args.group_size or 0) == 0:
+    """`args` for a linear whose in_features the group size (or block width) does not divide:
+    the largest power-of-two divisor of in_features, else per-channel (per-token for activations);
+    what `quantize` does, and reports."""
+    width = group_width(args)
+    if width is None or in_features % width == 0:
         return args
     divisor = in_features & -in_features
     if is_valid_group_size(divisor):
+        if args.strategy == "block":
+            return args.model_copy(update={"block_structure": (args.block_structure[0], divisor)})  # type: ignore[index]
         return args.model_copy(update={"group_size": divisor})
-    return args.model_copy(update={"strategy": "channel", "group_size": None})
+    fallback = "token" if args.dynamic else "channel"
+    return args.model_copy(
+        update={"strategy": fallback, "group_size": None, "block_structure": None}
+    )
+
+
+def group_width(args: QuantArgs) -> int | None:
+    """Columns sharing one scale along a row: the group size, a block's width, else None."""
+    if args.strategy == "group":
+        return args.group_size
+    if args.strategy == "block" and args.block_structure is not None:
+        return args.block_structure[1]
+    return None
 
 
 class Scheme(BaseModel):
@@ -84,6 +112,7 @@ class Scheme(BaseModel):
 
 _TOKEN_INT8 = QuantArgs(num_bits=8, strategy="token", dynamic=True)
 _TOKEN_FP8 = QuantArgs(num_bits=8, type="float", strategy="token", dynamic=True)
+FP8_BLOCK_SIZE = 128  # DeepSeek-V3's 128x128 weight tiles and 1x128 activation groups
 
 SCHEMES: dict[str, Scheme] = {
     scheme.name: scheme
@@ -103,6 +132,23 @@ SCHEMES: dict[str, Scheme] = {
             name="FP8_DYNAMIC",
             weights=QuantArgs(num_bits=8, type="float", strategy="channel"),
             input_activations=_TOKEN_FP8,
+        ),
+        Scheme(
+            name="FP8_TENSOR",
+            weights=QuantArgs(num_bits=8, type="float", strategy="tensor"),
+            input_activations=_TOKEN_FP8,
+        ),
+        Scheme(
+            name="FP8_BLOCK",
+            weights=QuantArgs(
+                num_bits=8,
+                type="float",
+                strategy="block",
+                block_structure=(FP8_BLOCK_SIZE, FP8_BLOCK_SIZE),
+            ),
+            input_activations=QuantArgs(
+                num_bits=8, type="float", strategy="group", group_size=FP8_BLOCK_SIZE, dynamic=True
+            ),
         ),
     )
 }
@@ -183,20 +229,94 @@ class Recipe(BaseModel):
     calibration: CalibConfig | None = None  # None: no forward passes, no per-layer error report
     gptq: GPTQConfig = GPTQConfig()
     awq: AWQConfig = AWQConfig()
+    # SmoothQuant's migration strength alpha in [0, 1], "auto" (searched per norm/linear on the
+    # calibration data), or None (off)
+    smooth: float | Literal["auto"] | None = None
+    # Input activation scales: per token at run time (dynamic), or one calibrated scale per
+    # linear (static, stored as input_scale), chosen by `observer`.
+    activations: Literal["dynamic", "static"] = "dynamic"
+    observer: Literal["absmax", "percentile", "mse"] = "absmax"
+    kv_cache: Literal["fp8", "int8"] | None = None  # calibrated per-tensor k/v scales
 
     @model_validator(mode="after")
-    def _group_size(self) -> Recipe:
+    def _consistent(self) -> Recipe:
         g = self.group_size
         if g is not None and g != -1 and not is_valid_group_size(g):
             raise ValueError(f"group_size {g} is not -1 or a power of two >= 16")
         if g is not None and g != -1 and self.scheme.weights.type == "float":
             raise ValueError("FP8 weights have no group size")
+        _check_activation_options(self)
+        if self.clip != "none" and self.scheme.weights.strategy == "block":
+            raise ValueError(f"clip {self.clip}: not available for block-scaled weights")
+        if self.calibration is None and self.needs_calibration:
+            raise ValueError("static activation scales, --smooth and --kv-cache need calibration")
         return self
 
     @property
     def weight_args(self) -> QuantArgs:
         """The scheme's weight arguments after the --group-size override."""
         return with_group_size(self.scheme.weights, self.group_size)
+
+    @property
+    def activation_args(self) -> QuantArgs | None:
+        """The scheme's input activation arguments; static: one per-tensor scale per linear."""
+        args = self.scheme.input_activations
+        if args is None or self.activations == "dynamic":
+            return args
+        return args.model_copy(update={"strategy": "tensor", "dynamic": False})
+
+    @property
+    def kv_cache_args(self) -> QuantArgs | None:
+        """compressed-tensors' kv_cache_scheme: one static scale per layer for keys, one for values."""
+        if self.kv_cache is None:
+            return None
+        kind = "float" if self.kv_cache == "fp8" else "int"
+        return QuantArgs(num_bits=8, type=kind, strategy="tensor")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.smooth is not None or self.activations == "static" or self.kv_cache is not None
+
+
+SMOOTH_ALPHA = 0.5  # SmoothQuant's default migration strength (the paper's)
+
+
+def parse_smooth(value: str | float | None) -> float | Literal["auto"] | None:
+    """--smooth: none, auto, or alpha in [0, 1] (InputError otherwise)."""
+    if value is None or str(value).lower() == "none":
+        return None
+    if str(value).lower() == "auto":
+        return "auto"
+    try:
+        alpha = float(value)
+    except ValueError:
+        raise InputError(f"--smooth {value}: expected alpha in [0, 1], auto or none") from None
+    if not 0.0 <= alpha <= 1.0:
+        raise InputError(
+            f"--smooth {value}: alpha must be in [0, 1]",
+            hint="0 leaves activations alone, 1 moves all their range into the weights",
+        )
+    return alpha
+
+
+def _check_activation_options(recipe: Recipe) -> None:
+    activations = recipe.scheme.input_activations
+    name = recipe.scheme.name.lower().replace("_", "-")
+    if recipe.smooth is not None:
+        if activations is None:
+            raise ValueError(
+                f"smooth: {name} leaves activations in full precision; SmoothQuant is for "
+                "schemes that quantize them (w8a8, fp8, fp8-tensor, fp8-block)"
+            )
+        if recipe.method.startswith("awq"):
+            raise ValueError(f"smooth: {recipe.method} folds its own scales; use rtn or gptq")
+    if recipe.activations == "static":
+        if activations is None:
+            raise ValueError(f"activations static: {name} does not quantize activations")
+        if activations.strategy == "group":
+            raise ValueError(f"activations static: {name} activations are per-token-group dynamic")
+    elif recipe.observer != "absmax":
+        raise ValueError(f"observer {recipe.observer}: observers choose static scales")
 
 
 def with_group_size(args: QuantArgs, group_size: int | None) -> QuantArgs:

@@ -31,10 +31,12 @@ def run_observed(
     hidden: Tensor,
     *,
     hessian: bool,
+    samples: bool = False,
     on_batch: Callable[[], Any] | None = None,
 ) -> tuple[Tensor, dict[str, InputStats]]:
     """Run `layer` on `hidden` and return its output and the input statistics of the named
-    linears; linears that share an input share one InputStats (computed once)."""
+    linears (with sample rows when `samples`); linears that share an input share one
+    InputStats (computed once)."""
     owners = shared_input_owners(stream, names)
     observed: dict[str, InputStats] = {}
 
@@ -42,7 +44,9 @@ def run_observed(
         if owners[name] != name:
             return
         if name not in observed:
-            observed[name] = InputStats.empty(x.shape[-1], hessian=hessian, device=x.device)
+            observed[name] = InputStats.empty(
+                x.shape[-1], hessian=hessian, device=x.device, samples=samples
+            )
         observed[name].update(x)
 
     with input_hooks(layer, names, observe):

@@ -18,6 +18,8 @@ from llmq.errors import InputError
 from llmq.quant.primitives import ACCUM_DTYPE
 
 STATS_FORMAT = "llmq-calib-stats/1"
+SAMPLE_STRIDE = 32  # keep every 32nd token of each batch as a sample row...
+SAMPLE_ROWS = 2048  # ...up to this many (128 x 512 calibration tokens give 2048)
 
 
 @dataclass(slots=True)
@@ -28,12 +30,20 @@ class InputStats:
     abs_sum: Tensor  # [in] sum |x_j|
     num_tokens: int = 0
     hessian: Tensor | None = None  # [in, in] running mean of 2 x^T x / tokens (GPTQ's H)
+    # [rows, in] every SAMPLE_STRIDE-th token, for searches and observers that need values
+    # (SmoothQuant's alpha, percentile and MSE activation scales); not saved to files.
+    samples: Tensor | None = None
 
     @classmethod
-    def empty(cls, in_features: int, *, hessian: bool, device: torch.device) -> InputStats:
+    def empty(
+        cls, in_features: int, *, hessian: bool, device: torch.device, samples: bool = False
+    ) -> InputStats:
         zeros = torch.zeros(in_features, dtype=ACCUM_DTYPE, device=device)
         h = torch.zeros(in_features, in_features, dtype=ACCUM_DTYPE, device=device)
-        return cls(absmax=zeros.clone(), abs_sum=zeros, hessian=h if hessian else None)
+        kept = zeros[:0].reshape(0, in_features) if samples else None
+        return cls(
+            absmax=zeros.clone(), abs_sum=zeros, hessian=h if hessian else None, samples=kept
+        )
 
     def update(self, x: Tensor) -> None:
         rows = x.reshape(-1, x.shape[-1]).to(ACCUM_DTYPE)
@@ -44,13 +54,19 @@ class InputStats:
             total = self.num_tokens + n
             self.hessian *= self.num_tokens / total
             self.hessian += (2.0 / total) * (rows.T @ rows)
+        if self.samples is not None and len(self.samples) < SAMPLE_ROWS:
+            room = SAMPLE_ROWS - len(self.samples)
+            self.samples = torch.cat([self.samples, rows[::SAMPLE_STRIDE][:room]])
         self.num_tokens += n
 
     def rescaled(self, factor: Tensor) -> InputStats:
         """The statistics of x · diag(factor) (inputs after an equivalence scaling), exactly."""
         factor = factor.to(self.absmax)
         hessian = None if self.hessian is None else self.hessian * torch.outer(factor, factor)
-        return InputStats(self.absmax * factor, self.abs_sum * factor, self.num_tokens, hessian)
+        samples = None if self.samples is None else self.samples * factor
+        return InputStats(
+            self.absmax * factor, self.abs_sum * factor, self.num_tokens, hessian, samples
+        )
 
     @property
     def mean_abs(self) -> Tensor:

@@ -22,8 +22,31 @@ from llmq.quant.primitives import fake_quantize
 
 StateLoader = Callable[[Checkpoint, str], dict[str, Tensor]]
 """Reads the float state dict of one module prefix (e.g. "model.layers.3.") from a checkpoint."""
+KVHook = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+"""(keys, values) after the rotary embedding, as the KV cache stores them -> what attention reads."""
 
 ACTIVATION_DTYPE = torch.float32
+ATTENTION_IMPLEMENTATION = "llmq_sdpa"
+_KV_HOOK = "_llmq_kv_hook"
+
+
+def _sdpa_with_kv_hook(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any
+) -> Any:
+    """PyTorch SDPA attention (transformers' own) with the keys and values first passed through
+    the attention module's KV hook, if one is set: where the KV cache is quantized."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    hook = getattr(module, _KV_HOOK, None)
+    if hook is not None:
+        key, value = hook(key, value)
+    return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_IMPLEMENTATION, _sdpa_with_kv_hook)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -69,9 +92,10 @@ class LayerStream:
         self._load_state = state_loader
         config_dict = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
         self.config = AutoConfig.for_model(**config_dict)
+        register_attention()
         with torch.device("meta"):
             self._skeleton = AutoModelForCausalLM.from_config(
-                self.config, attn_implementation="sdpa"
+                self.config, attn_implementation=ATTENTION_IMPLEMENTATION
             )
         rotary_meta = self._skeleton.get_submodule(self.layout.rotary)
         self._rotary = type(rotary_meta)(self._skeleton.config).to(self.device)
@@ -169,10 +193,26 @@ def input_hooks(
             handle.remove()
 
 
+InputQuantization = tuple[QuantArgs, Tensor | None]
+"""How a linear's input is quantized: its arguments and, for static ones, the stored scale."""
+
+
 def activation_quantization(
-    layer: nn.Module, args_by_name: dict[str, QuantArgs]
+    layer: nn.Module, inputs: dict[str, InputQuantization]
 ) -> AbstractContextManager[None]:
-    """Fake-quantize the inputs of the given linears per token while the context is open."""
-    return input_hooks(
-        layer, list(args_by_name), lambda name, x: fake_quantize(x, args_by_name[name])
-    )
+    """Fake-quantize the inputs of the given linears while the context is open: per token
+    (or token group) when dynamic, with the stored scale when static."""
+    return input_hooks(layer, list(inputs), lambda name, x: fake_quantize(x, *inputs[name]))
+
+
+@contextmanager
+def kv_hook(attention: nn.Module, hook: KVHook | None) -> Iterator[None]:
+    """Pass the keys and values of `attention` through `hook` while the context is open."""
+    if hook is None:
+        yield
+        return
+    setattr(attention, _KV_HOOK, hook)
+    try:
+        yield
+    finally:
+        delattr(attention, _KV_HOOK)

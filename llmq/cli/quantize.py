@@ -35,7 +35,7 @@ def quantize(
     scheme: Annotated[
         str,
         typer.Option(
-            help=f"Preset: {', '.join(scheme_names())}. w4a16: int4 weights, group 128, symmetric; w8a8: int8 per-channel weights + dynamic per-token int8 activations; fp8: E4M3 per-channel weights + dynamic per-token activations."
+            help=f"Preset: {', '.join(scheme_names())}. w4a16: int4 weights, group 128, symmetric; w8a8: int8 per-channel weights + dynamic per-token int8 activations; fp8 (= fp8-dynamic): E4M3 per-channel weights + dynamic per-token activations; fp8-tensor: one weight scale per linear; fp8-block: 128x128 weight blocks + per-token 128-column activation groups (DeepSeek-V3; narrower where 128 does not divide a layer)."
         ),
     ] = "w4a16",
     method: Annotated[
@@ -86,11 +86,35 @@ def quantize(
             help="awq: scales from activation and weight magnitudes, s = mean|x|^a / mean|w|^(1-a) (as AutoAWQ and llm-compressor); --no-awq-duo-scaling: the paper's s = mean|x|^a."
         ),
     ] = True,
+    smooth: Annotated[
+        str,
+        typer.Option(
+            help="SmoothQuant (schemes that quantize activations): ALPHA in [0, 1] moves that share of the activation outliers' range into the weights, s_j = max|x_j|^ALPHA / max|w_j|^(1-ALPHA), folded into the preceding norm/linear (0.5 is the paper's default); auto searches ALPHA per norm/linear on the calibration data (and may leave one unscaled); none: off."
+        ),
+    ] = "none",
+    activations: Annotated[
+        str,
+        typer.Option(
+            help="Input activation scales: dynamic (per token, computed at run time: the default) or static (one per-tensor scale per linear, calibrated and stored as input_scale)."
+        ),
+    ] = "dynamic",
+    observer: Annotated[
+        str,
+        typer.Option(
+            help="--activations static: absmax (largest |x| in the calibration data), percentile (99.99th percentile of |x|) or mse (range with the smallest quantization error)."
+        ),
+    ] = "absmax",
+    kv_cache: Annotated[
+        str,
+        typer.Option(
+            help="Quantize the KV cache: fp8 or int8, one calibrated scale per layer for keys and one for values (k_scale, v_scale, as vLLM reads them); none: full precision."
+        ),
+    ] = "none",
     calib_text: CalibText = DEFAULT_CALIBRATION_TEXT,
     num_samples: Annotated[
         int | None,
         typer.Option(
-            help="Calibration windows. Default 1 for rtn (it needs no data: they feed only the per-layer output-error report), 128 otherwise."
+            help="Calibration windows. Default 1 for plain rtn (it needs no data: they feed only the per-layer output-error report), 128 otherwise (other methods, --smooth, static activations, --kv-cache)."
         ),
     ] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 512,
@@ -141,7 +165,8 @@ def quantize(
             strict_group_size=strict_group_size, ignore=("lm_head", *(ignore or [])), clip=clip,
             calib_text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed,
             skip_layer_check=skip_layer_check, dampening_frac=dampening_frac, actorder=actorder,
-            awq_duo_scaling=awq_duo_scaling,
+            awq_duo_scaling=awq_duo_scaling, smooth=smooth, activations=activations,
+            observer=observer, kv_cache=kv_cache,
         )  # fmt: skip
         with progress_bars(json_out=json_out) as progress:
             try:
@@ -186,11 +211,12 @@ def render(result: Any) -> None:
         (a["requested"], a["used"], a["in_features"]) for a in result.group_size_adjustments
     )
     for (requested, used, in_features), count in sorted(adjusted.items(), key=str):
-        used_text = "per-channel" if used is None else f"group {used}"
+        used_text = "per-channel" if used is None else f"{used}"
         out_console.print(
-            f"group size {requested} does not divide in_features {in_features}: "
+            f"group size (block width) {requested} does not divide in_features {in_features}: "
             f"{count} linears use {used_text} (own config group)"
         )
+    _print_scaling(result.layers)
     if result.fallback:
         kept = result.fallback["kept"]
         out_console.print(
@@ -203,6 +229,22 @@ def render(result: Any) -> None:
     out_console.print(
         f"wrote {result.out_dir} ({sizes['output'] / 1e6:.1f} MB, source {sizes['source'] / 1e6:.1f} MB) "
         f"in {result.seconds:.1f} s; kept in full precision: {len(result.ignored)} linears"
+    )
+
+
+def _print_scaling(layers: list[Any]) -> None:
+    """One line on the AWQ / SmoothQuant folds: how many pairings were scaled, with which
+    alphas, and the median change of their output error on the calibration data."""
+    reports = [scale for layer in layers for scale in layer.scales]
+    if not reports:
+        return
+    scaled = [r for r in reports if r.alpha is not None]
+    alphas = Counter(r.alpha for r in scaled)
+    reductions = sorted(r.error_reduction for r in reports)
+    out_console.print(
+        f"equivalence scaling: {len(scaled)} of {len(reports)} norm/linear pairings scaled "
+        f"(alpha: {', '.join(f'{a:g} x{n}' for a, n in sorted(alphas.items()))}); median "
+        f"output error reduction {reductions[len(reductions) // 2]:.1%}"
     )
 
 

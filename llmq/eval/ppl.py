@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from llmq.calib.data import TokenWindows
-from llmq.calib.stream import LayerStream, activation_quantization
+from llmq.calib.stream import LayerStream, activation_quantization, kv_hook
+from llmq.config import QuantArgs
 from llmq.io.atomic import write_json
 from llmq.io.checkpoint import Checkpoint
 from llmq.pack.reader import QuantizedView
@@ -38,12 +39,18 @@ class Perplexity:
 
 
 def describe_quantization(view: QuantizedView) -> str:
-    """What evaluation simulates, e.g. "W int4 g128/g64; A int8 token" (A float: not quantized)."""
+    """What evaluation simulates, e.g. "W int8 channel; A int8 tensor static; KV fp8 tensor
+    static" (A float: inputs not quantized; no KV part: the cache stays in full precision)."""
     if not view.groups:
         return "none (float checkpoint)"
     weights = sorted({scheme.weights.label for _, scheme in view.groups})
-    acts = sorted({s.input_activations.label for _, s in view.groups if s.input_activations})
-    return f"W {' + '.join(weights)}; A {' + '.join(acts) if acts else 'float'}"
+    acts = sorted({_timing(s.input_activations) for _, s in view.groups if s.input_activations})
+    text = f"W {' + '.join(weights)}; A {' + '.join(acts) if acts else 'float'}"
+    return text if view.kv_cache is None else f"{text}; KV {_timing(view.kv_cache)}"
+
+
+def _timing(args: QuantArgs) -> str:
+    return f"{args.label} {'dynamic' if args.dynamic else 'static'}"
 
 
 def perplexity(
@@ -60,8 +67,11 @@ def perplexity(
     with progress.stage(f"perplexity {ckpt.path.name}", total=ckpt.num_layers) as advance:
         for index in range(ckpt.num_layers):
             layer = stream.load_layer(index)
-            act = view.activation_schemes(ckpt, stream.layout.layer_prefix(index))
-            with activation_quantization(layer, act):
+            prefix = stream.layout.layer_prefix(index)
+            inputs = view.activation_schemes(ckpt, prefix)
+            kv = view.kv_quantizer(ckpt, prefix + stream.layout.attention)
+            attention = layer.get_submodule(stream.layout.attention)
+            with activation_quantization(layer, inputs), kv_hook(attention, kv):
                 hidden = stream.run_layer(layer, hidden)
             advance(1)
     nll, count = stream.token_nll(hidden, windows.input_ids)

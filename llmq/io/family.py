@@ -21,6 +21,7 @@ class DecoderLayout:
     final_norm: str
     lm_head: str
     rotary: str  # the model-level rotary embedding module (cos/sin shared by all layers)
+    attention: str  # a layer's attention module: KV cache scales (k_scale, v_scale) live on it
     # Linears of one layer, grouped by shared input, in execution order. Members of a group read
     # the same activations, so they share calibration statistics (and a GPTQ Hessian).
     sequential: tuple[tuple[str, ...], ...]
@@ -50,6 +51,7 @@ _LLAMA_LIKE = DecoderLayout(
     final_norm="model.norm",
     lm_head="lm_head",
     rotary="model.rotary_emb",
+    attention="self_attn",
     sequential=(_ATTENTION, ("self_attn.o_proj",), _MLP_IN, ("mlp.down_proj",)),
     smooth=(
         ("input_layernorm", _ATTENTION),

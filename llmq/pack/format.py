@@ -110,11 +110,13 @@ def quantization_config(
     *,
     ignore: list[str],
     fmt: PackFormat,
+    kv_cache: QuantArgs | None = None,
 ) -> dict[str, Any]:
     """config.json's `quantization_config`, built with compressed-tensors' own types.
 
     groups: (weight args, input activation args, targets) per config group; each linear must
-    match exactly one group's targets.
+    match exactly one group's targets. kv_cache: the `kv_cache_scheme` (k_scale / v_scale on
+    each attention module), if the cache is quantized.
     """
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -123,7 +125,12 @@ def quantization_config(
     )
 
     def ct_args(args: QuantArgs | None) -> QuantizationArgs | None:
-        return None if args is None else QuantizationArgs(**args.model_dump())
+        if args is None:
+            return None
+        fields = args.model_dump(exclude_none=True)
+        if "block_structure" in fields:
+            fields["block_structure"] = list(fields["block_structure"])
+        return QuantizationArgs(**fields)
 
     config_groups = {
         f"group_{i}": QuantizationScheme(
@@ -139,5 +146,6 @@ def quantization_config(
         format=fmt.value,
         quantization_status="compressed",
         ignore=ignore,
+        kv_cache_scheme=ct_args(kv_cache),
     )
     return config.to_dict()

@@ -15,8 +15,12 @@ from llmq.config import QuantArgs
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
 from llmq.pack.format import decompress
+from llmq.quant.kvcache import KV_SCALE_NAMES, KVQuantizer
 
-_ARG_FIELDS = ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic")
+_ARG_FIELDS = (
+    "num_bits", "type", "symmetric", "strategy", "group_size", "block_structure", "dynamic",
+)  # fmt: skip
+_SCALE_LEAVES = ("input_scale", "input_zero_point", *KV_SCALE_NAMES)  # read where they are used
 _COMPRESSED_SUFFIXES = (
     "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
 )  # fmt: skip
@@ -37,7 +41,7 @@ def _matches(target: str, name: str) -> bool:
 def _quant_args(raw: dict[str, Any] | None, where: str) -> QuantArgs | None:
     if raw is None:
         return None
-    if raw.get("strategy") not in ("tensor", "channel", "group", "token"):
+    if raw.get("strategy") not in ("tensor", "channel", "group", "block", "token"):
         raise InputError(f"{where}: strategy {raw.get('strategy')!r} is not supported by llmq")
     if raw.get("actorder") not in (None, "static", False):
         raise InputError(f"{where}: actorder {raw.get('actorder')!r} is not supported by llmq yet")
@@ -67,13 +71,14 @@ class QuantizedView:
             if weights is None:
                 continue
             activations = _quant_args(group.get("input_activations"), where)
-            if activations is not None and not activations.dynamic:
-                raise InputError(
-                    f"{where}: static input activation scales are not supported by llmq yet",
-                    hint="dynamic per-token activations (w8a8, fp8) are",
-                )
+            if activations is not None and not (activations.dynamic or activations.symmetric):
+                raise InputError(f"{where}: asymmetric static input scales are not supported")
             scheme = LinearScheme(weights, activations)
             self.groups.append((list(group.get("targets") or []), scheme))
+        where = f"{ckpt.path}: quantization_config.kv_cache_scheme"
+        self.kv_cache = _quant_args(config.get("kv_cache_scheme"), where)
+        if self.kv_cache is not None and self.kv_cache.strategy != "tensor":
+            raise InputError(f"{where}: only per-tensor KV cache scales are supported by llmq")
 
     def scheme_for(self, module: str) -> LinearScheme | None:
         if any(_matches(target, module) for target in self.ignore):
@@ -98,22 +103,41 @@ class QuantizedView:
             scheme = schemes[module]
             if scheme is not None and (leaf in _COMPRESSED_SUFFIXES or leaf == "weight"):
                 pending.setdefault(module, (scheme, {}))[1][leaf] = ckpt.read(name)
-            elif leaf != "input_scale":
+            elif leaf not in _SCALE_LEAVES:
                 state[name[len(prefix) :]] = ckpt.read(name)
         for module, (scheme, tensors) in pending.items():
             state[f"{module[len(prefix) :]}.weight"] = decompress(tensors, scheme.weights)
         return state
 
-    def activation_schemes(self, ckpt: Checkpoint, prefix: str) -> dict[str, QuantArgs]:
-        """Linears under `prefix` (names relative to it) whose inputs are quantized at run time."""
-        out: dict[str, QuantArgs] = {}
+    def activation_schemes(
+        self, ckpt: Checkpoint, prefix: str
+    ) -> dict[str, tuple[QuantArgs, Tensor | None]]:
+        """Linears under `prefix` (names relative to it) whose inputs are quantized at run time:
+        their arguments and, for static ones, the stored input_scale."""
+        out: dict[str, tuple[QuantArgs, Tensor | None]] = {}
         for name in ckpt.names_with_prefix(prefix):
             if name.endswith(".weight_scale"):
                 module = name.removesuffix(".weight_scale")
                 scheme = self.scheme_for(module)
                 if scheme is not None and scheme.input_activations is not None:
-                    out[module[len(prefix) :]] = scheme.input_activations
+                    args = scheme.input_activations
+                    scale = None if args.dynamic else self._stored(ckpt, f"{module}.input_scale")
+                    out[module[len(prefix) :]] = (args, scale)
         return out
+
+    def kv_quantizer(self, ckpt: Checkpoint, attention: str) -> KVQuantizer | None:
+        """Quantize-dequantize of the keys and values of module `attention` (its stored
+        k_scale / v_scale), or None when the checkpoint's cache is not quantized."""
+        if self.kv_cache is None:
+            return None
+        scales = {leaf: self._stored(ckpt, f"{attention}.{leaf}") for leaf in KV_SCALE_NAMES}
+        return KVQuantizer(self.kv_cache, **scales)
+
+    @staticmethod
+    def _stored(ckpt: Checkpoint, name: str) -> Tensor:
+        if not ckpt.has(name):
+            raise InputError(f"{ckpt.path}: {name} is missing", hint="the checkpoint is incomplete")
+        return ckpt.read(name).float().reshape(1)
 
 
 def _is_exact(target: str) -> bool:

@@ -7,7 +7,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from llmq.config import QuantArgs, Recipe, fit_group_size
+from llmq.config import QuantArgs, Recipe, fit_group_size, group_width
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
 
@@ -31,6 +31,7 @@ class LinearPlan:
     out_features: int
     in_features: int
     dtype: str  # the stored weight's safetensors dtype; scales are stored in it too
+    input_args: QuantArgs | None = None  # None: the input stays in full precision
 
 
 @dataclass(slots=True)
@@ -107,9 +108,14 @@ def _plan_linear(
         )
     out_features, in_features = info.shape
     args = recipe.weight_args
-    if args.strategy == "group" and in_features % int(args.group_size or 0):
+    width = group_width(args)
+    if width is not None and in_features % width:
         args = _divisible_args(name, in_features, args, adjustments)
-    return LinearPlan(name, args, out_features, in_features, info.dtype)
+    # per-token-group activations use the weight's block width (the kernels need them equal)
+    inputs = recipe.activation_args
+    if inputs is not None and inputs.strategy == "group":
+        inputs = fit_group_size(inputs, in_features)
+    return LinearPlan(name, args, out_features, in_features, info.dtype, inputs)
 
 
 def _divisible_args(
@@ -117,7 +123,7 @@ def _divisible_args(
 ) -> QuantArgs:
     fitted = fit_group_size(args, in_features)
     adjustments.append(
-        GroupSizeAdjustment(name, in_features, int(args.group_size or 0), fitted.group_size)
+        GroupSizeAdjustment(name, in_features, int(group_width(args) or 0), group_width(fitted))
     )
     return fitted
 
@@ -133,22 +139,25 @@ def _refuse_non_dividing(adjustments: list[GroupSizeAdjustment]) -> None:
     )
 
 
-def config_groups(plan: Plan) -> list[tuple[QuantArgs, list[str]]]:
-    """Config groups with disjoint targets: per argument set, regexes over module-name suffixes
-    where a suffix always has the same arguments, exact names where it does not."""
-    suffix_args: dict[str, set[QuantArgs]] = defaultdict(set)
+ArgsPair = tuple[QuantArgs, QuantArgs | None]  # weights, input activations
+
+
+def config_groups(plan: Plan) -> list[tuple[QuantArgs, QuantArgs | None, list[str]]]:
+    """Config groups with disjoint targets: per (weight, input) argument pair, regexes over
+    module-name suffixes where a suffix always has the same arguments, exact names elsewhere."""
+    suffix_args: dict[str, set[ArgsPair]] = defaultdict(set)
     for linear in plan.linears:
-        suffix_args[_suffix(linear.name)].add(linear.args)
-    targets: dict[QuantArgs, list[str]] = defaultdict(list)
+        suffix_args[_suffix(linear.name)].add((linear.args, linear.input_args))
+    targets: dict[ArgsPair, list[str]] = defaultdict(list)
     for linear in plan.linears:
-        suffix = _suffix(linear.name)
+        suffix, key = _suffix(linear.name), (linear.args, linear.input_args)
         if len(suffix_args[suffix]) == 1:
             target = f"re:.*{re.escape(suffix)}$"
-            if target not in targets[linear.args]:
-                targets[linear.args].append(target)
+            if target not in targets[key]:
+                targets[key].append(target)
         else:
-            targets[linear.args].append(linear.name)
-    return list(targets.items())
+            targets[key].append(linear.name)
+    return [(weights, inputs, names) for (weights, inputs), names in targets.items()]
 
 
 def _suffix(name: str) -> str:

@@ -13,7 +13,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +22,20 @@ from torch import Tensor, nn
 
 from llmq.calib.collect import run_observed
 from llmq.calib.stats import CalibStats, InputStats
-from llmq.calib.stream import LayerStream, activation_quantization
+from llmq.calib.stream import InputQuantization, LayerStream, activation_quantization, kv_hook
 from llmq.config import Recipe
 from llmq.errors import InputError, NumericalError
 from llmq.io.atomic import publish, save_safetensors, staging_path, write_json
 from llmq.io.checkpoint import Checkpoint
 from llmq.pack.format import PackFormat, compress, quantization_config, scheme_format
 from llmq.pipeline.plan import LinearPlan, Plan, config_groups
-from llmq.pipeline.scaling import ScaleReport, apply_awq
+from llmq.pipeline.scaling import ScaleReport, apply_awq, apply_smoothquant
 from llmq.pipeline.state import HIDDEN_FILE, STATE_FILE, RunState, load_state
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.quant.awq import output_error
+from llmq.quant.kvcache import KVQuantizer, KVRange
 from llmq.quant.methods import Method, MethodResult, get_method
+from llmq.quant.observers import observe_scale
 from llmq.quant.rtn import rtn_quantize_weight
 
 log = logging.getLogger(__name__)
@@ -177,37 +179,111 @@ def _quantize_layer(
     passes = 0 if hidden is None else 2 * _batches(stream, hidden)
     if compare:
         passes += _batches(stream, hidden[:RTN_COMPARISON_WINDOWS])
+    attention = layer.get_submodule(stream.layout.attention)
     with progress.stage(f"layer {index}", total=passes, transient=True) as step:
         reference, observed, output, rtn_error = None, {}, None, None
+        kv_range = KVRange() if recipe.kv_cache_args is not None else None
         if hidden is not None:
-            reference, observed = run_observed(
-                stream, layer, list(local), hidden,
-                hessian=method.needs_hessian, on_batch=lambda: step(1),
-            )  # fmt: skip
+            with kv_hook(attention, kv_range):
+                reference, observed = run_observed(
+                    stream, layer, list(local), hidden, hessian=method.needs_hessian,
+                    samples=_needs_samples(recipe), on_batch=lambda: step(1),
+                )  # fmt: skip
         stats = {name: _stats_for(calib_stats, observed, prefix, name) for name in local}
+        kv = _kv_quantization(recipe, kv_range, local)
         rtn_errors: dict[str, float | None] = {}
         if compare:
             rtn_errors, rtn_error = _compare_with_rtn(
-                stream, layer, local, stats, recipe, hidden, reference, lambda: step(1)
+                stream, layer, local, stats, recipe, kv, hidden, reference, lambda: step(1)
             )
-        scale_reports: list[ScaleReport] = []
-        if method.awq is not None:
-            args = {name: linear.args for name, linear in local.items()}
-            dtypes = {name: _TORCH_DTYPES[linear.dtype] for name, linear in local.items()}
-            stats, scale_reports = apply_awq(layer, stream.layout, args, dtypes, stats, method.awq)
+        stats, scale_reports = _equivalence_scaling(stream, layer, local, recipe, method, stats)
         tensors, linear_reports = _quantize_linears(
             layer, local, stats, method, scheme_format(recipe.scheme), rtn_errors
         )
+        inputs = _input_quantization(local, stats, recipe)
         if reference is not None:
-            output = _run_quantized(stream, layer, local, recipe, hidden, lambda: step(1))
+            output = _run_quantized(stream, layer, inputs, kv, hidden, lambda: step(1))
             _check_finite(output, f"the output of layer {index}")
     error = None if reference is None else _relative_rmse(output, reference)
+    tensors.update(_scale_tensors(inputs, kv, stream.layout.attention))
     tensors = {f"{prefix}{key}": value for key, value in tensors.items()}
     tensors.update(_other_layer_tensors(stream.ckpt, layer, prefix, local))
     report = LayerReport(
         index, error, time.perf_counter() - started, linear_reports, rtn_error, scale_reports
     )
     return report, output, tensors
+
+
+def _needs_samples(recipe: Recipe) -> bool:
+    """Sample rows feed SmoothQuant's error measurement and the percentile/mse observers."""
+    return recipe.smooth is not None or recipe.observer != "absmax"
+
+
+def _equivalence_scaling(
+    stream: LayerStream,
+    layer: nn.Module,
+    local: dict[str, LinearPlan],
+    recipe: Recipe,
+    method: Method,
+    stats: dict[str, InputStats | None],
+) -> tuple[dict[str, InputStats | None], list[ScaleReport]]:
+    """AWQ's or SmoothQuant's scales, folded into the layer (at most one of them: the recipe
+    refuses both); the consumers' statistics after scaling."""
+    args = {name: linear.args for name, linear in local.items()}
+    dtypes = {name: _TORCH_DTYPES[linear.dtype] for name, linear in local.items()}
+    if method.awq is not None:
+        return apply_awq(layer, stream.layout, args, dtypes, stats, method.awq)
+    if recipe.smooth is not None:
+        inputs = {name: lin.input_args for name, lin in local.items() if lin.input_args}
+        return apply_smoothquant(layer, stream.layout, args, dtypes, inputs, stats, recipe.smooth)
+    return stats, []
+
+
+def _input_quantization(
+    local: dict[str, LinearPlan], stats: dict[str, InputStats | None], recipe: Recipe
+) -> dict[str, InputQuantization]:
+    """How each linear's input is quantized in the quantized pass and on disk: dynamic args, or
+    static args with the scale the observer picks on the (scaled) calibration inputs."""
+    inputs: dict[str, InputQuantization] = {}
+    for name, linear in local.items():
+        args = linear.input_args
+        if args is None:
+            continue
+        scale = None
+        if not args.dynamic:
+            observed = stats[name]
+            if observed is None:
+                raise InputError(f"{linear.name}: static input scales need calibration data")
+            scale = observe_scale(
+                observed.absmax, observed.samples, args, recipe.observer,
+                scale_dtype=_TORCH_DTYPES[linear.dtype],
+            )  # fmt: skip
+        inputs[name] = (args, scale)
+    return inputs
+
+
+def _kv_quantization(
+    recipe: Recipe, kv_range: KVRange | None, local: dict[str, LinearPlan]
+) -> KVQuantizer | None:
+    """The layer's KV cache quantizer, from the keys and values observed on the float layer."""
+    args = recipe.kv_cache_args
+    if args is None or kv_range is None:
+        return None
+    dtype = _TORCH_DTYPES[next(iter(local.values())).dtype] if local else torch.float32
+    return KVQuantizer(args, **kv_range.scales(args, dtype))
+
+
+def _scale_tensors(
+    inputs: dict[str, InputQuantization], kv: KVQuantizer | None, attention: str
+) -> dict[str, Tensor]:
+    """input_scale of static inputs and k_scale / v_scale, as compressed-tensors names them."""
+    tensors = {
+        f"{name}.input_scale": scale for name, (_, scale) in inputs.items() if scale is not None
+    }
+    if kv is not None:
+        tensors[f"{attention}.k_scale"] = kv.k_scale
+        tensors[f"{attention}.v_scale"] = kv.v_scale
+    return tensors
 
 
 def _batches(stream: LayerStream, hidden: Tensor) -> int:
@@ -220,6 +296,7 @@ def _compare_with_rtn(
     local: dict[str, LinearPlan],
     stats: dict[str, InputStats | None],
     recipe: Recipe,
+    kv: KVQuantizer | None,
     hidden: Tensor,
     reference: Tensor,
     on_batch: Callable[[], Any],
@@ -235,7 +312,8 @@ def _compare_with_rtn(
         module.weight.data = q.dequantize(weight.dtype)
         errors[name] = _output_error(module.weight.data - weight, weight, stats[name])
     few = hidden[:RTN_COMPARISON_WINDOWS]
-    output = _run_quantized(stream, layer, local, recipe, few, on_batch)
+    inputs = _input_quantization(local, stats, recipe)
+    output = _run_quantized(stream, layer, inputs, kv, few, on_batch)
     for name, weight in originals.items():
         layer.get_submodule(name).weight.data = weight
     return errors, _relative_rmse(output, reference[:RTN_COMPARISON_WINDOWS])
@@ -244,14 +322,14 @@ def _compare_with_rtn(
 def _run_quantized(
     stream: LayerStream,
     layer: nn.Module,
-    local: dict[str, LinearPlan],
-    recipe: Recipe,
+    inputs: dict[str, InputQuantization],
+    kv: KVQuantizer | None,
     hidden: Tensor,
     on_batch: Callable[[], Any],
 ) -> Tensor:
-    """The layer's output with its activations quantized as the scheme says."""
-    act = recipe.scheme.input_activations
-    with activation_quantization(layer, dict.fromkeys(local, act) if act else {}):
+    """The layer's output with its linear inputs (and KV cache) quantized as the recipe says."""
+    attention = layer.get_submodule(stream.layout.attention)
+    with activation_quantization(layer, inputs), kv_hook(attention, kv):
         return stream.run_layer(layer, hidden, on_batch=on_batch)
 
 
@@ -266,15 +344,21 @@ def _output_error(delta: Tensor, weight: Tensor, stats: InputStats | None) -> fl
 def _stats_for(
     calib_stats: CalibStats | None, observed: dict[str, InputStats], prefix: str, name: str
 ) -> InputStats | None:
-    if calib_stats is not None:
-        try:
-            return calib_stats.inputs[prefix + name]
-        except KeyError:
-            raise InputError(
-                f"--calib-stats has no statistics for {prefix + name}",
-                hint="collect them with `llmq calibrate` on this model",
-            ) from None
-    return observed.get(name)
+    """The linear's input statistics: from --calib-stats when given (with this run's sample
+    rows, which files do not hold), else as observed in this run."""
+    own = observed.get(name)
+    if calib_stats is None:
+        return own
+    try:
+        stats = calib_stats.inputs[prefix + name]
+    except KeyError:
+        raise InputError(
+            f"--calib-stats has no statistics for {prefix + name}",
+            hint="collect them with `llmq calibrate` on this model",
+        ) from None
+    if stats.samples is None and own is not None and own.samples is not None:
+        return replace(stats, samples=own.samples)
+    return stats
 
 
 def _quantize_linears(
@@ -394,13 +478,11 @@ def _finalize(
         staging / "model.safetensors.index.json",
         {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))},
     )
-    groups = [
-        (args, recipe.scheme.input_activations, targets) for args, targets in config_groups(plan)
-    ]
     config = dict(ckpt.config)
     config["quantization_config"] = quantization_config(
-        groups, ignore=plan.ignored, fmt=scheme_format(recipe.scheme)
-    )
+        config_groups(plan), ignore=plan.ignored, fmt=scheme_format(recipe.scheme),
+        kv_cache=recipe.kv_cache_args,
+    )  # fmt: skip
     write_json(staging / "config.json", config)
     write_json(staging / RECORD_FILE, record)
     _copy_side_files(ckpt.path, staging)

@@ -1,8 +1,9 @@
-"""Equivalence scaling of a loaded decoder layer: AWQ's per-channel scales, searched on the
-layer's calibration statistics and folded into the modules, before any weight is quantized.
+"""Equivalence scaling of a loaded decoder layer: AWQ's and SmoothQuant's per-channel scales,
+chosen on the layer's calibration statistics and folded into the modules, before any weight is
+quantized.
 
 The pairings (which norm or linear feeds which linears) come from the family table; this
-module only applies them. SmoothQuant folds the same way with its own scale formula.
+module only applies them.
 """
 
 from __future__ import annotations
@@ -23,19 +24,31 @@ from llmq.quant.awq import (
     search_scales,
     weight_magnitude,
 )
-from llmq.quant.primitives import quantize_weight
+from llmq.quant.primitives import fake_quantize, quantize_weight, static_scale
+from llmq.quant.smoothquant import AUTO_ALPHAS, ActivationQuantizer, search_smoothing
 
 
 @dataclass(frozen=True, slots=True)
 class ScaleReport:
     producer: str  # the norm or linear that absorbed 1/s
-    alpha: float
-    error_reduction: float  # 1 - error(alpha) / error(alpha = 0) of the consumers' outputs
+    alpha: float | None  # None: SmoothQuant's search left this pairing unscaled
+    # 1 - error(chosen) / error(unscaled) of the consumers' outputs on the calibration data
+    error_reduction: float
 
 
 def rtn_quantizer(args: QuantArgs, scale_dtype: torch.dtype) -> Quantizer:
     """The quantize-dequantize the scale search scores (plain RTN, as in AWQ)."""
     return lambda weight: quantize_weight(weight, args, scale_dtype=scale_dtype).dequantize()
+
+
+def search_quantizer(args: QuantArgs, scale_dtype: torch.dtype) -> Quantizer:
+    """A fast stand-in for RTN in SmoothQuant's search, which quantizes every consumer once per
+    alpha: float32 absmax scales per row or group (what 8-bit RTN gives up to the last code);
+    other arguments use RTN itself."""
+    if args.symmetric and args.strategy in ("tensor", "channel", "group"):
+        proxy = args.model_copy(update={"dynamic": True})
+        return lambda weight: fake_quantize(weight, proxy)
+    return rtn_quantizer(args, scale_dtype)
 
 
 def apply_awq(
@@ -71,6 +84,51 @@ def apply_awq(
         reduction = 1.0 - search.error / search.error_unscaled if search.error_unscaled > 0 else 0.0
         reports.append(ScaleReport(producer, search.alpha, reduction))
     return stats, reports
+
+
+def apply_smoothquant(
+    layer: nn.Module,
+    layout: DecoderLayout,
+    args: dict[str, QuantArgs],
+    scale_dtypes: dict[str, torch.dtype],
+    input_args: dict[str, QuantArgs],
+    stats: dict[str, InputStats | None],
+    smooth: float | str,
+) -> tuple[dict[str, InputStats | None], list[ScaleReport]]:
+    """Fold SmoothQuant scales (alpha `smooth`, or "auto": searched per pairing) into every
+    pairing whose consumers all have quantized weights and inputs. Returns the consumers'
+    statistics after scaling and, per pairing, the output error change on the sample rows."""
+    quantizers = {
+        name: search_quantizer(args[name], scale_dtypes[name])
+        for name in args
+        if name in input_args
+    }
+    alphas = AUTO_ALPHAS if smooth == "auto" else (float(smooth),)
+    stats = dict(stats)
+    reports = []
+    for producer, consumers in layout.smooth:
+        shared = _foldable_stats(layer, producer, consumers, quantizers, stats)
+        if shared is None or shared.samples is None or len(shared.samples) == 0:
+            continue
+        weights = [(layer.get_submodule(name).weight.data, quantizers[name]) for name in consumers]
+        search = search_smoothing(
+            weights, shared.absmax, shared.samples, input_quantizer(input_args[consumers[0]]),
+            alphas, keep_unsmoothed=smooth == "auto",
+        )  # fmt: skip
+        if search.scales is not None:
+            _fold(layer, producer, consumers, search.scales)
+            stats.update(dict.fromkeys(consumers, shared.rescaled(1.0 / search.scales)))
+        reduction = 1.0 - search.error / search.error_unsmoothed if search.error_unsmoothed else 0.0
+        reports.append(ScaleReport(producer, search.alpha, reduction))
+    return stats, reports
+
+
+def input_quantizer(args: QuantArgs) -> ActivationQuantizer:
+    """Quantize-dequantize of a linear's inputs for the search: per token (group) when dynamic,
+    else with the absmax static scale of the scaled inputs."""
+    if args.dynamic:
+        return lambda x, _absmax: fake_quantize(x, args)
+    return lambda x, absmax: fake_quantize(x, args, static_scale(absmax.max(), args).to(x.device))
 
 
 def _foldable_stats(

@@ -11,6 +11,9 @@ Integer, asymmetric:  scale = (max - min) / (qmax - qmin), zero = qmin - round(m
 Activations, dynamic per token:  scale = absmax / qmax, as the int8 kernels compute it at run time.
 code = clamp(round(x / scale) + zero, qmin, qmax);  x' = (code - zero) * scale
 FP8 E4M3: scale = absmax / 448;  code = float8_e4m3fn(clamp(x / scale, -448, 448))  (saturating)
+Blocks (FP8 128x128): one scale per tile of the weight; a partial tile at the bottom edge
+    takes the range of the rows it has (compressed-tensors pads with zeros, which changes no range).
+Static activations: one calibrated scale per tensor, code = clamp(round(x / scale)) as above.
 
 Scales are rounded to their storage dtype *before* codes are computed, so dequantizing the
 stored tensors reproduces exactly the weights llmq evaluated. Rounding divides in float64 so
@@ -19,12 +22,13 @@ that integer codes are exact, whatever the input dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from llmq.config import QuantArgs
+from llmq.config import QuantArgs, group_width
 
 ACCUM_DTYPE = torch.float32
 FP8_DTYPE = torch.float8_e4m3fn
@@ -43,7 +47,7 @@ class QuantizedWeight:
     zero_point: int8 like scale, asymmetric only."""
 
     codes: Tensor
-    scale: Tensor
+    scale: Tensor  # block strategy: [ceil(out / block rows), in / block columns]
     zero_point: Tensor | None
     args: QuantArgs
 
@@ -58,10 +62,33 @@ def as_groups(x: Tensor, args: QuantArgs) -> Tensor:
         return x.reshape(1, 1, rows * cols)
     if args.strategy in ("channel", "token"):
         return x.reshape(rows, 1, cols)
-    group_size = int(args.group_size or 0)
+    group_size = int(group_width(args) or 0)
     if cols % group_size:
-        raise ValueError(f"group_size {group_size} does not divide {cols} columns")
+        raise ValueError(f"group size {group_size} does not divide {cols} columns")
     return x.reshape(rows, cols // group_size, group_size)
+
+
+def block_rows(args: QuantArgs) -> int:
+    """Rows sharing one scale: a block's height, else 1 (a block is a group of its width
+    whose scale spans that many rows)."""
+    return args.block_structure[0] if args.block_structure is not None else 1
+
+
+def rows_per_block(values: Tensor, args: QuantArgs, reduce: Callable[..., Tensor]) -> Tensor:
+    """Per-row group values [rows, groups] reduced over each block's rows -> [blocks, groups].
+    Padding rows are 0, neutral for ranges (which always include 0)."""
+    height = block_rows(args)
+    if height == 1:
+        return values
+    pad = -values.shape[0] % height
+    padded = torch.nn.functional.pad(values, (0, 0, 0, pad))
+    return reduce(padded.reshape(-1, height, values.shape[1]), dim=1)
+
+
+def expand_block_scale(scale: Tensor, args: QuantArgs, rows: int) -> Tensor:
+    """Stored per-block scales [blocks, groups] -> one row per weight row [rows, groups]."""
+    height = block_rows(args)
+    return scale if height == 1 else scale.repeat_interleave(height, dim=0)[:rows]
 
 
 def _stored_shape(scale: Tensor, args: QuantArgs) -> Tensor:
@@ -109,6 +136,7 @@ def dequantize(codes: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArg
     """Float32 values of `codes` [rows, cols] under `args` (the inverse of `quantize_weight`)."""
     groups = as_groups(codes, args)
     shape = (groups.shape[0], groups.shape[1], 1)
+    scale = expand_block_scale(scale, args, codes.shape[0])
     zero_g = None if zero is None else zero.reshape(shape)
     return scale_codes(groups, scale.reshape(shape), zero_g).reshape(codes.shape)
 
@@ -141,10 +169,11 @@ def quantize_weight(
     scale_dtype = scale_dtype or (weight.dtype if weight.is_floating_point() else ACCUM_DTYPE)
     groups = as_groups(weight, args)
     ratio = torch.as_tensor(clip_ratio, dtype=torch.float64, device=weight.device)
-    min_vals = groups.amin(dim=-1).to(torch.float64) * ratio
-    max_vals = groups.amax(dim=-1).to(torch.float64) * ratio
+    min_vals = rows_per_block(groups.amin(dim=-1).to(torch.float64) * ratio, args, torch.amin)
+    max_vals = rows_per_block(groups.amax(dim=-1).to(torch.float64) * ratio, args, torch.amax)
     scale, zero = choose_qparams(min_vals, max_vals, args, scale_dtype=scale_dtype)
-    codes = quantize_grouped(groups, scale, zero, args).reshape(weight.shape)
+    row_scale = expand_block_scale(scale, args, weight.shape[0])
+    codes = quantize_grouped(groups, row_scale, zero, args).reshape(weight.shape)
     return QuantizedWeight(
         codes=codes,
         scale=_stored_shape(scale, args),
@@ -153,11 +182,44 @@ def quantize_weight(
     )
 
 
-def fake_quantize(x: Tensor, args: QuantArgs) -> Tensor:
-    """Quantize-dequantize activations x [..., hidden] per token (dynamic), as a kernel would.
+def fake_quantize(x: Tensor, args: QuantArgs, scale: Tensor | None = None) -> Tensor:
+    """Quantize-dequantize activations x [..., hidden] as a kernel would: per token (or token
+    group) from their own range when `args` is dynamic, else with the calibrated `scale`.
 
-    Rows that are all zero get scale eps and come back as zeros, never NaN.
+    Computed in float32, as activation quantization kernels compute (and fast enough to run on
+    every calibration and evaluation token). Rows that are all zero get scale eps and come back
+    as zeros, never NaN.
     """
-    rows = x.reshape(-1, x.shape[-1])
-    q = quantize_weight(rows, args, scale_dtype=ACCUM_DTYPE)
-    return q.dequantize(ACCUM_DTYPE).to(x.dtype).reshape(x.shape)
+    rows = x.reshape(-1, x.shape[-1]).to(ACCUM_DTYPE)
+    if not args.symmetric:  # other tools' checkpoints only: the general path
+        q = quantize_weight(rows, args, scale_dtype=ACCUM_DTYPE)
+        return q.dequantize(ACCUM_DTYPE).to(x.dtype).reshape(x.shape)
+    if scale is None:
+        groups = as_groups(rows, args)
+        low, high = torch.aminmax(groups, dim=-1, keepdim=True)
+        scale = torch.maximum(-low, high).div_(_code_max(args))
+        scale = torch.where(scale == 0, torch.finfo(ACCUM_DTYPE).eps, scale)
+    else:
+        groups = rows.reshape(1, 1, -1)
+        scale = scale.to(device=x.device, dtype=ACCUM_DTYPE).reshape(1, 1, 1)
+    scaled = groups / scale
+    if args.type == "float":
+        codes = scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(ACCUM_DTYPE)
+    else:
+        codes = scaled.round_().clamp_(*int_range(args.num_bits))
+    return codes.mul_(scale).reshape(x.shape).to(x.dtype)
+
+
+def _code_max(args: QuantArgs) -> float:
+    """The largest code: 448 for FP8 E4M3, 2**(bits-1) - 1 for integers (127: the scale the int8
+    kernels use, absmax / 127)."""
+    return FP8_MAX if args.type == "float" else float(int_range(args.num_bits)[1])
+
+
+def static_scale(
+    absmax: Tensor | float, args: QuantArgs, scale_dtype: torch.dtype = ACCUM_DTYPE
+) -> Tensor:
+    """The per-tensor scale [1] stored for inputs of range ±absmax: absmax / qmax (127 for int8,
+    as the int8 kernels divide; 448 for FP8), rounded to its storage dtype."""
+    scale = torch.as_tensor(absmax, dtype=torch.float64).reshape(1).cpu() / _code_max(args)
+    return _storable(scale, scale_dtype)

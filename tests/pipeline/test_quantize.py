@@ -33,8 +33,11 @@ def logits_pair(out: Path) -> tuple[torch.Tensor, torch.Tensor]:  # weight-only 
 
 
 def logits_with_activation_quantization(out: Path, ids: torch.Tensor) -> torch.Tensor:
-    """llmq's dequantized model with inputs of quantized linears fake-quantized per token, as
-    `llmq eval` runs it."""
+    """llmq's dequantized model with the inputs of quantized linears (and the KV cache) fake-
+    quantized as the checkpoint specifies, as `llmq eval` runs it, but on the whole model."""
+    from contextlib import ExitStack
+
+    from llmq.calib.stream import ATTENTION_IMPLEMENTATION, kv_hook, register_attention
     from llmq.io.checkpoint import open_checkpoint
     from llmq.pack.reader import QuantizedView
     from llmq.quant.primitives import fake_quantize
@@ -42,11 +45,17 @@ def logits_with_activation_quantization(out: Path, ids: torch.Tensor) -> torch.T
     ckpt = open_checkpoint(out)
     view = QuantizedView(ckpt)
     model = llmq.load_dequantized(out)
-    for name, args in view.activation_schemes(ckpt, "").items():
+    register_attention()
+    model.config._attn_implementation = ATTENTION_IMPLEMENTATION
+    for name, (args, scale) in view.activation_schemes(ckpt, "").items():
         model.get_submodule(name).register_forward_pre_hook(
-            lambda _m, inputs, args=args: (fake_quantize(inputs[0], args),)
+            lambda _m, inputs, args=args, scale=scale: (fake_quantize(inputs[0], args, scale),)
         )
-    with torch.no_grad():
+    with ExitStack() as stack, torch.no_grad():
+        for index in range(ckpt.num_layers):
+            attention = ckpt.layout.layer_prefix(index) + ckpt.layout.attention
+            kv = view.kv_quantizer(ckpt, attention)
+            stack.enter_context(kv_hook(model.get_submodule(attention), kv))
         return model(ids).logits
 
 
@@ -56,7 +65,9 @@ def logits_with_activation_quantization(out: Path, ids: torch.Tensor) -> torch.T
 # onto another grid, and simulate activations with absmax / 127.5 where llmq follows the int8
 # kernels (absmax / 127); llmq evaluates the stored codes as written. The stored weights
 # themselves are bit-exact: test_compressed_tensors_decompressors_agree.
-LOGIT_TOLERANCE = {"w4a16": 1e-5, "w8a16": 1e-5, "fp8": 1e-5, "w8a8": 0.1}
+LOGIT_TOLERANCE = {
+    "w4a16": 1e-5, "w8a16": 1e-5, "fp8": 1e-5, "w8a8": 0.1, "fp8-tensor": 1e-5, "fp8-block": 1e-5,
+}  # fmt: skip
 W8A8_MAX_RELATIVE_ERROR = 0.05  # ||reloaded - ours|| / ||ours||; measured 0.032 on the tiny model
 
 
@@ -87,7 +98,112 @@ def test_every_scheme_reloads_in_transformers(
     assert not staging_path(out).exists()
 
 
-@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym", "w8a16", "w8a8", "fp8"])
+STATIC_AND_KV = {
+    "fp8 static": {"scheme": "fp8", "activations": "static"},
+    "fp8-tensor static percentile, kv fp8": {
+        "scheme": "fp8-tensor", "activations": "static", "observer": "percentile", "kv_cache": "fp8",
+    },
+    "fp8 smooth auto, kv int8": {"scheme": "fp8", "smooth": "auto", "kv_cache": "int8"},
+    "w8a8 smooth 0.5, static mse": {
+        "scheme": "w8a8", "smooth": 0.5, "activations": "static", "observer": "mse",
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("options", list(STATIC_AND_KV))
+def test_static_scales_and_kv_cache_reload_in_transformers(
+    tmp_path: Path, tiny_llama: Path, options: str
+) -> None:
+    """Static input scales and KV cache scales land where compressed-tensors and vLLM read them,
+    and transformers' reload (which simulates them) matches how llmq evaluates the checkpoint."""
+    kwargs = STATIC_AND_KV[options]
+    out = tmp_path / "out"
+    llmq.quantize(tiny_llama, out, **kwargs, **FAST)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    tensors = load_file(out / "model-00002-of-00003.safetensors")
+    prefix = "model.layers.0."
+    static = kwargs.get("activations") == "static"
+    for group in config["config_groups"].values():
+        assert group["input_activations"]["dynamic"] is not static
+    assert (f"{prefix}self_attn.q_proj.input_scale" in tensors) is static
+    kv = kwargs.get("kv_cache")
+    if kv is None:
+        assert config.get("kv_cache_scheme") is None
+    else:
+        assert config["kv_cache_scheme"]["type"] == ("float" if kv == "fp8" else "int")
+        assert tensors[f"{prefix}self_attn.k_scale"].shape == (1,)
+        assert float(tensors[f"{prefix}self_attn.v_scale"]) > 0
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        reloaded = theirs(ids).logits
+    ours = logits_with_activation_quantization(out, ids)
+    tol = LOGIT_TOLERANCE[kwargs["scheme"]]
+    torch.testing.assert_close(reloaded, ours, rtol=0, atol=tol * float(ours.abs().max()))
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "fp8"])
+def test_static_absmax_scale_is_the_calibration_range(
+    tmp_path: Path, tiny_llama: Path, scheme: str
+) -> None:
+    """Layer 0 reads the embeddings, which quantization does not change: its q_proj input scale
+    is exactly max |input_layernorm(embeddings)| over the calibration windows / qmax."""
+    from llmq.calib.collect import run_observed
+    from llmq.calib.data import calibration_windows
+    from llmq.calib.stream import LayerStream
+    from llmq.calib.tokenizer import load_tokenizer
+    from llmq.io.checkpoint import open_checkpoint
+    from llmq.texts import DEFAULT_CALIBRATION_TEXT
+
+    out = tmp_path / "out"
+    llmq.quantize(tiny_llama, out, scheme=scheme, activations="static", **FAST)
+    windows = calibration_windows(
+        load_tokenizer(tiny_llama), DEFAULT_CALIBRATION_TEXT, num_samples=2, seq_len=64, seed=0
+    )
+    stream = LayerStream(open_checkpoint(tiny_llama), device="cpu")
+    layer = stream.load_layer(0)
+    _, observed = run_observed(
+        stream, layer, ["self_attn.q_proj"], stream.embed(windows.input_ids), hessian=False
+    )
+    limit = 448.0 if scheme == "fp8" else 127.0
+    expected = float(observed["self_attn.q_proj"].absmax.max()) / limit
+    stored = load_file(out / "model-00002-of-00003.safetensors")
+    assert float(stored["model.layers.0.self_attn.q_proj.input_scale"]) == pytest.approx(
+        expected, rel=1e-6
+    )
+    # q/k/v read the same input, so they share it (vLLM fuses them into one GEMM)
+    assert float(stored["model.layers.0.self_attn.k_proj.input_scale"]) == float(
+        stored["model.layers.0.self_attn.q_proj.input_scale"]
+    )
+
+
+def test_eval_applies_the_stored_kv_scales(tmp_path: Path, default_model: Path) -> None:
+    """`llmq eval` quantizes the cache with the stored k_scale / v_scale: scales shrunk 1000x
+    saturate the keys and values and the perplexity moves far; the report says KV fp8. On the
+    real model (a random tiny one hardly uses its attention)."""
+    out = tmp_path / "kv"
+    llmq.quantize(default_model, out, scheme="fp8", kv_cache="fp8", **FAST)
+    shrunk = tmp_path / "kv-shrunk"
+    shutil.copytree(out, shrunk)
+    for shard in shrunk.glob("model-*.safetensors"):
+        tensors = load_file(shard)
+        for name in [n for n in tensors if n.endswith(("k_scale", "v_scale"))]:
+            tensors[name] = tensors[name] / 1000
+        save_file(tensors, shard, metadata={"format": "pt"})
+    plain = tmp_path / "no-kv"
+    llmq.quantize(default_model, plain, scheme="fp8", **FAST)
+    options = {"text": "news", "seq_len": 64, "max_windows": 2, "use_cache": False}
+    with_kv = llmq.evaluate(out, **options).model
+    assert with_kv.quantized.endswith("KV fp8 tensor static")
+    without = llmq.evaluate(plain, **options).model.perplexity
+    saturated = llmq.evaluate(shrunk, **options).model.perplexity
+    assert with_kv.perplexity != without
+    assert abs(saturated - with_kv.perplexity) > 10 * abs(with_kv.perplexity - without)
+
+
+@pytest.mark.parametrize(
+    "scheme", ["w4a16", "w4a16-asym", "w8a16", "w8a8", "fp8", "fp8-tensor", "fp8-block"]
+)
 def test_compressed_tensors_decompressors_agree(
     tmp_path: Path, tiny_llama: Path, scheme: str
 ) -> None:

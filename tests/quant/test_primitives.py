@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from llmq.config import QuantArgs
-from llmq.quant.primitives import FP8_MAX, fake_quantize, int_range, quantize_weight
+from llmq.quant.primitives import (
+    FP8_MAX,
+    fake_quantize,
+    int_range,
+    quantize_weight,
+    static_scale,
+)
 from llmq.quant.rtn import rtn_quantize_weight
 
 ARGS = [
@@ -134,3 +140,66 @@ def test_mse_clip_never_worse_than_minmax() -> None:
     plain = (quantize_weight(w, args).dequantize() - w).pow(2).sum()
     clipped = (rtn_quantize_weight(w, args, clip="mse").dequantize() - w).pow(2).sum()
     assert clipped < plain
+
+
+def reference_fp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float64 reference: saturate at ±448, round to E4M3, scale back."""
+    return (values.double() / scale).clamp(-FP8_MAX, FP8_MAX).to(
+        torch.float8_e4m3fn
+    ).double() * scale
+
+
+@pytest.mark.parametrize("block", [(128, 128), (128, 64)])
+def test_fp8_block_scales_match_float64_reference(block: tuple[int, int]) -> None:
+    """One scale per tile; the bottom tiles are partial (200 rows) and take their own range."""
+    torch.manual_seed(4)
+    w = torch.randn(200, 256) * torch.linspace(0.1, 3, 256)
+    args = QuantArgs(num_bits=8, type="float", strategy="block", block_structure=block)
+    q = quantize_weight(w, args)
+    rows, cols = block
+    assert q.scale.shape == (2, 256 // cols)
+    codes = torch.empty(200, 256, dtype=torch.float64)
+    for i in range(0, 200, rows):
+        for j in range(0, 256, cols):
+            tile = w[i : i + rows, j : j + cols].double()
+            scale = torch.tensor(float(tile.abs().max() / FP8_MAX), dtype=torch.float32).double()
+            assert float(q.scale[i // rows, j // cols]) == float(scale)
+            codes[i : i + rows, j : j + cols] = reference_fp8(tile, scale) / scale
+    assert torch.equal(q.codes.double(), codes)
+
+
+@pytest.mark.parametrize("kind", ["int", "float"])
+def test_static_scales_saturate_and_match_float64_reference(kind: str) -> None:
+    args = QuantArgs(num_bits=8, type=kind, strategy="tensor")
+    x = torch.randn(3, 7, 64) * 2
+    scale = static_scale(1.5, args)  # values beyond ±1.5 saturate
+    assert float(scale) == pytest.approx(1.5 / (FP8_MAX if kind == "float" else 127))
+    y = fake_quantize(x, args, scale)
+    s = scale.double()
+    if kind == "float":
+        expected = reference_fp8(x, s)
+    else:
+        expected = torch.round(x.double() / s).clamp(-128, 127) * s
+    assert torch.equal(y, expected.float())  # the exact product, rounded once to float32
+    top = FP8_MAX if kind == "float" else 127
+    assert float(y.max()) == pytest.approx(top * float(s)) and torch.isfinite(y).all()
+
+
+def test_per_token_group_activations_match_float64_reference() -> None:
+    args = QuantArgs(num_bits=8, type="float", strategy="group", group_size=64, dynamic=True)
+    x = torch.randn(5, 256)
+    x[2, 64:128] = 0  # an all-zero group stays zero
+    groups = x.double().reshape(5, 4, 64)
+    scale = (groups.abs().amax(-1, keepdim=True) / FP8_MAX).float().double()
+    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+    expected = reference_fp8(groups, scale).reshape(5, 256)
+    y = fake_quantize(x, args)
+    assert torch.equal(y, expected.float())
+    assert torch.equal(y[2, 64:128], torch.zeros(64))
+
+
+def test_a_zero_static_range_gives_eps_not_nan() -> None:
+    args = QuantArgs(num_bits=8, strategy="tensor")
+    scale = static_scale(0.0, args)
+    assert float(scale) == torch.finfo(torch.float32).eps
+    assert torch.equal(fake_quantize(torch.zeros(2, 8), args, scale), torch.zeros(2, 8))

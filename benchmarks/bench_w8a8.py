@@ -1,0 +1,163 @@
+"""W8A8 and FP8 side by side, in one run: llmq vs llm-compressor's SmoothQuant + GPTQ W8A8 and
+FP8_DYNAMIC, plus llmq's variants (SmoothQuant alpha, static scales, MSE clipping, FP8 blocks,
+a quantized KV cache).
+
+On the default model (SmolLM2-135M-Instruct, float32). Calibrated jobs of both tools read exactly
+the same token windows (pydoc, sampled by llmq's sampler and handed to the peer as a file). Each
+tool runs in its own process (llm-compressor in its own virtual environment); wall time and peak
+RSS are those of that process, from start to a saved checkpoint. Every checkpoint is scored by
+the same code on the same held-out windows of pydoc and Hamlet, with activations (and the KV
+cache) quantized exactly as its format specifies.
+
+    python benchmarks/bench_w8a8.py [--samples 128] [--seq-len 512] [--windows 12] [--only TEXT]
+
+Perplexity protocol: token perplexity, first --windows non-overlapping 512-token windows of the
+held-out splits, no BOS (the tokenizer adds none), float32 compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_calibrated import calibration_file
+from common import (
+    ensure_peer,
+    held_out_perplexity,
+    llmq_quantize_cmd,
+    peer_quantize_cmd,
+    ppl_cells,
+    run_measured,
+    save_report,
+)
+
+LLMQ, PEER = "llmq", "llm-compressor"
+PEER_SQ, PEER_FP8 = "SmoothQuant 0.8 + GPTQ W8A8", "FP8_DYNAMIC (RTN)"
+
+
+@dataclass(frozen=True)
+class Job:
+    tool: str
+    label: str
+    options: list[str]
+    calibrated: bool  # reads the shared calibration windows
+    compare_with: str | None = None  # the peer row this llmq row is held against
+    baseline: str | None = None  # the llmq row this one is a variant of (for the ratio column)
+
+    @property
+    def folder(self) -> str:
+        return "-".join(f"{self.tool} {self.label}".replace("+", "plus").replace(",", "").split())
+
+
+def jobs() -> list[Job]:
+    w8a8, fp8 = ["--scheme", "w8a8"], ["--scheme", "fp8"]
+    return [
+        Job(PEER, PEER_SQ, ["--scheme", "W8A8", "--method", "smoothquant-gptq",
+                            "--smoothing-strength", "0.8"], True),
+        Job(PEER, PEER_FP8, ["--scheme", "FP8_DYNAMIC", "--method", "rtn"], False),
+        Job(LLMQ, "W8A8 RTN", w8a8, False, PEER_SQ),
+        Job(LLMQ, "W8A8 SmoothQuant 0.5, RTN", [*w8a8, "--smooth", "0.5"], True, PEER_SQ, "W8A8 RTN"),
+        Job(LLMQ, "W8A8 SmoothQuant 0.8, RTN", [*w8a8, "--smooth", "0.8"], True, PEER_SQ, "W8A8 RTN"),
+        Job(LLMQ, "W8A8 SmoothQuant auto, RTN", [*w8a8, "--smooth", "auto"], True, PEER_SQ, "W8A8 RTN"),
+        Job(LLMQ, "W8A8 SmoothQuant 0.8, GPTQ", [*w8a8, "--smooth", "0.8", "--method", "gptq"], True,
+            PEER_SQ, "W8A8 RTN"),
+        Job(LLMQ, "FP8 RTN", fp8, False, PEER_FP8),
+        Job(LLMQ, "FP8 RTN, clip mse", [*fp8, "--clip", "mse"], False, PEER_FP8, "FP8 RTN"),
+        Job(LLMQ, "FP8 SmoothQuant auto, RTN", [*fp8, "--smooth", "auto"], True, PEER_FP8, "FP8 RTN"),
+        Job(LLMQ, "FP8 static absmax", [*fp8, "--activations", "static"], True, PEER_FP8, "FP8 RTN"),
+        Job(LLMQ, "FP8 static mse", [*fp8, "--activations", "static", "--observer", "mse"], True,
+            PEER_FP8, "FP8 RTN"),
+        Job(LLMQ, "FP8 block 128x128", ["--scheme", "fp8-block"], False, PEER_FP8, "FP8 RTN"),
+        Job(LLMQ, "FP8 RTN, KV cache fp8", [*fp8, "--kv-cache", "fp8"], True, PEER_FP8, "FP8 RTN"),
+    ]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--windows", type=int, default=12, help="512-token windows per text")
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out/w8a8"))
+    parser.add_argument("--only", default=None, help="run only jobs whose label contains this")
+    args = parser.parse_args()
+
+    import llmq
+    from llmq.models import builtin_model_path
+
+    model = builtin_model_path("smollm2-135m")
+    ensure_peer()
+    calib = args.out / "calib.safetensors"
+    llmq_calib = calibration_file(model, calib, args.samples, args.seq_len)
+    # Warm llmq's token cache and the page cache of the model file outside the timed runs.
+    llmq.quantize(model, args.out / "warmup", scheme="w8a16", overwrite=True)
+    rows = []
+    for job in jobs():
+        if args.only is not None and args.only not in job.label:
+            continue
+        out = args.out / job.folder
+        options = list(job.options)
+        if job.calibrated:
+            options += llmq_calib if job.tool == LLMQ else ["--calib", str(calib)]
+        cmd = (llmq_quantize_cmd if job.tool == LLMQ else peer_quantize_cmd)(model, out, options)
+        measured = run_measured(cmd)
+        rows.append({"tool": job.tool, "label": job.label, "compare_with": job.compare_with,
+                     "baseline": job.baseline, "options": options,
+                     "wall_s": measured.wall_s, "peak_rss_gb": measured.peak_rss_bytes / 1e9,
+                     "ppl": held_out_perplexity(out, model, args.windows)})  # fmt: skip
+        print(f"done: {job.tool} {job.label}: {measured.wall_s:.1f} s", file=sys.stderr, flush=True)
+    calibration = f"pydoc, seed 0: {args.samples} x {args.seq_len} (samples x tokens)"
+    save_report(args.out, rows, args.windows, markdown, calibration=calibration)
+
+
+def markdown(report: dict) -> str:
+    rows = report["rows"]
+    base = rows[0]["ppl"]
+    lines = [
+        f"Protocol: {report['protocol']}. Calibration (rows marked calibrated): "
+        f"{report['calibration']}. fp32 baseline: pydoc {base['pydoc']['base']:.3f}, "
+        f"Hamlet {base['shakespeare']['base']:.3f}.",
+        "",
+        "| tool | job | evaluated as | ppl held-out pydoc | ppl Hamlet | wall s | peak RSS GB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['tool']} | {r['label']} | {r['ppl']['pydoc']['simulated']} | {ppl_cells(r)} | "
+            f"{r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} |"
+        )
+    lines += ["", "| llmq row | vs peer row | llmq/peer wall | llmq/peer peak RSS | increase pydoc llmq vs peer | increase Hamlet llmq vs peer |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    peers = {r["label"]: r for r in rows if r["tool"] == PEER}
+    for r in rows:
+        peer = peers.get(r["compare_with"] or "")
+        if r["tool"] != LLMQ or peer is None:
+            continue
+        lines.append(
+            f"| {r['label']} | {peer['label']} | {r['wall_s'] / peer['wall_s']:.2f}x | "
+            f"{r['peak_rss_gb'] / peer['peak_rss_gb']:.2f}x | "
+            + " | ".join(
+                f"{r['ppl'][t]['increase']:+.2%} vs {peer['ppl'][t]['increase']:+.2%}"
+                for t in ("pydoc", "shakespeare")
+            )
+            + " |"
+        )
+    lines += ["", "| llmq variant | of | increase pydoc (ratio to its base) | increase Hamlet (ratio) |",
+              "|---|---|---|---|"]  # fmt: skip
+    ours = {r["label"]: r for r in rows if r["tool"] == LLMQ}
+    for r in rows:
+        base_row = ours.get(r.get("baseline") or "")
+        if base_row is None:
+            continue
+        cells = [
+            f"{r['ppl'][t]['increase']:+.2%} ({r['ppl'][t]['increase'] / base_row['ppl'][t]['increase']:.2f}x)"
+            for t in ("pydoc", "shakespeare")
+        ]
+        lines.append(f"| {r['label']} | {base_row['label']} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -23,34 +23,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
+    LLMQ,
+    PEER,
+    Job,
     ensure_peer,
     held_out_perplexity,
     llmq_quantize_cmd,
+    peer_comparison,
     peer_quantize_cmd,
     ppl_cells,
     run_measured,
     save_report,
 )
-
-LLMQ, PEER = "llmq", "llm-compressor"
-
-
-@dataclass(frozen=True)
-class Job:
-    tool: str
-    label: str
-    options: list[str]
-    calib: str | None  # "main" | "awq" | None (data-free)
-    compare_with: str | None = None  # label of the peer row this llmq row is held against
-
-    @property
-    def folder(self) -> str:
-        return "-".join(f"{self.tool} {self.label}".replace("+", "plus").split())
 
 
 def jobs(main: str, awq: str) -> list[Job]:
@@ -151,19 +139,7 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {r['tool']} | {r['label']} | {ppl_cells(r)} | {r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} | {closed} |"
         )
-    lines += ["", "| llmq row | vs peer row | llmq/peer wall | llmq/peer peak RSS | increase pydoc llmq vs peer | increase Hamlet llmq vs peer |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
-    peers = {r["label"]: r for r in rows if r["tool"] == PEER}
-    for r in rows:
-        peer = peers.get(r["compare_with"] or "")
-        if r["tool"] != LLMQ or peer is None:
-            continue
-        lines.append(
-            f"| {r['label']} | {peer['label']} | {r['wall_s'] / peer['wall_s']:.2f}x | "
-            f"{r['peak_rss_gb'] / peer['peak_rss_gb']:.2f}x | "
-            f"{r['ppl']['pydoc']['increase']:+.2%} vs {peer['ppl']['pydoc']['increase']:+.2%} | "
-            f"{r['ppl']['shakespeare']['increase']:+.2%} vs {peer['ppl']['shakespeare']['increase']:+.2%} |"
-        )
+    lines += ["", *peer_comparison(rows)]
     return "\n".join(lines)
 
 

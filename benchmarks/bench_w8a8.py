@@ -19,59 +19,51 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_calibrated import calibration_file
 from common import (
+    LLMQ,
+    PEER,
+    Job,
     ensure_peer,
     held_out_perplexity,
     llmq_quantize_cmd,
+    peer_comparison,
     peer_quantize_cmd,
     ppl_cells,
     run_measured,
     save_report,
 )
 
-LLMQ, PEER = "llmq", "llm-compressor"
 PEER_SQ, PEER_FP8 = "SmoothQuant 0.8 + GPTQ W8A8", "FP8_DYNAMIC (RTN)"
-
-
-@dataclass(frozen=True)
-class Job:
-    tool: str
-    label: str
-    options: list[str]
-    calibrated: bool  # reads the shared calibration windows
-    compare_with: str | None = None  # the peer row this llmq row is held against
-    baseline: str | None = None  # the llmq row this one is a variant of (for the ratio column)
-
-    @property
-    def folder(self) -> str:
-        return "-".join(f"{self.tool} {self.label}".replace("+", "plus").replace(",", "").split())
 
 
 def jobs() -> list[Job]:
     w8a8, fp8 = ["--scheme", "w8a8"], ["--scheme", "fp8"]
+    plain = [*fp8, "--clip", "none"]  # fp8 as measured before its preset default became clip mse
     return [
         Job(PEER, PEER_SQ, ["--scheme", "W8A8", "--method", "smoothquant-gptq",
-                            "--smoothing-strength", "0.8"], True),
-        Job(PEER, PEER_FP8, ["--scheme", "FP8_DYNAMIC", "--method", "rtn"], False),
-        Job(LLMQ, "W8A8 RTN", w8a8, False, PEER_SQ),
-        Job(LLMQ, "W8A8 SmoothQuant 0.5, RTN", [*w8a8, "--smooth", "0.5"], True, PEER_SQ, "W8A8 RTN"),
-        Job(LLMQ, "W8A8 SmoothQuant 0.8, RTN", [*w8a8, "--smooth", "0.8"], True, PEER_SQ, "W8A8 RTN"),
-        Job(LLMQ, "W8A8 SmoothQuant auto, RTN", [*w8a8, "--smooth", "auto"], True, PEER_SQ, "W8A8 RTN"),
-        Job(LLMQ, "W8A8 SmoothQuant 0.8, GPTQ", [*w8a8, "--smooth", "0.8", "--method", "gptq"], True,
+                            "--smoothing-strength", "0.8"], "main"),
+        Job(PEER, PEER_FP8, ["--scheme", "FP8_DYNAMIC", "--method", "rtn"], None),
+        Job(LLMQ, "W8A8 RTN", w8a8, None, PEER_SQ),
+        Job(LLMQ, "W8A8 SmoothQuant 0.8, RTN", [*w8a8, "--smooth", "0.8"], "main", PEER_SQ, "W8A8 RTN"),
+        Job(LLMQ, "W8A8 SmoothQuant auto, RTN", [*w8a8, "--smooth", "auto"], "main", PEER_SQ, "W8A8 RTN"),
+        Job(LLMQ, "W8A8 SmoothQuant 0.8, GPTQ", [*w8a8, "--smooth", "0.8", "--method", "gptq"], "main",
             PEER_SQ, "W8A8 RTN"),
-        Job(LLMQ, "FP8 RTN", fp8, False, PEER_FP8),
-        Job(LLMQ, "FP8 RTN, clip mse", [*fp8, "--clip", "mse"], False, PEER_FP8, "FP8 RTN"),
-        Job(LLMQ, "FP8 SmoothQuant auto, RTN", [*fp8, "--smooth", "auto"], True, PEER_FP8, "FP8 RTN"),
-        Job(LLMQ, "FP8 static absmax", [*fp8, "--activations", "static"], True, PEER_FP8, "FP8 RTN"),
-        Job(LLMQ, "FP8 static mse", [*fp8, "--activations", "static", "--observer", "mse"], True,
-            PEER_FP8, "FP8 RTN"),
-        Job(LLMQ, "FP8 block 128x128", ["--scheme", "fp8-block"], False, PEER_FP8, "FP8 RTN"),
-        Job(LLMQ, "FP8 RTN, KV cache fp8", [*fp8, "--kv-cache", "fp8"], True, PEER_FP8, "FP8 RTN"),
+        Job(LLMQ, "FP8 RTN", plain, None, PEER_FP8),
+        Job(LLMQ, "FP8 RTN, clip mse (the fp8 default)", fp8, None, PEER_FP8, "FP8 RTN"),
+        Job(LLMQ, "W8A8 SmoothQuant 0.5, RTN", [*w8a8, "--smooth", "0.5"], "main", PEER_SQ, "W8A8 RTN"),
+        Job(LLMQ, "FP8 SmoothQuant auto, RTN", [*plain, "--smooth", "auto"], "main", PEER_FP8,
+            "FP8 RTN"),
+        Job(LLMQ, "FP8 static absmax", [*plain, "--activations", "static"], "main", PEER_FP8,
+            "FP8 RTN"),
+        Job(LLMQ, "FP8 static mse", [*plain, "--activations", "static", "--observer", "mse"],
+            "main", PEER_FP8, "FP8 RTN"),
+        Job(LLMQ, "FP8 block 128x128", ["--scheme", "fp8-block"], None, PEER_FP8, "FP8 RTN"),
+        Job(LLMQ, "FP8 RTN, KV cache fp8", [*plain, "--kv-cache", "fp8"], "main", PEER_FP8,
+            "FP8 RTN"),
     ]  # fmt: skip
 
 
@@ -81,7 +73,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/w8a8"))
-    parser.add_argument("--only", default=None, help="run only jobs whose label contains this")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="run only jobs whose label contains one of these ('|'-separated)",
+    )
     args = parser.parse_args()
 
     import llmq
@@ -95,11 +91,11 @@ def main() -> None:
     llmq.quantize(model, args.out / "warmup", scheme="w8a16", overwrite=True)
     rows = []
     for job in jobs():
-        if args.only is not None and args.only not in job.label:
+        if args.only is not None and not any(part in job.label for part in args.only.split("|")):
             continue
         out = args.out / job.folder
         options = list(job.options)
-        if job.calibrated:
+        if job.calib is not None:
             options += llmq_calib if job.tool == LLMQ else ["--calib", str(calib)]
         cmd = (llmq_quantize_cmd if job.tool == LLMQ else peer_quantize_cmd)(model, out, options)
         measured = run_measured(cmd)
@@ -128,22 +124,7 @@ def markdown(report: dict) -> str:
             f"| {r['tool']} | {r['label']} | {r['ppl']['pydoc']['simulated']} | {ppl_cells(r)} | "
             f"{r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} |"
         )
-    lines += ["", "| llmq row | vs peer row | llmq/peer wall | llmq/peer peak RSS | increase pydoc llmq vs peer | increase Hamlet llmq vs peer |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
-    peers = {r["label"]: r for r in rows if r["tool"] == PEER}
-    for r in rows:
-        peer = peers.get(r["compare_with"] or "")
-        if r["tool"] != LLMQ or peer is None:
-            continue
-        lines.append(
-            f"| {r['label']} | {peer['label']} | {r['wall_s'] / peer['wall_s']:.2f}x | "
-            f"{r['peak_rss_gb'] / peer['peak_rss_gb']:.2f}x | "
-            + " | ".join(
-                f"{r['ppl'][t]['increase']:+.2%} vs {peer['ppl'][t]['increase']:+.2%}"
-                for t in ("pydoc", "shakespeare")
-            )
-            + " |"
-        )
+    lines += ["", *peer_comparison(rows)]
     lines += ["", "| llmq variant | of | increase pydoc (ratio to its base) | increase Hamlet (ratio) |",
               "|---|---|---|---|"]  # fmt: skip
     ours = {r["label"]: r for r in rows if r["tool"] == LLMQ}

@@ -11,9 +11,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+LLMQ, PEER = "llmq", "llm-compressor"
 HERE = Path(__file__).resolve().parent
 PEER_PYTHON = HERE / ".venvs" / "llmcompressor" / "bin" / "python"
 PEER_RUNNER = HERE / "peers" / "llmcompressor_quantize.py"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One quantization run of a side-by-side benchmark."""
+
+    tool: str  # LLMQ or PEER
+    label: str
+    options: list[str]
+    calib: str | None = None  # which shared calibration windows it reads; None: data-free
+    compare_with: str | None = None  # label of the peer row this llmq row is held against
+    baseline: str | None = None  # label of the llmq row this one is a variant of
+
+    @property
+    def folder(self) -> str:
+        return "-".join(f"{self.tool} {self.label}".replace("+", "plus").replace(",", "").split())
 
 
 @dataclass(frozen=True)
@@ -110,6 +127,26 @@ def ppl_cells(row: dict) -> str:
     return " | ".join(
         f"{row['ppl'][text]['ppl']:.3f} ({row['ppl'][text]['increase']:+.2%})" for text in TEXTS
     )
+
+
+def peer_comparison(rows: list[dict]) -> list[str]:
+    """Markdown rows: each llmq row against the peer row it names (time, memory, accuracy)."""
+    lines = ["| llmq row | vs peer row | llmq/peer wall | llmq/peer peak RSS | increase pydoc llmq vs peer | increase Hamlet llmq vs peer |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    peers = {r["label"]: r for r in rows if r["tool"] == PEER}
+    for r in rows:
+        peer = peers.get(r["compare_with"] or "")
+        if r["tool"] != LLMQ or peer is None:
+            continue
+        increases = [
+            f"{r['ppl'][text]['increase']:+.2%} vs {peer['ppl'][text]['increase']:+.2%}"
+            for text in TEXTS
+        ]
+        lines.append(
+            f"| {r['label']} | {peer['label']} | {r['wall_s'] / peer['wall_s']:.2f}x | "
+            f"{r['peak_rss_gb'] / peer['peak_rss_gb']:.2f}x | {' | '.join(increases)} |"
+        )
+    return lines
 
 
 def write_json(path: Path, data: object) -> None:

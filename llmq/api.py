@@ -78,7 +78,7 @@ def make_recipe(
     group_size: int | None = None,
     strict_group_size: bool = False,
     ignore: tuple[str, ...] | list[str] = ("lm_head",),
-    clip: str = "none",
+    clip: str | None = None,
     calib_text: str = DEFAULT_CALIBRATION_TEXT,
     num_samples: int | None = None,
     seq_len: int = 512,
@@ -110,6 +110,8 @@ def make_recipe(
             "transformers and vLLM with current compressed-tensors cannot load them",
             hint="--actorder static orders columns by activation too and keeps groups contiguous",
         )
+    preset = get_scheme(scheme)
+    clip = preset.default_clip if clip is None else clip
     if clip == "output" and skip_layer_check:
         raise InputError("--clip output weighs errors by calibration data; drop --skip-layer-check")
 
@@ -133,7 +135,7 @@ def make_recipe(
         )
     recipe = build(
         Recipe,
-        scheme=get_scheme(scheme),
+        scheme=preset,
         method=method,
         group_size=group_size,
         strict_group_size=strict_group_size,

@@ -99,6 +99,9 @@ class Scheme(BaseModel):
     name: str
     weights: QuantArgs
     input_activations: QuantArgs | None = None
+    # the weight range search `quantize` uses unless told otherwise (the best measured for the
+    # preset: benchmarks/RESULTS.md)
+    default_clip: Literal["none", "mse", "output"] = "none"
 
     @property
     def format(self) -> str:
@@ -132,6 +135,7 @@ SCHEMES: dict[str, Scheme] = {
             name="FP8_DYNAMIC",
             weights=QuantArgs(num_bits=8, type="float", strategy="channel"),
             input_activations=_TOKEN_FP8,
+            default_clip="mse",  # beat no clipping and SmoothQuant on both held-out texts
         ),
         Scheme(
             name="FP8_TENSOR",

@@ -63,11 +63,11 @@ def quantize(
         ),
     ] = None,
     clip: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help="Per-group range: none (min/max); mse (shrink factor minimising the weight error); output (shrink factor minimising the group's output error on the calibration data, as AWQ's clip search)."
+            help="Per-group range: none (min/max); mse (shrink factor minimising the weight error); output (shrink factor minimising the group's output error on the calibration data, as AWQ's clip search). Default: the preset's (mse for fp8, none otherwise)."
         ),
-    ] = "none",
+    ] = None,
     dampening_frac: Annotated[
         float,
         typer.Option(

@@ -121,7 +121,7 @@ class GPTQ:
     ) -> MethodResult:
         hessian = _hessian(stats, self.name)
         ratio = None
-        if self.clip != "none" and args.type != "float":
+        if self.clip != "none":
             ratio = clip_ratios(
                 weight, args, scale_dtype=scale_dtype, hessian=output_hessian(self.clip, hessian)
             )

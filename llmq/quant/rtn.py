@@ -24,7 +24,7 @@ def rtn_quantize_weight(
     """Quantize weight [out, in] to nearest. clip="mse" picks each group's range shrink factor
     from CLIP_GRID minimising the group's squared weight error; clip="output" minimises the
     group's output error on the calibration inputs instead (needs their `hessian`)."""
-    if clip == "none" or args.type == "float":
+    if clip == "none":
         return quantize_weight(weight, args, scale_dtype=scale_dtype)
     ratio = clip_ratios(
         weight, args, scale_dtype=scale_dtype, hessian=output_hessian(clip, hessian)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import llmq
 from llmq.cli.main import app
 from tests.conftest import assert_bad_input
 
@@ -125,3 +126,22 @@ def test_asking_for_an_absent_gpu_is_bad_input(tmp_path: Path, tiny_llama: Path)
     result = run("quantize", str(tiny_llama), "--out", str(tmp_path / "o"), "--device", "cuda")
     assert_bad_input(result, "no CUDA GPU")
     assert not (tmp_path / "o").exists()
+
+
+def test_eval_of_a_static_checkpoint_missing_its_input_scale_exits_2(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "static"
+    llmq.quantize(tiny_llama, out, scheme="fp8", activations="static", num_samples=2, seq_len=64)
+    shard = out / "model-00002-of-00003.safetensors"
+    tensors = load_file(shard)
+    del tensors["model.layers.0.self_attn.q_proj.input_scale"]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index_file = out / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    del index["weight_map"]["model.layers.0.self_attn.q_proj.input_scale"]
+    index_file.write_text(json.dumps(index))
+    result = run("eval", str(out), "--max-windows", "1", "--seq-len", "32")
+    assert_bad_input(result, "q_proj.input_scale is missing")

@@ -132,11 +132,18 @@ def test_fake_quantize_per_token_zero_rows_stay_zero(kind: str) -> None:
     assert 0 < rel < (0.01 if kind == "int" else 0.05)
 
 
-def test_mse_clip_never_worse_than_minmax() -> None:
+@pytest.mark.parametrize(
+    "args",
+    [
+        QuantArgs(num_bits=4, strategy="group", group_size=64),
+        QuantArgs(num_bits=8, type="float", strategy="channel"),
+    ],
+    ids=lambda a: a.label,
+)
+def test_mse_clip_never_worse_than_minmax(args: QuantArgs) -> None:
     torch.manual_seed(3)
     w = torch.randn(32, 256)
     w[:, 7] *= 20  # outliers make plain min/max wasteful
-    args = QuantArgs(num_bits=4, strategy="group", group_size=64)
     plain = (quantize_weight(w, args).dequantize() - w).pow(2).sum()
     clipped = (rtn_quantize_weight(w, args, clip="mse").dequantize() - w).pow(2).sum()
     assert clipped < plain

@@ -30,13 +30,11 @@ from common import (
     LLMQ,
     PEER,
     Job,
+    calibration_set,
     ensure_peer,
-    held_out_perplexity,
-    llmq_quantize_cmd,
     peer_comparison,
-    peer_quantize_cmd,
     ppl_cells,
-    run_measured,
+    run_jobs,
     save_report,
 )
 
@@ -61,22 +59,6 @@ def jobs(main: str, awq: str) -> list[Job]:
     ]  # fmt: skip
 
 
-def calibration_file(model: Path, path: Path, samples: int, seq_len: int) -> list[str]:
-    """Write llmq's calibration windows for the peer; return the llmq options that sample them."""
-    from safetensors.torch import save_file
-
-    from llmq.calib.data import calibration_windows
-    from llmq.calib.tokenizer import load_tokenizer
-
-    windows = calibration_windows(
-        load_tokenizer(model), "pydoc", num_samples=samples, seq_len=seq_len, seed=0
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"input_ids": windows.input_ids.contiguous()}, str(path))
-    return ["--calib-text", "pydoc", "--num-samples", str(samples), "--seq-len", str(seq_len),
-            "--seed", "0"]  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--windows", type=int, default=12, help="512-token windows per text")
@@ -85,38 +67,29 @@ def main() -> None:
     parser.add_argument("--awq-samples", type=int, default=16)
     parser.add_argument("--awq-seq-len", type=int, default=256)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/calibrated"))
-    parser.add_argument("--only", default=None, help="run only jobs whose label contains this")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="run only jobs whose label contains one of these ('|'-separated)",
+    )
     args = parser.parse_args()
 
-    import llmq
     from llmq.models import builtin_model_path
 
     model = builtin_model_path("smollm2-135m")
     ensure_peer()
     main_set, awq_set = f"{args.samples}x{args.seq_len}", f"{args.awq_samples}x{args.awq_seq_len}"
     calib = {
-        "main": (args.out / "calib-main.safetensors", args.samples, args.seq_len),
-        "awq": (args.out / "calib-awq.safetensors", args.awq_samples, args.awq_seq_len),
+        "main": calibration_set(
+            model, args.out / "calib-main.safetensors", args.samples, args.seq_len
+        ),
+        "awq": calibration_set(
+            model, args.out / "calib-awq.safetensors", args.awq_samples, args.awq_seq_len
+        ),
     }
-    llmq_calib = {key: calibration_file(model, *spec) for key, spec in calib.items()}
-    # Warm llmq's token cache and the page cache of the model file outside the timed runs.
-    llmq.quantize(model, args.out / "warmup", scheme="w8a16", overwrite=True)
-    rows = []
-    for job in jobs(main_set, awq_set):
-        if args.only is not None and args.only not in job.label:
-            continue
-        out = args.out / job.folder
-        options = list(job.options)
-        if job.calib is not None:
-            options += (
-                llmq_calib[job.calib] if job.tool == LLMQ else ["--calib", str(calib[job.calib][0])]
-            )
-        cmd = (llmq_quantize_cmd if job.tool == LLMQ else peer_quantize_cmd)(model, out, options)
-        measured = run_measured(cmd)
-        rows.append({"tool": job.tool, "label": job.label, "compare_with": job.compare_with,
-                     "wall_s": measured.wall_s, "peak_rss_gb": measured.peak_rss_bytes / 1e9,
-                     "ppl": held_out_perplexity(out, model, args.windows)})  # fmt: skip
-        print(f"done: {job.tool} {job.label}: {measured.wall_s:.1f} s", file=sys.stderr, flush=True)
+    rows = run_jobs(
+        jobs(main_set, awq_set), model, args.out, calib, windows=args.windows, only=args.only
+    )
     calibration = f"pydoc, seed 0: {main_set} and {awq_set} (samples x tokens)"
     save_report(args.out, rows, args.windows, markdown, calibration=calibration)
 

@@ -22,18 +22,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_calibrated import calibration_file
 from common import (
     LLMQ,
     PEER,
     Job,
+    calibration_set,
     ensure_peer,
-    held_out_perplexity,
-    llmq_quantize_cmd,
     peer_comparison,
-    peer_quantize_cmd,
     ppl_cells,
-    run_measured,
+    run_jobs,
     save_report,
 )
 
@@ -80,30 +77,14 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    import llmq
     from llmq.models import builtin_model_path
 
     model = builtin_model_path("smollm2-135m")
     ensure_peer()
-    calib = args.out / "calib.safetensors"
-    llmq_calib = calibration_file(model, calib, args.samples, args.seq_len)
-    # Warm llmq's token cache and the page cache of the model file outside the timed runs.
-    llmq.quantize(model, args.out / "warmup", scheme="w8a16", overwrite=True)
-    rows = []
-    for job in jobs():
-        if args.only is not None and not any(part in job.label for part in args.only.split("|")):
-            continue
-        out = args.out / job.folder
-        options = list(job.options)
-        if job.calib is not None:
-            options += llmq_calib if job.tool == LLMQ else ["--calib", str(calib)]
-        cmd = (llmq_quantize_cmd if job.tool == LLMQ else peer_quantize_cmd)(model, out, options)
-        measured = run_measured(cmd)
-        rows.append({"tool": job.tool, "label": job.label, "compare_with": job.compare_with,
-                     "baseline": job.baseline, "options": options,
-                     "wall_s": measured.wall_s, "peak_rss_gb": measured.peak_rss_bytes / 1e9,
-                     "ppl": held_out_perplexity(out, model, args.windows)})  # fmt: skip
-        print(f"done: {job.tool} {job.label}: {measured.wall_s:.1f} s", file=sys.stderr, flush=True)
+    calib = {
+        "main": calibration_set(model, args.out / "calib.safetensors", args.samples, args.seq_len)
+    }
+    rows = run_jobs(jobs(), model, args.out, calib, windows=args.windows, only=args.only)
     calibration = f"pydoc, seed 0: {args.samples} x {args.seq_len} (samples x tokens)"
     save_report(args.out, rows, args.windows, markdown, calibration=calibration)
 

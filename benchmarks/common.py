@@ -129,6 +129,66 @@ def ppl_cells(row: dict) -> str:
     )
 
 
+@dataclass(frozen=True)
+class CalibSet:
+    """Calibration windows both tools read: the file handed to the peer, and the llmq options
+    that sample exactly the same windows."""
+
+    file: Path
+    llmq_options: list[str]
+
+
+def calibration_set(model: Path, path: Path, samples: int, seq_len: int) -> CalibSet:
+    """Write llmq's pydoc calibration windows (seed 0) to `path` for the peer."""
+    from safetensors.torch import save_file
+
+    from llmq.calib.data import calibration_windows
+    from llmq.calib.tokenizer import load_tokenizer
+
+    windows = calibration_windows(
+        load_tokenizer(model), "pydoc", num_samples=samples, seq_len=seq_len, seed=0
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"input_ids": windows.input_ids.contiguous()}, str(path))
+    options = ["--calib-text", "pydoc", "--num-samples", str(samples), "--seq-len", str(seq_len),
+               "--seed", "0"]  # fmt: skip
+    return CalibSet(path, options)
+
+
+def run_jobs(
+    jobs: list[Job],
+    model: Path,
+    out: Path,
+    calib: dict[str, CalibSet],
+    *,
+    windows: int,
+    only: str | None,
+) -> list[dict]:
+    """Run each job (those whose label contains one of the '|'-separated parts of `only`, when
+    given) in its own measured process, and score its checkpoint: one result row per job."""
+    import llmq
+
+    # Warm llmq's token cache and the page cache of the model file outside the timed runs.
+    llmq.quantize(model, out / "warmup", scheme="w8a16", overwrite=True)
+    rows = []
+    for job in jobs:
+        if only is not None and not any(part in job.label for part in only.split("|")):
+            continue
+        folder = out / job.folder
+        options = list(job.options)
+        if job.calib is not None:
+            shared = calib[job.calib]
+            options += shared.llmq_options if job.tool == LLMQ else ["--calib", str(shared.file)]
+        cmd = (llmq_quantize_cmd if job.tool == LLMQ else peer_quantize_cmd)(model, folder, options)
+        measured = run_measured(cmd)
+        rows.append({"tool": job.tool, "label": job.label, "compare_with": job.compare_with,
+                     "baseline": job.baseline, "options": options,
+                     "wall_s": measured.wall_s, "peak_rss_gb": measured.peak_rss_bytes / 1e9,
+                     "ppl": held_out_perplexity(folder, model, windows)})  # fmt: skip
+        print(f"done: {job.tool} {job.label}: {measured.wall_s:.1f} s", file=sys.stderr, flush=True)
+    return rows
+
+
 def peer_comparison(rows: list[dict]) -> list[str]:
     """Markdown rows: each llmq row against the peer row it names (time, memory, accuracy)."""
     lines = ["| llmq row | vs peer row | llmq/peer wall | llmq/peer peak RSS | increase pydoc llmq vs peer | increase Hamlet llmq vs peer |",

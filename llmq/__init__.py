@@ -9,11 +9,14 @@ from typing import Any
 
 __version__ = "0.1.0"
 __all__ = [
+    "bench",
     "calibrate",
     "evaluate",
     "fallback_scan",
+    "generate",
     "list_models",
     "load_dequantized",
+    "load_quantized",
     "make_recipe",
     "quantize",
 ]

@@ -438,26 +438,137 @@ def evaluate(
 def load_dequantized(path: str | Path) -> Any:
     """A transformers model with every quantized weight dequantized (float32), for comparison
     and inspection. Activations are not quantized by this model."""
+    from llmq.runtime.load import load_dequantized as load
+
+    return load(_open(path))
+
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def _dtype(name: str) -> Any:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llmq.pack.reader import QuantizedView
+    if name not in DTYPES:
+        raise InputError(
+            f"--dtype {name!r}: not a dtype", hint=f"choose one of: {', '.join(DTYPES)}"
+        )
+    return None if name == "auto" else getattr(torch, name)
 
-    ckpt = _open(path)
-    view = QuantizedView(ckpt)
-    config = AutoConfig.for_model(
-        **{k: v for k, v in ckpt.config.items() if k != "quantization_config"}
+
+def load_quantized(
+    path: str | Path, *, device: str | None = None, dtype: str = "auto", kernels: str = "auto"
+) -> Any:
+    """A transformers model whose quantized linears run llmq's kernels: Triton on a GPU, the torch
+    reference of the same math on the CPU (kernels="triton" or "torch" forces one).
+    dtype "auto": bfloat16 on a GPU, float32 on the CPU."""
+    from llmq.runtime.load import KERNEL_CHOICES
+    from llmq.runtime.load import load_quantized as load
+
+    if kernels not in KERNEL_CHOICES:
+        raise InputError(
+            f"--kernels {kernels!r}", hint=f"choose one of: {', '.join(KERNEL_CHOICES)}"
+        )
+    return load(_open(path), device=device, dtype=_dtype(dtype), kernels=kernels)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    model: str
+    prompt: str
+    text: str  # the continuation only
+    new_tokens: int
+    prefill_seconds: float
+    decode_tokens_per_second: float
+    device: str
+    kernels: str  # "triton" or "torch"
+
+
+def generate(
+    path: str | Path,
+    prompt: str,
+    *,
+    max_new_tokens: int = 32,
+    device: str | None = None,
+    dtype: str = "auto",
+    kernels: str = "auto",
+) -> GenerateResult:
+    """Greedy continuation of `prompt` by a quantized checkpoint running on llmq's kernels."""
+    from transformers import AutoTokenizer
+
+    from llmq.runtime.generate import greedy_decode
+    from llmq.runtime.load import kernels_in_use
+
+    if max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
+    if not prompt:
+        raise InputError("--prompt is empty")
+    folder = resolve_model(path)
+    model = load_quantized(folder, device=device, dtype=dtype, kernels=kernels)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    run = greedy_decode(
+        model, input_ids, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id
     )
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {k: v.to(torch.float32) for k, v in view.read_state(ckpt, "").items()}
-    if ckpt.tied_embeddings:
-        state[f"{ckpt.layout.lm_head}.weight"] = state[f"{ckpt.layout.embed}.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    rotary = model.get_submodule(ckpt.layout.rotary)  # its buffers are computed, not stored
-    model.set_submodule(ckpt.layout.rotary, type(rotary)(model.config))
-    model.tie_weights()
-    return model.eval()
+    return GenerateResult(
+        model=str(folder),
+        prompt=prompt,
+        text=tokenizer.decode(run.tokens, skip_special_tokens=True),
+        new_tokens=len(run.tokens),
+        prefill_seconds=run.prefill_seconds,
+        decode_tokens_per_second=(len(run.tokens) - 1) / max(run.decode_seconds, 1e-9),
+        device=str(next(model.parameters()).device),
+        kernels=kernels_in_use(model),
+    )
+
+
+def bench(
+    path: str | Path | None = None,
+    *,
+    shapes: list[str] | None = None,
+    scheme: str = "w4a16",
+    batch_sizes: list[int] | None = None,
+    prompt_tokens: int | None = None,
+    new_tokens: int | None = None,
+    device: str | None = None,
+    dtype: str = "auto",
+    kernels: str = "auto",
+    progress: Progress = NO_PROGRESS,
+) -> Any:
+    """Time a quantized checkpoint's layer shapes and its prefill/decode against the same weights
+    dequantized to 16 bits (float32 on the CPU), in one run; or, with `shapes` ("MxNxK") and no
+    path, synthetic layers of `scheme`. Returns a `llmq.runtime.bench.BenchReport`."""
+    from llmq.calib.stream import resolve_device
+    from llmq.runtime import bench as runtime_bench
+    from llmq.runtime.load import default_dtype, kernels_in_use, use_triton
+    from llmq.runtime.load import load_dequantized as load_dense
+
+    if (path is None) == (not shapes):
+        raise InputError(
+            "give a checkpoint or --shapes, not both",
+            hint="llmq bench OUT, or llmq bench --shapes 1x4096x4096",
+        )
+    if path is None:
+        parsed = [runtime_bench.Shape.parse(text) for text in shapes or []]
+        resolved = resolve_device(device)
+        compute = _dtype(dtype) or default_dtype(resolved)
+        return runtime_bench.bench_shapes(
+            parsed, get_scheme(scheme), device=resolved, dtype=compute,
+            triton=use_triton(kernels, resolved), progress=progress,
+        )  # fmt: skip
+    model = load_quantized(path, device=device, dtype=dtype, kernels=kernels)
+    first = next(model.parameters())
+    gpu = first.is_cuda
+    batch_sizes = batch_sizes or ([1, 16, 256] if gpu else [1, 16])
+    if min(batch_sizes) < 1:
+        raise InputError(f"--batch {batch_sizes}: every batch size must be at least 1")
+    dense = load_dense(_open(path)).to(device=first.device, dtype=first.dtype)
+    return runtime_bench.bench_model(
+        model, dense, batch_sizes=batch_sizes,
+        prompt_tokens=prompt_tokens or (256 if gpu else 32),
+        new_tokens=new_tokens or (64 if gpu else 8),
+        dtype=first.dtype, triton=kernels_in_use(model) == "triton", progress=progress,
+    )  # fmt: skip
 
 
 def fallback_scan(

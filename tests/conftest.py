@@ -4,11 +4,17 @@ runs on real text."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels are tested in Triton's CPU interpreter. It is chosen when a
+# kernel is decorated, so before any test imports llmq.kernels.w4a16 / w8a8.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from llmq.cli import calibrate, evaluate, fallback_scan, models, quantize
+from llmq.cli import bench, calibrate, evaluate, fallback_scan, generate, models, quantize
 
 app = typer.Typer(
     name="llmq",
@@ -18,6 +18,8 @@ app.command("quantize")(quantize.quantize)
 app.command("calibrate")(calibrate.calibrate)
 app.command("eval")(evaluate.evaluate)
 app.command("fallback-scan")(fallback_scan.fallback_scan)
+app.command("generate")(generate.generate)
+app.command("bench")(bench.bench)
 app.command("models")(models.models)
 
 

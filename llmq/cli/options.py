@@ -22,3 +22,16 @@ Device = Annotated[
     str,
     typer.Option(help="Where layers run: auto (the GPU when there is one), cpu, cuda or cuda:N."),
 ]
+Dtype = Annotated[
+    str,
+    typer.Option(
+        help="Compute dtype: auto (bfloat16 on a GPU, float32 on the CPU), bfloat16, float16, float32."
+    ),
+]
+Kernels = Annotated[
+    str,
+    typer.Option(
+        help="Quantized linears run: auto (Triton on a GPU, the torch reference on the CPU), "
+        "triton (on the CPU only with TRITON_INTERPRET=1), or torch."
+    ),
+]

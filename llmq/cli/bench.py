@@ -1,0 +1,136 @@
+"""`llmq bench`: quantized kernels against the same weights in 16 bits, per layer shape and end
+to end, in one run."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from llmq.cli.console import (
+    cli_errors,
+    err_console,
+    out_console,
+    print_json,
+    progress_bars,
+    quiet_libraries,
+)
+from llmq.cli.options import Device, Dtype, JsonFlag, Kernels
+from llmq.errors import InputError
+
+
+def _int_list(text: str | None, option: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InputError(f"{option} {text!r}: expected comma-separated integers") from None
+
+
+def bench(
+    model: Annotated[
+        str | None,
+        typer.Argument(help="Quantized checkpoint folder (omit it to time --shapes)."),
+    ] = None,
+    shapes: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated MxNxK products (y[M,N] = x[M,K] W[N,K]^T) on synthetic weights "
+            "of --scheme, instead of a checkpoint's layers, e.g. 1x4096x4096,16x14336x4096."
+        ),
+    ] = None,
+    scheme: Annotated[
+        str, typer.Option(help="Scheme of the synthetic weights for --shapes: w4a16, w8a8, fp8.")
+    ] = "w4a16",
+    batch: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated M (tokens per call) to time each layer shape at "
+            "(default 1,16,256 on a GPU, 1,16 on the CPU)."
+        ),
+    ] = None,
+    prompt_tokens: Annotated[
+        int | None,
+        typer.Option(help="Prefill length for the end-to-end run (default 256 GPU, 32 CPU)."),
+    ] = None,
+    new_tokens: Annotated[
+        int | None,
+        typer.Option(help="Greedy tokens decoded at batch 1 (default 64 GPU, 8 CPU)."),
+    ] = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    kernels: Kernels = "auto",
+    json_out: JsonFlag = False,
+) -> None:
+    """Time a quantized checkpoint (or --shapes) against its dense twin: per layer shape
+    (speedup and fraction of the memory roofline) and end to end (prefill, batch-1 decode)."""
+    quiet_libraries()
+    from llmq import api
+
+    with cli_errors():
+        shape_list = [s.strip() for s in shapes.split(",") if s.strip()] if shapes else None
+        with progress_bars(json_out=json_out) as progress:
+            report = api.bench(
+                model,
+                shapes=shape_list,
+                scheme=scheme,
+                batch_sizes=_int_list(batch, "--batch"),
+                prompt_tokens=prompt_tokens,
+                new_tokens=new_tokens,
+                device=None if device == "auto" else device,
+                dtype=dtype,
+                kernels=kernels,
+                progress=progress,
+            )
+    if json_out:
+        print_json(_to_dict(report))
+    else:
+        render(report)
+
+
+def _to_dict(report: Any) -> dict[str, Any]:
+    data = asdict(report)
+    if report.end_to_end is not None:
+        data["end_to_end"]["decode_speedup"] = report.end_to_end.decode_speedup
+        data["end_to_end"]["prefill_speedup"] = report.end_to_end.prefill_speedup
+    return data
+
+
+def render(report: Any) -> None:
+    if report.note:
+        err_console.print(f"[yellow]note:[/] {report.note}")
+    table = Table(title=f"layer shapes on {report.device} ({report.kernels} kernels)")
+    table.add_column("kernel", no_wrap=True)
+    table.add_column("MxNxK", justify="right", no_wrap=True)
+    for column in ("layers", "quantized us", f"{report.dense_dtype} us"):
+        table.add_column(column, justify="right")
+    table.add_column("speedup", justify="right")
+    table.add_column("roofline", justify="right")
+    for row in report.shapes:
+        table.add_row(
+            row.kernel, row.shape, str(row.layers or "-"), f"{row.quantized_us:.1f}",
+            f"{row.dense_us:.1f}", f"{row.speedup:.2f}x", f"{row.roofline:.0%}",
+        )  # fmt: skip
+    out_console.print(table)
+    out_console.print(
+        f"roofline: bytes a call must move (weights, scales, activations) / time, over the "
+        f"read bandwidth measured in this run ({report.read_bandwidth_gbs:.0f} GB/s)"
+    )
+    e2e = report.end_to_end
+    if e2e is None:
+        return
+    table = Table(title="end to end, batch 1")
+    for column in ("", "quantized tokens/s", f"{report.dense_dtype} tokens/s", "speedup"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"prefill ({e2e.prompt_tokens} tokens)", f"{e2e.quantized_prefill_tps:.1f}",
+        f"{e2e.dense_prefill_tps:.1f}", f"{e2e.prefill_speedup:.2f}x",
+    )  # fmt: skip
+    table.add_row(
+        f"decode ({e2e.new_tokens} tokens)", f"{e2e.quantized_decode_tps:.1f}",
+        f"{e2e.dense_decode_tps:.1f}", f"{e2e.decode_speedup:.2f}x",
+    )  # fmt: skip
+    out_console.print(table)

@@ -1,0 +1,70 @@
+"""The kernels as torch custom ops (`torch.ops.llmq.*`), so that quantized linears compose with
+torch.compile and CUDA graphs: each op has a fake (meta) implementation giving the output's
+shape and dtype without running anything.
+
+Each op runs the Triton kernel when asked to (`triton=True`: on a GPU, or on the CPU under
+TRITON_INTERPRET=1), else the torch reference of the same math. Triton is imported only then,
+so the reference path works where Triton does not install.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from llmq.errors import InputError
+from llmq.kernels import reference
+from llmq.kernels.support import interpreting, triton_installed
+from llmq.pack.layout import W4A16Weight, W8A8Weight
+
+
+def check_triton_usable(device: torch.device) -> None:
+    """Raise a clear error when Triton kernels cannot run on `device`."""
+    if not triton_installed():
+        raise InputError("Triton is not installed", hint="pip install triton (Linux)")
+    if device.type == "cpu" and not interpreting():
+        raise InputError(
+            "Triton kernels on the CPU need its interpreter",
+            hint="set TRITON_INTERPRET=1, or use the torch reference kernels",
+        )
+
+
+@torch.library.custom_op("llmq::w4a16_linear", mutates_args=())
+def w4a16_linear(
+    x: Tensor,
+    packed: Tensor,
+    scale: Tensor,
+    zero: Tensor | None,
+    g_idx: Tensor | None,
+    in_features: int,
+    group_size: int,
+    triton: bool,
+) -> Tensor:
+    """x [M, K] @ W^T for a packed int4 weight (see llmq.pack.layout.W4A16Weight)."""
+    weight = W4A16Weight(packed, scale, zero, g_idx, in_features, group_size)
+    if triton:
+        from llmq.kernels.w4a16 import w4a16_matmul
+
+        return w4a16_matmul(x, weight)
+    return reference.w4a16_linear(x, weight)
+
+
+@w4a16_linear.register_fake
+def _(x, packed, scale, zero, g_idx, in_features, group_size, triton):
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+@torch.library.custom_op("llmq::w8a8_linear", mutates_args=())
+def w8a8_linear(x: Tensor, codes: Tensor, scale: Tensor, triton: bool) -> Tensor:
+    """quantize(x) [M, K] @ W^T with both scales: int8 or float8_e4m3fn codes [N, K]."""
+    weight = W8A8Weight(codes, scale)
+    if triton:
+        from llmq.kernels.w8a8 import w8a8_matmul
+
+        return w8a8_matmul(x, weight)
+    return reference.w8a8_linear(x, weight)
+
+
+@w8a8_linear.register_fake
+def _(x, codes, scale, triton):
+    return x.new_empty(x.shape[0], codes.shape[0])

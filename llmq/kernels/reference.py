@@ -1,0 +1,67 @@
+"""The math every kernel computes, in plain torch: what the Triton kernels are tested against and
+what quantized linears run on a machine without a GPU.
+
+Kept apart from the kernel modules so that it imports where Triton does not install (macOS,
+Windows): the CPU path of `llmq.load_quantized` needs only torch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from llmq.pack.layout import FP8_CODES, INT4_PER_WORD, W4A16Weight, W8A8Weight
+
+INT8_MAX = 127.0
+FP8_MAX = float(torch.finfo(FP8_CODES).max)  # 448
+# A row of zeros gets this scale (and zero codes), never a division by zero: llmq's eval does
+# the same (`llmq.quant.primitives.fake_quantize`).
+SCALE_EPS = float(torch.finfo(torch.float32).eps)
+
+
+def unpack_int4(packed: Tensor, in_features: int) -> Tensor:
+    """Signed int4 codes int8 [out, in] from words int32 [out, ceil(in / 8)]."""
+    shifts = torch.arange(INT4_PER_WORD, device=packed.device, dtype=torch.int32) * 4
+    fields = (packed.unsqueeze(-1) >> shifts) & 0xF
+    return (fields.reshape(packed.shape[0], -1)[:, :in_features] - 8).to(torch.int8)
+
+
+def dequantize_int4(weight: W4A16Weight, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The float weight [out, in] a W4A16 kernel multiplies by, computed in `dtype`."""
+    codes = unpack_int4(weight.packed, weight.in_features).to(dtype)
+    groups = _input_groups(weight)
+    if weight.zero is not None:
+        codes = codes - weight.zero.to(dtype)[:, groups]
+    return codes * weight.scale.to(dtype)[:, groups]
+
+
+def _input_groups(weight: W4A16Weight) -> Tensor:
+    if weight.g_idx is not None:
+        return weight.g_idx.long()
+    columns = torch.arange(weight.in_features, device=weight.packed.device)
+    return columns // weight.group_size
+
+
+def w4a16_linear(x: Tensor, weight: W4A16Weight) -> Tensor:
+    """y = x @ dequantize(W)^T for x [M, K] in float16/bfloat16/float32, accumulated in float32."""
+    return (x.float() @ dequantize_int4(weight).T).to(x.dtype)
+
+
+def quantize_rows(x: Tensor, fp8: bool) -> tuple[Tensor, Tensor]:
+    """Dynamic per-token quantization of x [M, K]: codes (int8, or float8_e4m3fn) and float32
+    scales [M] = absmax / 127 (or / 448). Integer codes round half to even and saturate."""
+    rows = x.float()
+    scale = rows.abs().amax(dim=1) / (FP8_MAX if fp8 else INT8_MAX)
+    scale = torch.where(scale == 0, torch.full_like(scale, SCALE_EPS), scale)
+    scaled = rows / scale[:, None]
+    if fp8:
+        return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_CODES), scale
+    return scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def w8a8_linear(x: Tensor, weight: W8A8Weight) -> Tensor:
+    """y = (q(x) @ W_codes^T) * scale_x[m] * scale_w[n] with q the per-token quantization above:
+    what the W8A8-INT8 and FP8 kernels compute, including their activation quantization."""
+    codes, x_scale = quantize_rows(x, weight.is_fp8)
+    product = codes.float() @ weight.codes.float().T
+    return (product * x_scale[:, None] * weight.scale[None, :].float()).to(x.dtype)

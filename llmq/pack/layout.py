@@ -1,0 +1,80 @@
+"""What the GEMM kernels read: one quantized linear's tensors, in the layout the kernels expect.
+
+These are compressed-tensors' on-disk tensors with two cheap load-time changes (a few bytes per
+output row, measured by `llmq bench`): asymmetric zero points are unpacked from int32 words to
+int8 [out, groups], and per-tensor weight scales are broadcast to one float32 scale per output
+channel. Nothing else is repacked, so loading costs a read of the packed file and no more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+FP8_CODES = torch.float8_e4m3fn
+INT4_PER_WORD = 8  # codes per int32 word, low bits first; stored code = value + 8
+
+
+@dataclass(frozen=True, slots=True)
+class W4A16Weight:
+    """A W4A16 weight [out, in]: compressed-tensors pack-quantized, 4 bits.
+
+    packed: int32 [out, ceil(in / 8)]; code k of row n sits in bits 4*(k % 8) .. 4*(k % 8) + 3 of
+        word packed[n, k // 8], as value + 8 (so -8..7 is stored as 0..15).
+    scale: float16 / bfloat16 / float32 [out, groups]; group g covers inputs [g*G, (g+1)*G)
+        (the last group may be partial), or the inputs whose g_idx is g.
+    zero: int8 [out, groups] (asymmetric only): w = (code - zero) * scale.
+    g_idx: int32 [in] (act-order checkpoints only): the group of each input column.
+    group_size: G; `in_features` for per-channel weights.
+    """
+
+    packed: Tensor
+    scale: Tensor
+    zero: Tensor | None
+    g_idx: Tensor | None
+    in_features: int
+    group_size: int
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0]
+
+    def to(self, device: torch.device | str, scale_dtype: torch.dtype) -> W4A16Weight:
+        def move(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device)
+
+        return W4A16Weight(
+            packed=self.packed.to(device),
+            scale=self.scale.to(device=device, dtype=scale_dtype),
+            zero=move(self.zero),
+            g_idx=move(self.g_idx),
+            in_features=self.in_features,
+            group_size=self.group_size,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class W8A8Weight:
+    """A W8A8 weight [out, in]: int8 codes (int-quantized) or float8_e4m3fn codes
+    (float-quantized), symmetric, one float32 scale per output channel: w = code * scale[n].
+    Activations are quantized per token at run time to the same code type."""
+
+    codes: Tensor
+    scale: Tensor  # float32 [out]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.codes.dtype == FP8_CODES
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
+
+    def to(self, device: torch.device | str) -> W8A8Weight:
+        return W8A8Weight(codes=self.codes.to(device), scale=self.scale.to(device))

@@ -1,0 +1,56 @@
+"""The kernels as torch custom ops: registered correctly (opcheck), traceable by torch.compile
+through their fake implementations, Triton and reference paths agreeing, and importable
+without Triton."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llmq.kernels import ops  # noqa: F401  (registers torch.ops.llmq.*)
+from tests.kernels.test_w4a16 import random_weight
+from tests.kernels.test_w8a8 import activations, weight_codes
+
+
+def w4a16_args(triton: bool) -> tuple:
+    w = random_weight(64, 128, 32, asym=True, act_order=False)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0)).half()
+    return (x, w.packed, w.scale, w.zero, w.g_idx, w.in_features, w.group_size, triton)
+
+
+def w8a8_args(triton: bool) -> tuple:
+    w = weight_codes(64, 128, fp8=False)
+    return (activations(3, 128, torch.float16), w.codes, w.scale, triton)
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])
+def test_opcheck(triton: bool) -> None:
+    torch.library.opcheck(torch.ops.llmq.w4a16_linear.default, w4a16_args(triton))
+    torch.library.opcheck(torch.ops.llmq.w8a8_linear.default, w8a8_args(triton))
+
+
+def test_triton_and_reference_paths_agree() -> None:
+    for op, make in ((torch.ops.llmq.w4a16_linear, w4a16_args), (torch.ops.llmq.w8a8_linear, w8a8_args)):
+        ref = op(*make(False)).float()
+        assert torch.allclose(op(*make(True)).float(), ref, rtol=2e-3, atol=2e-3)
+
+
+def test_traced_by_torch_compile() -> None:
+    args = w4a16_args(False)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llmq.w4a16_linear(x, *args[1:]).relu()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(args[0]), f(args[0]))
+
+
+def test_reference_path_imports_no_triton() -> None:
+    code = (
+        "import sys, torch, llmq.kernels.ops, llmq.runtime.load;"
+        "assert 'triton' not in sys.modules, 'triton imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -545,7 +545,7 @@ def bench(
 
     if (path is None) == (not shapes):
         raise InputError(
-            "give a checkpoint or --shapes, not both",
+            "give either a checkpoint or --shapes",
             hint="llmq bench OUT, or llmq bench --shapes 1x4096x4096",
         )
     if path is None:

@@ -18,6 +18,21 @@ FORBIDDEN = {
     "eval": ("llmq.pipeline", "llmq.cli", "llmq.quant.rtn", "llmq.quant.methods"),
     "pipeline": ("llmq.cli",),
     "fallback": ("llmq.calib", "llmq.cli", "llmq.pipeline", "llmq.eval", "llmq.pack"),
+    # kernels read the packed layout and nothing else of llmq
+    "kernels": (
+        "llmq.io",
+        "llmq.calib",
+        "llmq.cli",
+        "llmq.pipeline",
+        "llmq.eval",
+        "llmq.quant",
+        "llmq.runtime",
+        "llmq.fallback",
+        "llmq.pack.format",
+        "llmq.pack.reader",
+        "llmq.api",
+    ),
+    "runtime": ("llmq.cli", "llmq.pipeline", "llmq.api"),
 }
 LIBRARY_BANS = ("typer", "rich")
 

@@ -33,7 +33,10 @@ def test_opcheck(triton: bool) -> None:
 
 
 def test_triton_and_reference_paths_agree() -> None:
-    for op, make in ((torch.ops.llmq.w4a16_linear, w4a16_args), (torch.ops.llmq.w8a8_linear, w8a8_args)):
+    for op, make in (
+        (torch.ops.llmq.w4a16_linear, w4a16_args),
+        (torch.ops.llmq.w8a8_linear, w8a8_args),
+    ):
         ref = op(*make(False)).float()
         assert torch.allclose(op(*make(True)).float(), ref, rtol=2e-3, atol=2e-3)
 

@@ -133,7 +133,9 @@ def test_shape_and_dtype_errors_are_clear() -> None:
     with pytest.raises(InputError, match="dtype int32"):
         w4a16_matmul(torch.ones(2, 128, dtype=torch.int32), weight)
     with pytest.raises(InputError, match="words per row"):
-        w4a16_matmul(torch.randn(2, 136).half(), W4A16Weight(**{**_fields(weight), "in_features": 136}))
+        w4a16_matmul(
+            torch.randn(2, 136).half(), W4A16Weight(**{**_fields(weight), "in_features": 136})
+        )
 
 
 def _fields(weight: W4A16Weight) -> dict:

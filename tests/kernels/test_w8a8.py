@@ -97,7 +97,9 @@ def test_default_dispatch() -> None:
     for m in (1, 40, 100):
         x = activations(m, 256, F16, seed=m)
         expected = reference.w8a8_linear(x, weight)
-        assert torch.allclose(w8a8_matmul(x, weight).float(), expected.float(), rtol=2e-3, atol=1e-3)
+        assert torch.allclose(
+            w8a8_matmul(x, weight).float(), expected.float(), rtol=2e-3, atol=1e-3
+        )
     cpu = torch.device("cpu")
     assert choose_config(16, 4096, 4096, cpu).path == "decode"
     assert choose_config(17, 4096, 4096, cpu).path == "tiled"

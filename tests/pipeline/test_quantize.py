@@ -40,17 +40,13 @@ def logits_with_activation_quantization(out: Path, ids: torch.Tensor) -> torch.T
     from llmq.calib.stream import ATTENTION_IMPLEMENTATION, kv_hook, register_attention
     from llmq.io.checkpoint import open_checkpoint
     from llmq.pack.reader import QuantizedView
-    from llmq.quant.primitives import fake_quantize
+    from llmq.runtime.load import load_dequantized
 
     ckpt = open_checkpoint(out)
     view = QuantizedView(ckpt)
-    model = llmq.load_dequantized(out)
+    model = load_dequantized(ckpt, quantize_inputs=True)
     register_attention()
     model.config._attn_implementation = ATTENTION_IMPLEMENTATION
-    for name, (args, scale) in view.activation_schemes(ckpt, "").items():
-        model.get_submodule(name).register_forward_pre_hook(
-            lambda _m, inputs, args=args, scale=scale: (fake_quantize(inputs[0], args, scale),)
-        )
     with ExitStack() as stack, torch.no_grad():
         for index in range(ckpt.num_layers):
             attention = ckpt.layout.layer_prefix(index) + ckpt.layout.attention

@@ -38,7 +38,11 @@ from llmq.kernels.support import (
 from llmq.pack.layout import FP8_CODES, W8A8Weight
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: v + magic - magic rounds float32 v half to even
+# Kernels may read module globals only when they are constexpr (compiled Triton refuses others).
+ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: v + magic - magic rounds half to even
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_INT8_MAX = tl.constexpr(INT8_MAX)
+_SCALE_EPS = tl.constexpr(SCALE_EPS)
 QUANT_BLOCK = 1024
 
 
@@ -70,14 +74,14 @@ def _quantize_rows_kernel(
 ):  # fmt: skip
     """codes[m, :], scale[m] for row m = program 0's index: two passes over the row."""
     row = tl.program_id(0)
-    code_max: tl.constexpr = FP8_MAX if FP8 else INT8_MAX
+    code_max: tl.constexpr = _FP8_MAX if FP8 else _INT8_MAX
     peak = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, K, BLOCK):
         ks = start + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + row * stride_xm + ks, mask=ks < K, other=0.0).to(tl.float32)
         peak = tl.maximum(peak, tl.abs(v))
     scale = tl.max(peak, axis=0) / code_max
-    scale = tl.where(scale == 0.0, SCALE_EPS, scale)
+    scale = tl.where(scale == 0.0, _SCALE_EPS, scale)
     tl.store(scale_ptr + row, scale)
     for start in range(0, K, BLOCK):
         ks = start + tl.arange(0, BLOCK)

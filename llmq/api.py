@@ -472,6 +472,16 @@ def load_quantized(
     return load(_open(path), device=device, dtype=_dtype(dtype), kernels=kernels)  # type: ignore[arg-type]
 
 
+def _check_kernels(kernels: str) -> None:
+    from llmq.runtime.load import KERNEL_CHOICES
+
+    if kernels not in KERNEL_CHOICES:
+        raise InputError(
+            f"--kernels {kernels!r}: not a kernel choice",
+            hint=f"choose one of: {', '.join(KERNEL_CHOICES)}",
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateResult:
     model: str
@@ -548,6 +558,11 @@ def bench(
             "give either a checkpoint or --shapes",
             hint="llmq bench OUT, or llmq bench --shapes 1x4096x4096",
         )
+    _check_kernels(kernels)
+    if prompt_tokens is not None and prompt_tokens < 1:
+        raise InputError(f"--prompt-tokens {prompt_tokens}: must be at least 1")
+    if new_tokens is not None and new_tokens < 2:
+        raise InputError(f"--new-tokens {new_tokens}: must be at least 2 (one to time decode)")
     if path is None:
         parsed = [runtime_bench.Shape.parse(text) for text in shapes or []]
         resolved = resolve_device(device)
@@ -556,19 +571,23 @@ def bench(
             parsed, get_scheme(scheme), device=resolved, dtype=compute,
             triton=use_triton(kernels, resolved), progress=progress,
         )  # fmt: skip
+    started = time.perf_counter()
     model = load_quantized(path, device=device, dtype=dtype, kernels=kernels)
+    load_seconds = time.perf_counter() - started
     first = next(model.parameters())
     gpu = first.is_cuda
     batch_sizes = batch_sizes or ([1, 16, 256] if gpu else [1, 16])
     if min(batch_sizes) < 1:
         raise InputError(f"--batch {batch_sizes}: every batch size must be at least 1")
     dense = load_dense(_open(path)).to(device=first.device, dtype=first.dtype)
-    return runtime_bench.bench_model(
+    report = runtime_bench.bench_model(
         model, dense, batch_sizes=batch_sizes,
         prompt_tokens=prompt_tokens or (256 if gpu else 32),
         new_tokens=new_tokens or (64 if gpu else 8),
         dtype=first.dtype, triton=kernels_in_use(model) == "triton", progress=progress,
     )  # fmt: skip
+    report.load_seconds = load_seconds
+    return report
 
 
 def fallback_scan(

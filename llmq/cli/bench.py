@@ -102,6 +102,8 @@ def _to_dict(report: Any) -> dict[str, Any]:
 def render(report: Any) -> None:
     if report.note:
         err_console.print(f"[yellow]note:[/] {report.note}")
+    if report.load_seconds is not None:
+        out_console.print(f"loaded onto the kernels in {report.load_seconds:.2f} s")
     table = Table(title=f"layer shapes on {report.device} ({report.kernels} kernels)")
     table.add_column("kernel", no_wrap=True)
     table.add_column("MxNxK", justify="right", no_wrap=True)

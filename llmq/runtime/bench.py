@@ -90,6 +90,9 @@ class BenchReport:
     dense_dtype: str
     read_bandwidth_gbs: float
     note: str | None = None
+    # loading the checkpoint onto the kernels: reading the shards plus the only repacking done
+    # (zero points unpacked, per-tensor scales broadcast; llmq.pack.layout)
+    load_seconds: float | None = None
     shapes: list[ShapeTiming] = field(default_factory=list)
     end_to_end: EndToEnd | None = None
 

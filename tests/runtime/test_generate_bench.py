@@ -77,6 +77,7 @@ def test_bench_a_checkpoint(tiny_quantized) -> None:
         e2e["quantized_decode_tps"] / e2e["dense_decode_tps"]
     )
     assert e2e["prompt_tokens"] == 8 and e2e["new_tokens"] == 3
+    assert report["load_seconds"] > 0
 
 
 def test_bench_synthetic_shapes() -> None:
@@ -102,6 +103,8 @@ def test_bench_synthetic_shapes() -> None:
         (["bench", "--shapes", "0x2x3"], "at least 1"),
         (["bench", "--shapes", "1x64x256", "--scheme", "w5a16"], "unknown scheme"),
         (["bench", "--shapes", "1x64x256", "--batch", "a"], "comma-separated integers"),
+        (["bench", "--shapes", "1x64x256", "--kernels", "cuda"], "not a kernel choice"),
+        (["bench", "x", "--new-tokens", "1"], "--new-tokens 1"),
         (["generate", "missing-folder", "--prompt", "hi"], "no such folder"),
     ],
 )

@@ -29,6 +29,12 @@ def unpack_int4(packed: Tensor, in_features: int) -> Tensor:
 def dequantize_int4(weight: W4A16Weight, dtype: torch.dtype = torch.float32) -> Tensor:
     """The float weight [out, in] a W4A16 kernel multiplies by, computed in `dtype`."""
     codes = unpack_int4(weight.packed, weight.in_features).to(dtype)
+    n, k, size = weight.out_features, weight.in_features, weight.group_size
+    if weight.g_idx is None and k % size == 0:  # whole groups: broadcast, no gather
+        grouped = codes.view(n, k // size, size)
+        if weight.zero is not None:
+            grouped = grouped - weight.zero.to(dtype).view(n, -1, 1)
+        return (grouped * weight.scale.to(dtype).view(n, -1, 1)).view(n, k)
     groups = _input_groups(weight)
     if weight.zero is not None:
         codes = codes - weight.zero.to(dtype)[:, groups]

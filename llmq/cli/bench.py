@@ -107,7 +107,7 @@ def render(report: Any) -> None:
     table = Table(title=f"layer shapes on {report.device} ({report.kernels} kernels)")
     table.add_column("kernel", no_wrap=True)
     table.add_column("MxNxK", justify="right", no_wrap=True)
-    for column in ("layers", "quantized us", f"{report.dense_dtype} us"):
+    for column in ("layers", "llmq us", f"{report.dense_dtype} us"):
         table.add_column(column, justify="right")
     table.add_column("speedup", justify="right")
     table.add_column("roofline", justify="right")

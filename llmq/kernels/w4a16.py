@@ -29,6 +29,7 @@ from llmq.kernels.support import (
     dot_dtype,
     launch_stages,
 )
+from llmq.kernels.tiles import k_tile_range, write_tile
 from llmq.pack.layout import INT4_PER_WORD, W4A16Weight
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -103,10 +104,7 @@ def _w4a16_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    first = tl.program_id(2) * per_split
-    last = tl.minimum(first + per_split, k_tiles)
+    first, last = k_tile_range(K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tile in range(first, last):
         ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -121,12 +119,7 @@ def _w4a16_kernel(
             GROUP_SIZE, HAS_ZERO, HAS_G_IDX, BLOCK_K, BLOCK_N,
         )  # fmt: skip
         acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE))
-    offsets = rows[:, None] * stride_om + cols[None, :] * stride_on
-    ok = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        tl.atomic_add(out_ptr + offsets, acc, mask=ok)
+    write_tile(out_ptr, acc, rows, cols, row_ok, col_ok, stride_om, stride_on, SPLIT_K)
 
 
 @triton.jit

@@ -35,6 +35,7 @@ from llmq.kernels.support import (
     decode_split,
     launch_stages,
 )
+from llmq.kernels.tiles import k_tile_range, write_tile
 from llmq.pack.layout import FP8_CODES, W8A8Weight
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -108,10 +109,7 @@ def _w8a8_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    first = tl.program_id(2) * per_split
-    last = tl.minimum(first + per_split, k_tiles)
+    first, last = k_tile_range(K, BLOCK_K, SPLIT_K)
     if FP8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
@@ -136,12 +134,7 @@ def _w8a8_kernel(
     a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
     b_scale = tl.load(b_scale_ptr + cols, mask=col_ok, other=0.0)
     result = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
-    offsets = rows[:, None] * stride_om + cols[None, :] * stride_on
-    ok = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptr + offsets, result.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        tl.atomic_add(out_ptr + offsets, result, mask=ok)
+    write_tile(out_ptr, result, rows, cols, row_ok, col_ok, stride_om, stride_on, SPLIT_K)
 
 
 def quantize_rows(x: Tensor, fp8: bool) -> tuple[Tensor, Tensor]:

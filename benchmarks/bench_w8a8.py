@@ -49,6 +49,8 @@ def jobs() -> list[Job]:
         Job(LLMQ, "W8A8 SmoothQuant auto, RTN", [*w8a8, "--smooth", "auto"], "main", PEER_SQ, "W8A8 RTN"),
         Job(LLMQ, "W8A8 SmoothQuant 0.8, GPTQ", [*w8a8, "--smooth", "0.8", "--method", "gptq"], "main",
             PEER_SQ, "W8A8 RTN"),
+        Job(LLMQ, "W8A8 SmoothQuant auto, GPTQ", [*w8a8, "--smooth", "auto", "--method", "gptq"],
+            "main", PEER_SQ, "W8A8 RTN"),
         Job(LLMQ, "FP8 RTN", plain, None, PEER_FP8),
         Job(LLMQ, "FP8 RTN, clip mse (the fp8 default)", fp8, None, PEER_FP8, "FP8 RTN"),
         Job(LLMQ, "W8A8 SmoothQuant 0.5, RTN", [*w8a8, "--smooth", "0.5"], "main", PEER_SQ, "W8A8 RTN"),

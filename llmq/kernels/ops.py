@@ -55,9 +55,12 @@ def _(x, packed, scale, zero, g_idx, in_features, group_size, triton):
 
 
 @torch.library.custom_op("llmq::w8a8_linear", mutates_args=())
-def w8a8_linear(x: Tensor, codes: Tensor, scale: Tensor, triton: bool) -> Tensor:
-    """quantize(x) [M, K] @ W^T with both scales: int8 or float8_e4m3fn codes [N, K]."""
-    weight = W8A8Weight(codes, scale)
+def w8a8_linear(
+    x: Tensor, codes: Tensor, scale: Tensor, input_scale: Tensor | None, triton: bool
+) -> Tensor:
+    """quantize(x) [M, K] @ W^T with both scales: int8 or float8_e4m3fn codes [N, K];
+    activations per token, or with the static input_scale when given."""
+    weight = W8A8Weight(codes, scale, input_scale)
     if triton:
         from llmq.kernels.w8a8 import w8a8_matmul
 
@@ -66,5 +69,5 @@ def w8a8_linear(x: Tensor, codes: Tensor, scale: Tensor, triton: bool) -> Tensor
 
 
 @w8a8_linear.register_fake
-def _(x, codes, scale, triton):
+def _(x, codes, scale, input_scale, triton):
     return x.new_empty(x.shape[0], codes.shape[0])

@@ -13,6 +13,7 @@ from torch import Tensor
 from llmq.pack.layout import FP8_CODES, INT4_PER_WORD, W4A16Weight, W8A8Weight
 
 INT8_MAX = 127.0
+INT8_MIN = -128.0  # reached only by static scales, whose inputs may exceed the calibrated range
 FP8_MAX = float(torch.finfo(FP8_CODES).max)  # 448
 # A row of zeros gets this scale (and zero codes), never a division by zero: llmq's eval does
 # the same (`llmq.quant.primitives.fake_quantize`).
@@ -53,21 +54,28 @@ def w4a16_linear(x: Tensor, weight: W4A16Weight) -> Tensor:
     return (x.float() @ dequantize_int4(weight).T).to(x.dtype)
 
 
-def quantize_rows(x: Tensor, fp8: bool) -> tuple[Tensor, Tensor]:
-    """Dynamic per-token quantization of x [M, K]: codes (int8, or float8_e4m3fn) and float32
-    scales [M] = absmax / 127 (or / 448). Integer codes round half to even and saturate."""
+def quantize_rows(
+    x: Tensor, fp8: bool, static_scale: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Per-token quantization of x [M, K]: codes (int8, or float8_e4m3fn) and float32 scales [M].
+    Dynamic: scale = absmax / 127 (or / 448) per row. Static: every row takes `static_scale` [1],
+    the calibrated input_scale. Integer codes round half to even and saturate at -128..127."""
     rows = x.float()
-    scale = rows.abs().amax(dim=1) / (FP8_MAX if fp8 else INT8_MAX)
-    scale = torch.where(scale == 0, torch.full_like(scale, SCALE_EPS), scale)
+    if static_scale is None:
+        scale = rows.abs().amax(dim=1) / (FP8_MAX if fp8 else INT8_MAX)
+        scale = torch.where(scale == 0, torch.full_like(scale, SCALE_EPS), scale)
+    else:
+        scale = static_scale.float().reshape(1).expand(rows.shape[0]).contiguous()
     scaled = rows / scale[:, None]
     if fp8:
         return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_CODES), scale
-    return scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+    return scaled.round().clamp(INT8_MIN, INT8_MAX).to(torch.int8), scale
 
 
 def w8a8_linear(x: Tensor, weight: W8A8Weight) -> Tensor:
     """y = (q(x) @ W_codes^T) * scale_x[m] * scale_w[n] with q the per-token quantization above:
-    what the W8A8-INT8 and FP8 kernels compute, including their activation quantization."""
-    codes, x_scale = quantize_rows(x, weight.is_fp8)
+    what the W8A8-INT8 and FP8 kernels compute, including their activation quantization (dynamic,
+    or static with the weight's input_scale)."""
+    codes, x_scale = quantize_rows(x, weight.is_fp8, weight.input_scale)
     product = codes.float() @ weight.codes.float().T
     return (product * x_scale[:, None] * weight.scale[None, :].float()).to(x.dtype)

@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from llmq.errors import InputError
-from llmq.kernels.reference import FP8_MAX, INT8_MAX, SCALE_EPS
+from llmq.kernels.reference import FP8_MAX, INT8_MAX, INT8_MIN, SCALE_EPS
 from llmq.kernels.support import (
     DECODE_MAX_M,
     TileConfig,
@@ -43,6 +43,7 @@ ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: v + magic - magic rounds half to even
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _INT8_MAX = tl.constexpr(INT8_MAX)
+_INT8_MIN = tl.constexpr(INT8_MIN)
 _SCALE_EPS = tl.constexpr(SCALE_EPS)
 QUANT_BLOCK = 1024
 
@@ -70,24 +71,29 @@ def _round_to_e4m3(v):
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, codes_ptr, scale_ptr, K, stride_xm, stride_cm,
-    FP8: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, codes_ptr, scale_ptr, static_ptr, K, stride_xm, stride_cm,
+    FP8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """codes[m, :], scale[m] for row m = program 0's index: two passes over the row."""
+    """codes[m, :] and scale[m] of row m = program_id(0): dynamic (a pass for the absmax, one to
+    quantize), or static (the calibrated scale at static_ptr, one pass)."""
     row = tl.program_id(0)
     code_max: tl.constexpr = _FP8_MAX if FP8 else _INT8_MAX
-    peak = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, K, BLOCK):
-        ks = start + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + row * stride_xm + ks, mask=ks < K, other=0.0).to(tl.float32)
-        peak = tl.maximum(peak, tl.abs(v))
-    scale = tl.max(peak, axis=0) / code_max
-    scale = tl.where(scale == 0.0, _SCALE_EPS, scale)
+    code_min: tl.constexpr = -_FP8_MAX if FP8 else _INT8_MIN
+    if STATIC:
+        scale = tl.load(static_ptr)
+    else:
+        peak = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, K, BLOCK):
+            ks = start + tl.arange(0, BLOCK)
+            v = tl.load(x_ptr + row * stride_xm + ks, mask=ks < K, other=0.0).to(tl.float32)
+            peak = tl.maximum(peak, tl.abs(v))
+        scale = tl.max(peak, axis=0) / code_max
+        scale = tl.where(scale == 0.0, _SCALE_EPS, scale)
     tl.store(scale_ptr + row, scale)
     for start in range(0, K, BLOCK):
         ks = start + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + row * stride_xm + ks, mask=ks < K, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(v / scale, -code_max), code_max)
+        v = tl.minimum(tl.maximum(v / scale, code_min), code_max)
         if FP8:  # noqa: SIM108  (a constexpr branch, resolved when the kernel compiles)
             v = _round_to_e4m3(v)
         else:
@@ -137,17 +143,25 @@ def _w8a8_kernel(
     write_tile(out_ptr, result, rows, cols, row_ok, col_ok, stride_om, stride_on, SPLIT_K)
 
 
-def quantize_rows(x: Tensor, fp8: bool) -> tuple[Tensor, Tensor]:
-    """Per-token codes [M, K] (int8 or float8_e4m3fn) and float32 scales [M] of x [M, K]."""
+def quantize_rows(
+    x: Tensor, fp8: bool, static_scale: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Per-token codes [M, K] (int8 or float8_e4m3fn) and float32 scales [M] of x [M, K]: from
+    each row's range, or every row with `static_scale` (float32 [1]) when given."""
     check_matrix("x", x, ACTIVATION_DTYPES)
+    if static_scale is not None and (
+        static_scale.numel() != 1 or static_scale.dtype != torch.float32
+    ):
+        raise InputError("input_scale: expected one float32 value (a static per-tensor scale)")
     m, k = x.shape
     codes = torch.empty(m, k, dtype=FP8_CODES if fp8 else torch.int8, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         block = min(QUANT_BLOCK, triton.next_power_of_2(k))
         _quantize_rows_kernel[(m,)](
-            x, codes, scale, k, x.stride(0), codes.stride(0), FP8=fp8, BLOCK=block
-        )
+            x, codes, scale, scale if static_scale is None else static_scale, k,
+            x.stride(0), codes.stride(0), FP8=fp8, STATIC=static_scale is not None, BLOCK=block,
+        )  # fmt: skip
     return codes, scale
 
 
@@ -161,7 +175,7 @@ def _check(x: Tensor, weight: W8A8Weight) -> None:
         raise InputError(
             f"weight.scale: {weight.scale.shape[0]} scales for {weight.out_features} outputs"
         )
-    check_same_device(x=x, codes=weight.codes, scale=weight.scale)
+    check_same_device(x=x, codes=weight.codes, scale=weight.scale, input_scale=weight.input_scale)
 
 
 def w8a8_matmul(
@@ -178,7 +192,7 @@ def w8a8_matmul(
     config = config or choose_config(m, n, k, x.device)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    codes, x_scale = quantize_rows(x, weight.is_fp8)
+    codes, x_scale = quantize_rows(x, weight.is_fp8, weight.input_scale)
     target = out if config.split_k == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), config.split_k)
     w = weight.codes

@@ -59,10 +59,13 @@ class W4A16Weight:
 class W8A8Weight:
     """A W8A8 weight [out, in]: int8 codes (int-quantized) or float8_e4m3fn codes
     (float-quantized), symmetric, one float32 scale per output channel: w = code * scale[n].
-    Activations are quantized per token at run time to the same code type."""
+    Activations are quantized at run time to the same code type: per token from their own range,
+    or, when `input_scale` (float32 [1], calibrated; compressed-tensors' static input_scale) is
+    given, with that one scale."""
 
     codes: Tensor
     scale: Tensor  # float32 [out]
+    input_scale: Tensor | None = None
 
     @property
     def is_fp8(self) -> bool:
@@ -77,4 +80,5 @@ class W8A8Weight:
         return self.codes.shape[1]
 
     def to(self, device: torch.device | str) -> W8A8Weight:
-        return W8A8Weight(codes=self.codes.to(device), scale=self.scale.to(device))
+        static = None if self.input_scale is None else self.input_scale.to(device)
+        return W8A8Weight(self.codes.to(device), self.scale.to(device), static)

@@ -32,7 +32,8 @@ KERNEL_CHOICES: tuple[KernelChoice, ...] = ("auto", "triton", "torch")
 Kernel = Literal["w4a16", "w8a8"]
 SUPPORTED = (
     "W4A16 (int4 per group or per channel, symmetric or asymmetric, act-order g_idx), "
-    "W8A8-INT8 and FP8 (per-channel or per-tensor weights, dynamic per-token activations)"
+    "W8A8-INT8 and FP8 (per-channel or per-tensor weights; activations dynamic per token or "
+    "static per tensor)"
 )
 
 
@@ -47,15 +48,9 @@ def kernel_for(module: str, scheme: LinearScheme) -> Kernel:
     if w.type == "int" and w.num_bits == 4 and w.strategy in ("group", "channel") and a is None:
         return "w4a16"
     eight_bit = w.num_bits == 8 and w.symmetric and w.strategy in ("channel", "tensor")
-    if (
-        eight_bit
-        and a is not None
-        and a.type == w.type
-        and a.num_bits == 8
-        and a.strategy == "token"
-        and a.dynamic
-        and a.symmetric
-    ):
+    per_token = a is not None and a.strategy == "token" and a.dynamic
+    static = a is not None and a.strategy == "tensor" and not a.dynamic
+    if eight_bit and a is not None and a.type == w.type and a.symmetric and (per_token or static):
         return "w8a8"
     acts = "float" if a is None else f"{a.label} {'dynamic' if a.dynamic else 'static'}"
     raise InputError(
@@ -130,7 +125,7 @@ W4A16_SUFFIXES = (
     "weight_zero_point",
     "weight_g_idx",
 )
-W8A8_SUFFIXES = ("weight", "weight_scale")
+W8A8_SUFFIXES = ("weight", "weight_scale", "input_scale")
 
 
 def w4a16_weight(tensors: dict[str, Tensor], args: QuantArgs) -> W4A16Weight:
@@ -155,7 +150,12 @@ def w8a8_weight(tensors: dict[str, Tensor]) -> W8A8Weight:
     """The kernel's view of one int-quantized or float-quantized linear: per-channel scales."""
     codes = tensors["weight"]
     scale = tensors["weight_scale"].float().reshape(-1)
-    return W8A8Weight(codes=codes, scale=scale.expand(codes.shape[0]).contiguous())
+    static = tensors.get("input_scale")
+    return W8A8Weight(
+        codes=codes,
+        scale=scale.expand(codes.shape[0]).contiguous(),
+        input_scale=None if static is None else static.float().reshape(1),
+    )
 
 
 def quantized_linear(

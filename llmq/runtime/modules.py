@@ -82,13 +82,15 @@ class W8A8Linear(QuantizedLinear):
         super().__init__(weight.in_features, weight.out_features, bias, triton)
         self.register_buffer("codes", weight.codes)
         self.register_buffer("scale", weight.scale)
+        self.register_buffer("input_scale", weight.input_scale)
 
     def matmul(self, x: Tensor) -> Tensor:
-        return torch.ops.llmq.w8a8_linear(x, self.codes, self.scale, self.triton)
+        return torch.ops.llmq.w8a8_linear(x, self.codes, self.scale, self.input_scale, self.triton)
 
     def dequantized_weight(self, dtype: torch.dtype) -> Tensor:
         return (self.codes.float() * self.scale[:, None]).to(dtype)
 
     @property
     def label(self) -> str:
-        return "w8a8 fp8" if self.codes.dtype == FP8_CODES else "w8a8 int8"
+        kind = "w8a8 fp8" if self.codes.dtype == FP8_CODES else "w8a8 int8"
+        return kind if self.input_scale is None else f"{kind} static"

@@ -60,10 +60,12 @@ def w4a16_variants():
 def w8a8_variants():
     for fp8 in (False, True):
         codes = "*fp8e4nv" if fp8 else "*i8"
-        signature = {"x_ptr": "*bf16", "codes_ptr": codes, "scale_ptr": "*fp32", "K": "i32",
+        signature = {"x_ptr": "*bf16", "codes_ptr": codes, "scale_ptr": "*fp32",
+                     "static_ptr": "*fp32", "K": "i32",
                      "stride_xm": "i32", "stride_cm": "i32"}  # fmt: skip
-        yield (f"quantize rows fp8={fp8}", w8a8._quantize_rows_kernel, signature,
-               {"FP8": fp8, "BLOCK": 1024}, None)  # fmt: skip
+        for static in (False, True):
+            yield (f"quantize rows fp8={fp8} static={static}", w8a8._quantize_rows_kernel,
+                   signature, {"FP8": fp8, "STATIC": static, "BLOCK": 1024}, None)  # fmt: skip
         for m in (1, 64, 1024):
             config = with_split(w8a8.choose_config(m, 4096, 4096, CPU))
             out = "*fp32" if config.split_k > 1 else "*bf16"

@@ -25,7 +25,7 @@ def w4a16_args(triton: bool) -> tuple:
 
 def w8a8_args(triton: bool) -> tuple:
     w = weight_codes(64, 128, fp8=False)
-    return (activations(3, 128, torch.float16), w.codes, w.scale, triton)
+    return (activations(3, 128, torch.float16), w.codes, w.scale, None, triton)
 
 
 @pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])

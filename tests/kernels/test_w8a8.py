@@ -59,6 +59,37 @@ def test_reference_quantization_is_what_llmq_eval_simulates(fp8) -> None:
     assert torch.equal(codes.float() * scale[:, None], fake_quantize(x, args))
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8"])
+def test_static_scale_quantization_matches_reference_and_eval(fp8) -> None:
+    """One calibrated scale for every row; inputs beyond the calibrated range saturate (int8 at
+    -128 and 127, as llmq eval's static simulation does)."""
+    x = activations(9, 640, torch.float32)
+    static = torch.tensor([0.01 if not fp8 else 0.003])  # rows reach 900: far out of range
+    codes, scale = quantize_rows(x, fp8, static)
+    ref_codes, ref_scale = reference.quantize_rows(x, fp8, static)
+    assert torch.equal(scale, ref_scale) and torch.equal(scale, static.expand(9))
+    assert torch.equal(codes.view(torch.int8), ref_codes.view(torch.int8))
+    low, high = (-448.0, 448.0) if fp8 else (-128.0, 127.0)
+    assert codes.float().min() == low and codes.float().max() == high
+    args = QuantArgs(num_bits=8, type="float" if fp8 else "int", strategy="tensor")
+    assert torch.equal(ref_codes.float() * ref_scale[:, None], fake_quantize(x, args, static))
+    with pytest.raises(InputError, match="input_scale"):
+        quantize_rows(x, fp8, torch.tensor([1.0, 2.0]))
+
+
+def test_static_gemm_matches_float64() -> None:
+    weight = weight_codes(200, 1000, fp8=False)
+    static = torch.tensor([0.02])
+    weight = W8A8Weight(weight.codes, weight.scale, static)
+    x = activations(17, 1000, F16)
+    out = w8a8_matmul(x, weight, config=TileConfig("decode", 16, 64, 128, split_k=3))
+    codes, x_scale = reference.quantize_rows(x, False, static)
+    scales = x_scale.double()[:, None] * weight.scale.double()[None, :]
+    exact = (codes.double() @ weight.codes.double().T) * scales
+    magnitude = (codes.double().abs() @ weight.codes.double().abs().T) * scales
+    assert_within_bound(out, exact, magnitude, F16)
+
+
 def test_round_half_to_even_like_torch() -> None:
     # absmax 127 gives scale 1: the codes are the values rounded, ties to even
     x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5, -2.49]])

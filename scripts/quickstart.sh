@@ -10,3 +10,5 @@ mkdir -p runs
 llmq quantize smollm2-135m --out runs/smollm2-135m-w4a16 --scheme w4a16 --overwrite
 llmq quantize smollm2-135m --out runs/smollm2-135m-w8a8 --scheme w8a8 --overwrite
 llmq eval runs/smollm2-135m-w4a16 runs/smollm2-135m-w8a8 --baseline smollm2-135m --max-windows 16
+# Run the W4A16 checkpoint on llmq's kernels (Triton on a GPU, their torch reference on the CPU).
+llmq generate runs/smollm2-135m-w4a16 --prompt "The capital of France is" --max-new-tokens 16

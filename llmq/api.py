@@ -462,13 +462,9 @@ def load_quantized(
     """A transformers model whose quantized linears run llmq's kernels: Triton on a GPU, the torch
     reference of the same math on the CPU (kernels="triton" or "torch" forces one).
     dtype "auto": bfloat16 on a GPU, float32 on the CPU."""
-    from llmq.runtime.load import KERNEL_CHOICES
     from llmq.runtime.load import load_quantized as load
 
-    if kernels not in KERNEL_CHOICES:
-        raise InputError(
-            f"--kernels {kernels!r}", hint=f"choose one of: {', '.join(KERNEL_CHOICES)}"
-        )
+    _check_kernels(kernels)
     return load(_open(path), device=device, dtype=_dtype(dtype), kernels=kernels)  # type: ignore[arg-type]
 
 
@@ -526,7 +522,7 @@ def generate(
         text=tokenizer.decode(run.tokens, skip_special_tokens=True),
         new_tokens=len(run.tokens),
         prefill_seconds=run.prefill_seconds,
-        decode_tokens_per_second=(len(run.tokens) - 1) / max(run.decode_seconds, 1e-9),
+        decode_tokens_per_second=run.decode_tokens_per_second,
         device=str(next(model.parameters()).device),
         kernels=kernels_in_use(model),
     )

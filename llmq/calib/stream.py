@@ -82,7 +82,7 @@ class LayerStream:
         state_loader: StateLoader = read_plain_state,
         batch_size: int = 4,
     ) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         self.ckpt = ckpt
         self.layout = ckpt.layout
@@ -90,8 +90,7 @@ class LayerStream:
         self.dtype = dtype
         self.batch_size = batch_size
         self._load_state = state_loader
-        config_dict = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
-        self.config = AutoConfig.for_model(**config_dict)
+        self.config = ckpt.model_config()
         register_attention()
         with torch.device("meta"):
             self._skeleton = AutoModelForCausalLM.from_config(

@@ -59,6 +59,14 @@ class Checkpoint:
     def tied_embeddings(self) -> bool:
         return f"{self.layout.lm_head}.weight" not in self.tensors
 
+    def model_config(self) -> Any:
+        """The transformers config of the architecture, without `quantization_config`: llmq
+        builds plain float modules and applies (or simulates) the quantization itself."""
+        from transformers import AutoConfig
+
+        plain = {k: v for k, v in self.config.items() if k != "quantization_config"}
+        return AutoConfig.for_model(**plain)
+
     def has(self, name: str) -> bool:
         return name in self.tensors
 

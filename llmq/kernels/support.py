@@ -27,14 +27,6 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def runs_triton(x: Tensor) -> bool:
-    """Whether a quantized linear given input x runs a Triton kernel (CUDA, or the interpreter on
-    the CPU) rather than the torch reference."""
-    if not triton_installed():
-        return False
-    return x.is_cuda or (x.device.type == "cpu" and interpreting())
-
-
 def dot_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype that 16-bit tiles are multiplied in: their own, but float32 for bfloat16 in the
     interpreter."""

@@ -22,10 +22,11 @@ from torch import nn
 from llmq.config import QuantArgs, Scheme
 from llmq.errors import InputError
 from llmq.pack.format import PackFormat, compress
+from llmq.pack.reader import LinearScheme
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.quant.primitives import quantize_weight
 from llmq.runtime.generate import greedy_decode
-from llmq.runtime.load import Kernel, quantized_linear
+from llmq.runtime.load import Kernel, kernel_for, quantized_linear
 from llmq.runtime.modules import QuantizedLinear
 from llmq.runtime.timing import copies_for, median_seconds, read_bandwidth
 
@@ -164,9 +165,7 @@ def end_to_end(
     for model in (quantized, dense):
         greedy_decode(model, prompt[:, :8], max_new_tokens=2)
         run = greedy_decode(model, prompt, max_new_tokens=new_tokens)
-        rates.append(
-            (prompt_tokens / run.prefill_seconds, (new_tokens - 1) / max(run.decode_seconds, 1e-9))
-        )
+        rates.append((prompt_tokens / run.prefill_seconds, run.decode_tokens_per_second))
     (q_prefill, q_decode), (d_prefill, d_decode) = rates
     return EndToEnd(prompt_tokens, new_tokens, q_prefill, d_prefill, q_decode, d_decode)
 
@@ -176,9 +175,6 @@ def synthetic_linear(
 ) -> QuantizedLinear:
     """A quantized linear [N, K] of W ~ N(0, 0.02^2), quantized by llmq's own primitives and
     packed exactly as `llmq quantize` writes it."""
-    from llmq.pack.reader import LinearScheme
-    from llmq.runtime.load import kernel_for
-
     args: QuantArgs = scheme.weights
     if args.group_size is not None and shape.k % args.group_size:
         raise InputError(

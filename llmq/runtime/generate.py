@@ -16,6 +16,11 @@ class Decoded:
     prefill_seconds: float  # the prompt's forward pass, first new token included
     decode_seconds: float  # every later token, one forward pass each
 
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first per second: the first comes out of the prefill."""
+        return (len(self.tokens) - 1) / max(self.decode_seconds, 1e-9)
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":

@@ -69,13 +69,10 @@ def use_triton(kernels: KernelChoice, device: torch.device) -> bool:
 
 
 def _skeleton(ckpt: Checkpoint, dtype: torch.dtype) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.for_model(
-        **{k: v for k, v in ckpt.config.items() if k != "quantization_config"}
-    )
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(ckpt.model_config(), dtype=dtype)
 
 
 def _finish(

@@ -33,10 +33,13 @@ def run_observed(
     hessian: bool,
     samples: bool = False,
     on_batch: Callable[[], Any] | None = None,
+    keep: int | None = None,
+    in_place: bool = False,
 ) -> tuple[Tensor, dict[str, InputStats]]:
-    """Run `layer` on `hidden` and return its output and the input statistics of the named
-    linears (with sample rows when `samples`); linears that share an input share one
-    InputStats (computed once)."""
+    """Run `layer` on `hidden` and return its output (all of it, the first `keep` samples, or
+    written over `hidden` when `in_place`: see `LayerStream.run_layer`) and the input statistics
+    of the named linears (with sample rows when `samples`); linears that share an input share
+    one InputStats (computed once)."""
     owners = shared_input_owners(stream, names)
     observed: dict[str, InputStats] = {}
 
@@ -50,7 +53,9 @@ def run_observed(
         observed[name].update(x)
 
     with input_hooks(layer, names, observe):
-        output = stream.run_layer(layer, hidden, on_batch=on_batch)
+        output = stream.run_layer(
+            layer, hidden, on_batch=on_batch, keep=keep, in_place=in_place
+        )
     return output, {name: observed[owner] for name, owner in owners.items()}
 
 
@@ -73,8 +78,9 @@ def collect_stats(
             batches = len(list(stream.batches(hidden)))
             with progress.stage(f"layer {index}", total=batches, transient=True) as step:
                 hidden, observed = run_observed(
-                    stream, layer, names, hidden, hessian=hessian, on_batch=lambda: step(1)
-                )
+                    stream, layer, names, hidden, hessian=hessian, on_batch=lambda: step(1),
+                    in_place=True,
+                )  # fmt: skip
             prefix = stream.layout.layer_prefix(index)
             stats.inputs.update({prefix + name: s for name, s in observed.items()})
             advance(1)

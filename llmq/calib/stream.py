@@ -136,20 +136,36 @@ class LayerStream:
 
     @torch.inference_mode()
     def run_layer(
-        self, layer: nn.Module, hidden: Tensor, *, on_batch: Callable[[], Any] | None = None
+        self,
+        layer: nn.Module,
+        hidden: Tensor,
+        *,
+        on_batch: Callable[[], Any] | None = None,
+        keep: int | None = None,
+        in_place: bool = False,
     ) -> Tensor:
         """Apply one decoder layer to `hidden` [samples, seq, hidden], in micro-batches.
 
         Attention is causal: with no mask, SDPA applies its own causal masking, which is exact
         for unpadded windows of equal length (all llmq calibration and evaluation windows).
+
+        Activations are the largest thing the pipeline holds (128 x 512 tokens of a 70B model
+        are 2 GB a copy), so callers say what they need: `keep` returns only the first `keep`
+        samples' outputs (the rest run for the input hooks' sake), `in_place` writes the
+        outputs over `hidden` when the caller has no further use for the inputs.
         """
-        out = torch.empty_like(hidden)
+        if in_place and keep is not None:
+            raise ValueError("run_layer: keep and in_place exclude each other")
+        kept = hidden.shape[0] if keep is None else min(keep, hidden.shape[0])
+        out = hidden if in_place else torch.empty_like(hidden[:kept])
         position_embeddings = self._position_embeddings(hidden[:1])
         for rows in self.batches(hidden):
             result = layer(
                 hidden[rows], attention_mask=None, position_embeddings=position_embeddings
             )
-            out[rows] = result[0] if isinstance(result, tuple) else result
+            result = result[0] if isinstance(result, tuple) else result
+            stored = max(0, min(rows.stop, kept) - rows.start)
+            out[rows.start : rows.start + stored] = result[:stored]
             if on_batch is not None:
                 on_batch()
         return out

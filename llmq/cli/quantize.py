@@ -65,7 +65,7 @@ def quantize(
     clip: Annotated[
         str | None,
         typer.Option(
-            help="Per-group range: none (min/max); mse (shrink factor minimising the weight error); output (shrink factor minimising the group's output error on the calibration data, as AWQ's clip search). Default: the preset's (mse for fp8, none otherwise)."
+            help="Per-group range: none (min/max); mse (shrink factor minimising the weight error); output (shrink factor minimising the group's output error on the calibration data, as AWQ's clip search). Default: output for gptq, awq and awq+gptq on int4 weights; otherwise the preset's (mse for fp8, none for the rest)."
         ),
     ] = None,
     dampening_frac: Annotated[

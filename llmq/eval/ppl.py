@@ -72,7 +72,7 @@ def perplexity(
             kv = view.kv_quantizer(ckpt, prefix + stream.layout.attention)
             attention = layer.get_submodule(stream.layout.attention)
             with activation_quantization(layer, inputs), kv_hook(attention, kv):
-                hidden = stream.run_layer(layer, hidden)
+                hidden = stream.run_layer(layer, hidden, in_place=True)
             advance(1)
     nll, count = stream.token_nll(hidden, windows.input_ids)
     return Perplexity(

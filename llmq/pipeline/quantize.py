@@ -1,10 +1,11 @@
 """The layer pipeline: embeddings once, then one decoder layer at a time.
 
 For each layer: load it from the shards, observe its linear inputs on the calibration batch
-(full precision outputs kept as the reference), quantize its linears with the chosen method,
-run it again quantized (activations too, when the scheme quantizes them) to get the next
-layer's inputs and the layer's output error, write its packed tensors, and record it for
---resume. Peak memory is about one layer plus the activations, whatever the model size.
+(full precision outputs of the first REPORT_WINDOWS windows kept as the reference), quantize its
+linears with the chosen method, run it again quantized (activations too, when the scheme
+quantizes them) over its own inputs to get the next layer's inputs and the layer's output
+error, write its packed tensors, and record it for --resume. Peak memory is about one layer
+plus one copy of the activations, whatever the model size.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ from llmq.quant.observers import observe_scale
 from llmq.quant.rtn import rtn_quantize_weight
 
 log = logging.getLogger(__name__)
-RTN_COMPARISON_WINDOWS = 16  # enough for a comparison, a fraction of a pass at 128 windows
+# The layer-output errors (the method's, and plain RTN's for comparison) are measured on the
+# first windows: enough for a comparison, and a fraction of the activations' memory and of a pass.
+REPORT_WINDOWS = 16
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 RECORD_FILE = "llmq.json"
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
@@ -62,10 +65,11 @@ class LinearReport:
 @dataclass(frozen=True, slots=True)
 class LayerReport:
     index: int
-    output_rel_rmse: float | None  # ||Y_q - Y|| / ||Y|| on the calibration batch; None: no data
+    # ||Y_q - Y|| / ||Y|| on the first REPORT_WINDOWS calibration windows; None: no data
+    output_rel_rmse: float | None
     seconds: float
     linears: list[LinearReport]
-    # The same layer and inputs with plain RTN, on the first RTN_COMPARISON_WINDOWS windows.
+    # The same layer and inputs with plain RTN, on the same windows.
     rtn_output_rel_rmse: float | None = None
     scales: list[ScaleReport] = field(default_factory=list)  # AWQ's folds
 
@@ -178,7 +182,7 @@ def _quantize_layer(
     compare = hidden is not None and method.name != "rtn"  # report what plain RTN would give
     passes = 0 if hidden is None else 2 * _batches(stream, hidden)
     if compare:
-        passes += _batches(stream, hidden[:RTN_COMPARISON_WINDOWS])
+        passes += _batches(stream, hidden[:REPORT_WINDOWS])
     attention = layer.get_submodule(stream.layout.attention)
     with progress.stage(f"layer {index}", total=passes, transient=True) as step:
         reference, observed, output, rtn_error = None, {}, None, None
@@ -188,6 +192,7 @@ def _quantize_layer(
                 reference, observed = run_observed(
                     stream, layer, list(local), hidden, hessian=method.needs_hessian,
                     samples=_needs_samples(recipe), on_batch=lambda: step(1),
+                    keep=REPORT_WINDOWS,
                 )  # fmt: skip
         stats = {name: _stats_for(calib_stats, observed, prefix, name) for name in local}
         kv = _kv_quantization(recipe, kv_range, local)
@@ -201,10 +206,12 @@ def _quantize_layer(
             layer, local, stats, method, scheme_format(recipe.scheme), rtn_errors
         )
         inputs = _input_quantization(local, stats, recipe)
-        if reference is not None:
-            output = _run_quantized(stream, layer, inputs, kv, hidden, lambda: step(1))
+        if reference is not None:  # the inputs are spent: the outputs take their place
+            output = _run_quantized(
+                stream, layer, inputs, kv, hidden, lambda: step(1), in_place=True
+            )
             _check_finite(output, f"the output of layer {index}")
-    error = None if reference is None else _relative_rmse(output, reference)
+    error = None if reference is None else _relative_rmse(output[:REPORT_WINDOWS], reference)
     tensors.update(_scale_tensors(inputs, kv, stream.layout.attention))
     tensors = {f"{prefix}{key}": value for key, value in tensors.items()}
     tensors.update(_other_layer_tensors(stream.ckpt, layer, prefix, local))
@@ -302,7 +309,7 @@ def _compare_with_rtn(
     on_batch: Callable[[], Any],
 ) -> tuple[dict[str, float | None], float]:
     """What plain RTN would give: each linear's output error, and the layer's output error on
-    the first windows (its weights swapped in and back, so no second copy of the layer)."""
+    the reference windows (its weights swapped in and back, so no second copy of the layer)."""
     originals: dict[str, Tensor] = {}
     errors: dict[str, float | None] = {}
     for name, linear in local.items():
@@ -311,12 +318,11 @@ def _compare_with_rtn(
         q = rtn_quantize_weight(weight, linear.args, scale_dtype=_TORCH_DTYPES[linear.dtype])
         module.weight.data = q.dequantize(weight.dtype)
         errors[name] = _output_error(module.weight.data - weight, weight, stats[name])
-    few = hidden[:RTN_COMPARISON_WINDOWS]
     inputs = _input_quantization(local, stats, recipe)
-    output = _run_quantized(stream, layer, inputs, kv, few, on_batch)
+    output = _run_quantized(stream, layer, inputs, kv, hidden[: len(reference)], on_batch)
     for name, weight in originals.items():
         layer.get_submodule(name).weight.data = weight
-    return errors, _relative_rmse(output, reference[:RTN_COMPARISON_WINDOWS])
+    return errors, _relative_rmse(output, reference)
 
 
 def _run_quantized(
@@ -326,11 +332,14 @@ def _run_quantized(
     kv: KVQuantizer | None,
     hidden: Tensor,
     on_batch: Callable[[], Any],
+    *,
+    in_place: bool = False,
 ) -> Tensor:
-    """The layer's output with its linear inputs (and KV cache) quantized as the recipe says."""
+    """The layer's output with its linear inputs (and KV cache) quantized as the recipe says
+    (written over `hidden` when `in_place`)."""
     attention = layer.get_submodule(stream.layout.attention)
     with activation_quantization(layer, inputs), kv_hook(attention, kv):
-        return stream.run_layer(layer, hidden, on_batch=on_batch)
+        return stream.run_layer(layer, hidden, on_batch=on_batch, in_place=in_place)
 
 
 def _output_error(delta: Tensor, weight: Tensor, stats: InputStats | None) -> float | None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import llmq
-from llmq.calib.stats import CalibStats, InputStats
+from llmq.calib.stats import CalibStats, InputStats, add_gram
 from llmq.errors import InputError
 
 
@@ -25,6 +25,20 @@ def test_accumulators_match_float64_reference() -> None:
     torch.testing.assert_close(
         stats.hessian.double(), 2 * x.T @ x / x.shape[0], rtol=1e-5, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("width, block", [(150, 64), (128, 64), (40, 256)])
+def test_gram_from_upper_blocks_matches_float64(width: int, block: int) -> None:
+    torch.manual_seed(1)
+    start = torch.randn(width, width)
+    start = start @ start.T  # any symmetric running value
+    rows = torch.randn(300, width)
+    target = start.clone()
+    add_gram(target, rows, beta=0.25, alpha=0.5, block=block)
+    x = rows.double()
+    expected = 0.25 * start.double() + 0.5 * x.T @ x
+    torch.testing.assert_close(target.double(), expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(target, target.T)  # mirrored exactly, not computed twice
 
 
 def test_calibrate_writes_reusable_stats(tmp_path: Path, tiny_llama: Path) -> None:

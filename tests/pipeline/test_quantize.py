@@ -401,3 +401,19 @@ def test_skip_layer_check_writes_the_same_weights(tmp_path: Path, tiny_llama: Pa
         ).read_bytes()
     with pytest.raises(InputError, match="needs calibration data"):
         llmq.make_recipe(method="gptq", skip_layer_check=True)
+
+
+@pytest.mark.parametrize(
+    "scheme, method, clip",
+    [
+        ("w4a16", "gptq", "output"),  # calibrated int4: the output-error clip search
+        ("w4a16-asym", "awq", "output"),
+        ("w4a16", "awq+gptq", "output"),
+        ("w4a16", "rtn", "none"),  # data-free by default
+        ("w8a8", "gptq", "none"),  # int8 keeps its range
+        ("fp8", "rtn", "mse"),  # the preset's own
+    ],
+)
+def test_default_clip_follows_scheme_and_method(scheme: str, method: str, clip: str) -> None:
+    assert llmq.make_recipe(scheme=scheme, method=method).clip == clip
+    assert llmq.make_recipe(scheme=scheme, method=method, clip="none").clip == "none"

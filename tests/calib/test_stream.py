@@ -1,0 +1,61 @@
+"""LayerStream.run_layer: what it returns when callers keep only part of the outputs, or none of
+the inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmq.calib.collect import run_observed
+from llmq.calib.stream import LayerStream
+from llmq.io.checkpoint import open_checkpoint
+
+
+@pytest.fixture(scope="module")
+def stream_and_layer(tiny_llama: Path) -> tuple[LayerStream, torch.nn.Module]:
+    stream = LayerStream(open_checkpoint(tiny_llama), device="cpu", batch_size=2)
+    return stream, stream.load_layer(0)
+
+
+def _hidden(stream: LayerStream, samples: int = 5) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(4)
+    return torch.randn(samples, 24, stream.config.hidden_size, generator=generator)
+
+
+def test_keep_returns_the_leading_outputs_of_a_full_run(stream_and_layer) -> None:
+    stream, layer = stream_and_layer
+    hidden = _hidden(stream)
+    full = stream.run_layer(layer, hidden)
+    window = layer(hidden[3:4], attention_mask=None, position_embeddings=stream._rotary(
+        hidden[:1], torch.arange(24).unsqueeze(0)))  # fmt: skip
+    window = window[0] if isinstance(window, tuple) else window
+    torch.testing.assert_close(full[3:4], window)  # micro-batching changes nothing
+    for keep in (0, 3, 9):  # inside a micro-batch, none, more than there are
+        kept = stream.run_layer(layer, hidden, keep=keep)
+        assert kept.shape[0] == min(keep, 5)
+        assert torch.equal(kept, full[:keep])
+
+
+def test_in_place_overwrites_the_inputs_with_the_outputs(stream_and_layer) -> None:
+    stream, layer = stream_and_layer
+    hidden = _hidden(stream)
+    expected = stream.run_layer(layer, hidden)
+    out = stream.run_layer(layer, hidden, in_place=True)
+    assert out.data_ptr() == hidden.data_ptr()
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="exclude"):
+        stream.run_layer(layer, hidden, keep=1, in_place=True)
+
+
+def test_statistics_see_every_sample_whatever_is_kept(stream_and_layer) -> None:
+    stream, layer = stream_and_layer
+    hidden = _hidden(stream)
+    names = ["self_attn.q_proj", "mlp.down_proj"]
+    _, everything = run_observed(stream, layer, names, hidden, hessian=True)
+    kept, partial = run_observed(stream, layer, names, hidden, hessian=True, keep=1)
+    assert kept.shape[0] == 1
+    for name in names:
+        assert partial[name].num_tokens == everything[name].num_tokens == 5 * 24
+        assert torch.equal(partial[name].hessian, everything[name].hessian)

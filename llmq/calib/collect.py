@@ -53,9 +53,7 @@ def run_observed(
         observed[name].update(x)
 
     with input_hooks(layer, names, observe):
-        output = stream.run_layer(
-            layer, hidden, on_batch=on_batch, keep=keep, in_place=in_place
-        )
+        output = stream.run_layer(layer, hidden, on_batch=on_batch, keep=keep, in_place=in_place)
     return output, {name: observed[owner] for name, owner in owners.items()}
 
 

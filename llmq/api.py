@@ -19,7 +19,6 @@ from llmq.config import (
     SCAN_SHARE_THRESHOLD,
     CalibConfig,
     Recipe,
-    Scheme,
     build,
     get_scheme,
     parse_smooth,
@@ -116,7 +115,7 @@ def make_recipe(
         raise InputError(
             f"--skip-layer-check: {method} needs calibration data", hint="only rtn can skip it"
         )
-    clip = default_clip(preset, method) if clip is None else clip
+    clip = preset.clip_for(method) if clip is None else clip
     if clip == "output" and skip_layer_check:
         raise InputError("--clip output weighs errors by calibration data; drop --skip-layer-check")
 
@@ -153,18 +152,6 @@ def make_recipe(
     assert isinstance(recipe, Recipe)
     get_method(recipe)  # an unknown method fails here, before any work
     return recipe
-
-
-def default_clip(preset: Scheme, method: str) -> str:
-    """The clip search a scheme and method get unless --clip says otherwise: the preset's
-    (mse for fp8), and for calibrated methods on int4 weights the search on the output error of
-    the calibration data. GPTQ and AWQ already read that data; on the default model the search
-    halved GPTQ W4A16's perplexity increase in domain and took it below RTN's out of domain
-    (benchmarks/RESULTS.md). Int8 weights lose little to rounding, so they keep their range."""
-    weights = preset.weights
-    if preset.default_clip == "none" and method != "rtn" and weights.num_bits == 4:
-        return "output"
-    return preset.default_clip
 
 
 def quantize(

@@ -24,6 +24,7 @@ from llmq.quant.primitives import (
     QuantizedWeight,
     as_groups,
     choose_qparams,
+    int_range,
     quantize_grouped,
     scale_codes,
 )
@@ -79,28 +80,31 @@ def gptq_quantize_weight(
     )
     w, h = w[:, order], h[order][:, order]
     hinv, used_frac = _inverse_hessian_factor(h, dampening_frac)
-    codes = torch.empty(rows, cols, dtype=_code_dtype(args), device=w.device)
     loss = torch.zeros((), dtype=work, device=w.device)
     columns = order.tolist()
     block_size = _aligned_block(block_size, args)
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
         block = w[:, start:end].clone()
-        errors = torch.zeros_like(block)
         hinv_block = hinv[start:end, start:end]
+        diagonal = hinv_block.diagonal()
+        # Row i: Hinv[i, j] / Hinv[i, i], so that a column's rounding residual updates the
+        # later columns in one fused multiply-add (a few small ops per column: on a CPU the
+        # per-column op count, not the arithmetic, is GPTQ's cost).
+        spread = hinv_block / diagonal.unsqueeze(1)
+        residuals = torch.empty_like(block)
         for i in range(end - start):
             column = columns[start + i]
-            params.start_group(column, w_block=block, block_start=start, position=start + i)
-            code, value = params.quantize_column(block[:, i], column)
-            codes[:, column] = code
-            diagonal = hinv_block[i, i]
-            error = (block[:, i] - value) / diagonal
-            loss += error.pow(2).sum() / 2
-            block[:, i:] -= error.unsqueeze(1) * hinv_block[i, i:].unsqueeze(0)
-            errors[:, i] = error
+            if params.lazy:
+                params.start_group(column, w_block=block, block_start=start, position=start + i)
+            residual = block[:, i] - params.quantize_column(block[:, i], column)
+            block[:, i + 1 :].addr_(residual, spread[i, i + 1 :], alpha=-1)
+            residuals[:, i] = residual
+        errors = residuals / diagonal
+        loss += errors.pow(2).sum() / 2
         w[:, end:] -= errors @ hinv[start:end, end:]
     scale, zero = params.stored()
-    return GPTQResult(QuantizedWeight(codes, scale, zero, args), float(loss), used_frac)
+    return GPTQResult(QuantizedWeight(params.codes, scale, zero, args), float(loss), used_frac)
 
 
 def _code_dtype(args: QuantArgs) -> torch.dtype:
@@ -160,9 +164,14 @@ class _QParams:
         self.ratio = clip_ratio
         self.group = int(args.group_size) if args.strategy == "group" else weight.shape[1]
         self.lazy = lazy and args.strategy == "group"
+        self.int_range = int_range(args.num_bits)
         rows, cols = weight.shape
         self.scale = torch.empty(rows, cols // self.group, dtype=scale_dtype, device=weight.device)
         self.zero = None if args.symmetric or args.type == "float" else self.scale.to(torch.int8)
+        # float64 copies of the above, read once per column
+        self.scale64 = self.scale.to(torch.float64)
+        self.zero64 = None if self.zero is None else self.scale64.clone()
+        self.codes = torch.empty(rows, cols, dtype=_code_dtype(args), device=weight.device)
         if not self.lazy:
             self._set(slice(None), weight)
 
@@ -176,8 +185,10 @@ class _QParams:
             scale_dtype=self.scale_dtype,
         )
         self.scale[:, groups] = scale.expand(self.scale[:, groups].shape)
+        self.scale64[:, groups] = self.scale[:, groups].to(torch.float64)
         if self.zero is not None and zero is not None:
             self.zero[:, groups] = zero
+            self.zero64[:, groups] = zero.to(torch.float64)
 
     def start_group(self, column: int, *, w_block: Tensor, block_start: int, position: int) -> None:
         """Lazy mode: at a group's first column, set its range from the updated weights (the
@@ -188,14 +199,25 @@ class _QParams:
         group = column // self.group
         self._set(slice(group, group + 1), w_block[:, local : local + self.group])
 
-    def quantize_column(self, values: Tensor, column: int) -> tuple[Tensor, Tensor]:
-        """Codes of one column and their dequantized values (in the working dtype)."""
+    def quantize_column(self, values: Tensor, column: int) -> Tensor:
+        """Quantize one column: its codes are recorded, its dequantized values returned (in the
+        working dtype). Integer codes are rounded in float64 as `quantize_grouped` rounds them,
+        in fewer ops; FP8 goes through `quantize_grouped` itself."""
         group = column // self.group
-        scale = self.scale[:, group : group + 1]
-        zero = None if self.zero is None else self.zero[:, group : group + 1]
-        code = quantize_grouped(values.reshape(-1, 1, 1), scale, zero, self.args).reshape(-1)
-        zero = None if zero is None else zero.reshape(-1)
-        return code, scale_codes(code, scale.reshape(-1), zero, dtype=values.dtype)
+        scale = self.scale64[:, group]
+        zero = None if self.zero64 is None else self.zero64[:, group]
+        if self.args.type == "float":
+            code = quantize_grouped(values.reshape(-1, 1, 1), scale.unsqueeze(1), None, self.args)
+            self.codes[:, column] = code.reshape(-1)
+            return scale_codes(code.reshape(-1), scale, None, dtype=values.dtype)
+        scaled = values.to(torch.float64) / scale
+        if zero is not None:
+            scaled += zero
+        code = scaled.round_().clamp_(*self.int_range)
+        self.codes[:, column] = code
+        if zero is not None:
+            code -= zero
+        return (code * scale).to(values.dtype)
 
     def stored(self) -> tuple[Tensor, Tensor | None]:
         """Scale and zero point in the layout `QuantizedWeight` stores."""

@@ -1,5 +1,5 @@
 """LayerStream.run_layer: what it returns when callers keep only part of the outputs, or none of
-the inputs."""
+the inputs; activation quantization of inputs that linears share."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from llmq.calib.collect import run_observed
-from llmq.calib.stream import LayerStream
+from llmq.calib.stream import LayerStream, activation_quantization, input_hooks
+from llmq.config import QuantArgs
 from llmq.io.checkpoint import open_checkpoint
+from llmq.quant.primitives import fake_quantize
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +61,33 @@ def test_statistics_see_every_sample_whatever_is_kept(stream_and_layer) -> None:
     for name in names:
         assert partial[name].num_tokens == everything[name].num_tokens == 5 * 24
         assert torch.equal(partial[name].hessian, everything[name].hessian)
+
+
+def _int8(dynamic: bool) -> QuantArgs:
+    return QuantArgs(num_bits=8, type="int", symmetric=True, strategy="token" if dynamic else "tensor",
+                     dynamic=dynamic)  # fmt: skip
+
+
+def test_shared_inputs_are_quantized_once_with_the_same_result(stream_and_layer, monkeypatch):
+    stream, layer = stream_and_layer
+    hidden = _hidden(stream)
+    names = [name for group in stream.layout.sequential for name in group]
+    dynamic = {name: (_int8(True), None) for name in names}
+    # k_proj has its own static scale: it must not reuse q_proj's (dynamic) result
+    mixed = {**dynamic, "self_attn.k_proj": (_int8(False), torch.tensor([0.05]))}
+    for inputs in (dynamic, mixed):
+        with input_hooks(layer, names, lambda name, x, i=inputs: fake_quantize(x, *i[name])):
+            expected = stream.run_layer(layer, hidden)
+        calls: list[torch.Tensor] = []
+
+        def counted(x, *spec, calls=calls):
+            calls.append(x)
+            return fake_quantize(x, *spec)
+
+        monkeypatch.setattr("llmq.calib.stream.fake_quantize", counted)
+        with activation_quantization(layer, inputs):
+            got = stream.run_layer(layer, hidden)
+        monkeypatch.undo()
+        assert torch.equal(got, expected)
+        distinct = 4 if inputs is dynamic else 5  # q/v, o, gate/up, down (+ k with its own)
+        assert len(calls) == distinct * len(list(stream.batches(hidden)))

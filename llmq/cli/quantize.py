@@ -89,7 +89,7 @@ def quantize(
     smooth: Annotated[
         str,
         typer.Option(
-            help="SmoothQuant (schemes that quantize activations): ALPHA in [0, 1] moves that share of the activation outliers' range into the weights, s_j = max|x_j|^ALPHA / max|w_j|^(1-ALPHA), folded into the preceding norm/linear (0.5 is the paper's default); auto searches ALPHA per norm/linear on the calibration data (and may leave one unscaled); none: off."
+            help="SmoothQuant (schemes that quantize activations): ALPHA in [0, 1] moves that share of the activation outliers' range into the weights, s_j = max|x_j|^ALPHA / max|w_j|^(1-ALPHA), folded into the preceding norm (or v_proj where the widths match; 0.5 is the paper's default); auto searches ALPHA per pairing on the calibration data, up_proj -> down_proj included, and may leave one unscaled; none: off."
         ),
     ] = "none",
     activations: Annotated[

@@ -30,6 +30,18 @@ class DecoderLayout:
     # rows do; used only where its out_features equal the consumers' in_features, so not for
     # v_proj -> o_proj under grouped-query attention).
     smooth: tuple[tuple[str, tuple[str, ...]], ...]
+    # Producers that a fixed SmoothQuant alpha folds into: the norms and v_proj, as in the paper
+    # and llm-compressor. up_proj -> down_proj is left to `--smooth auto`, which measures whether
+    # scaling helps: the down_proj input (SiLU(gate) · up) is not normalized, and alpha 0.8 there
+    # made the default model's W8A8 out-of-domain perplexity increase 1.6x (benchmarks/RESULTS.md).
+    fixed_alpha_producers: tuple[str, ...]
+
+    def smoothing_pairs(self, smooth: float | str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """The pairings SmoothQuant scales: all of them for "auto" (its search may leave any
+        unscaled), those of `fixed_alpha_producers` for a fixed alpha."""
+        if smooth == "auto":
+            return self.smooth
+        return tuple(pair for pair in self.smooth if pair[0] in self.fixed_alpha_producers)
 
     @property
     def linears(self) -> tuple[str, ...]:
@@ -59,6 +71,7 @@ _LLAMA_LIKE = DecoderLayout(
         ("post_attention_layernorm", _MLP_IN),
         ("mlp.up_proj", ("mlp.down_proj",)),
     ),
+    fixed_alpha_producers=("input_layernorm", "self_attn.v_proj", "post_attention_layernorm"),
 )
 
 FAMILY_LAYOUT: dict[str, DecoderLayout] = {

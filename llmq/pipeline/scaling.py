@@ -95,8 +95,8 @@ def apply_smoothquant(
     stats: dict[str, InputStats | None],
     smooth: float | str,
 ) -> tuple[dict[str, InputStats | None], list[ScaleReport]]:
-    """Fold SmoothQuant scales (alpha `smooth`, or "auto": searched per pairing) into every
-    pairing whose consumers all have quantized weights and inputs. Returns the consumers'
+    """Fold SmoothQuant scales (alpha `smooth`, or "auto": searched per pairing) into the
+    family's SmoothQuant pairings whose consumers all have quantized weights and inputs. Returns the consumers'
     statistics after scaling and, per pairing, the output error change on the sample rows."""
     quantizers = {
         name: search_quantizer(args[name], scale_dtypes[name])
@@ -106,7 +106,7 @@ def apply_smoothquant(
     alphas = AUTO_ALPHAS if smooth == "auto" else (float(smooth),)
     stats = dict(stats)
     reports = []
-    for producer, consumers in layout.smooth:
+    for producer, consumers in layout.smoothing_pairs(smooth):
         shared = _foldable_stats(layer, producer, consumers, quantizers, stats)
         if shared is None or shared.samples is None or len(shared.samples) == 0:
             continue

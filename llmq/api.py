@@ -273,11 +273,14 @@ def _apply_fallback(
 
 
 def _check_pairings(ckpt: Any, recipe: Recipe) -> None:
-    """AWQ folds scales into the norms and linears the family table pairs; refuse without."""
+    """AWQ and SmoothQuant fold scales into the pairings the family table gives (a fixed
+    SmoothQuant alpha into fewer of them); refuse when there are none."""
     from llmq.quant.methods import get_method
 
+    layout = ckpt.layout
+    pairs = layout.smooth if recipe.smooth is None else layout.smoothing_pairs(recipe.smooth)
     scaled = get_method(recipe).awq is not None or recipe.smooth is not None
-    if scaled and not ckpt.layout.smooth:
+    if scaled and not pairs:
         option = f"--method {recipe.method}" if recipe.smooth is None else "--smooth"
         raise InputError(
             f"{option}: llmq has no norm/linear pairings for "

@@ -96,8 +96,9 @@ def apply_smoothquant(
     smooth: float | str,
 ) -> tuple[dict[str, InputStats | None], list[ScaleReport]]:
     """Fold SmoothQuant scales (alpha `smooth`, or "auto": searched per pairing) into the
-    family's SmoothQuant pairings whose consumers all have quantized weights and inputs. Returns the consumers'
-    statistics after scaling and, per pairing, the output error change on the sample rows."""
+    family's SmoothQuant pairings (`DecoderLayout.smoothing_pairs`) whose consumers all have
+    quantized weights and inputs. Returns the consumers' statistics after scaling and, per
+    pairing, the output error change on the sample rows."""
     quantizers = {
         name: search_quantizer(args[name], scale_dtypes[name])
         for name in args

@@ -24,7 +24,6 @@ from llmq.quant.primitives import (
     QuantizedWeight,
     as_groups,
     choose_qparams,
-    int_range,
     quantize_grouped,
     scale_codes,
 )
@@ -95,8 +94,7 @@ def gptq_quantize_weight(
         residuals = torch.empty_like(block)
         for i in range(end - start):
             column = columns[start + i]
-            if params.lazy:
-                params.start_group(column, w_block=block, block_start=start, position=start + i)
+            params.start_group(column, w_block=block, block_start=start, position=start + i)
             residual = block[:, i] - params.quantize_column(block[:, i], column)
             block[:, i + 1 :].addr_(residual, spread[i, i + 1 :], alpha=-1)
             residuals[:, i] = residual
@@ -164,13 +162,9 @@ class _QParams:
         self.ratio = clip_ratio
         self.group = int(args.group_size) if args.strategy == "group" else weight.shape[1]
         self.lazy = lazy and args.strategy == "group"
-        self.int_range = int_range(args.num_bits)
         rows, cols = weight.shape
         self.scale = torch.empty(rows, cols // self.group, dtype=scale_dtype, device=weight.device)
         self.zero = None if args.symmetric or args.type == "float" else self.scale.to(torch.int8)
-        # float64 copies of the above, read once per column
-        self.scale64 = self.scale.to(torch.float64)
-        self.zero64 = None if self.zero is None else self.scale64.clone()
         self.codes = torch.empty(rows, cols, dtype=_code_dtype(args), device=weight.device)
         if not self.lazy:
             self._set(slice(None), weight)
@@ -185,10 +179,8 @@ class _QParams:
             scale_dtype=self.scale_dtype,
         )
         self.scale[:, groups] = scale.expand(self.scale[:, groups].shape)
-        self.scale64[:, groups] = self.scale[:, groups].to(torch.float64)
         if self.zero is not None and zero is not None:
             self.zero[:, groups] = zero
-            self.zero64[:, groups] = zero.to(torch.float64)
 
     def start_group(self, column: int, *, w_block: Tensor, block_start: int, position: int) -> None:
         """Lazy mode: at a group's first column, set its range from the updated weights (the
@@ -201,23 +193,14 @@ class _QParams:
 
     def quantize_column(self, values: Tensor, column: int) -> Tensor:
         """Quantize one column: its codes are recorded, its dequantized values returned (in the
-        working dtype). Integer codes are rounded in float64 as `quantize_grouped` rounds them,
-        in fewer ops; FP8 goes through `quantize_grouped` itself."""
+        working dtype)."""
         group = column // self.group
-        scale = self.scale64[:, group]
-        zero = None if self.zero64 is None else self.zero64[:, group]
-        if self.args.type == "float":
-            code = quantize_grouped(values.reshape(-1, 1, 1), scale.unsqueeze(1), None, self.args)
-            self.codes[:, column] = code.reshape(-1)
-            return scale_codes(code.reshape(-1), scale, None, dtype=values.dtype)
-        scaled = values.to(torch.float64) / scale
-        if zero is not None:
-            scaled += zero
-        code = scaled.round_().clamp_(*self.int_range)
+        scale = self.scale[:, group : group + 1]
+        zero = None if self.zero is None else self.zero[:, group : group + 1]
+        code = quantize_grouped(values.reshape(-1, 1, 1), scale, zero, self.args).reshape(-1)
         self.codes[:, column] = code
-        if zero is not None:
-            code -= zero
-        return (code * scale).to(values.dtype)
+        zero = None if zero is None else zero.reshape(-1)
+        return scale_codes(code, scale.reshape(-1), zero, dtype=values.dtype)
 
     def stored(self) -> tuple[Tensor, Tensor | None]:
         """Scale and zero point in the layout `QuantizedWeight` stores."""

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 
+import numpy
 import torch
 from torch import Tensor
 
@@ -138,18 +139,41 @@ def _flat_chunks(flat: Tensor) -> Iterator[Tensor]:
 
 @cache
 def _pattern_table(dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Every bit pattern's value (float64) and the patterns in ascending order of value."""
+    """Every bit pattern's value (float64) and its place in ascending order of value."""
     bits = torch.finfo(dtype).bits
     patterns = torch.arange(1 << bits, dtype=torch.int64)
     as_signed = torch.where(patterns >= 1 << (bits - 1), patterns - (1 << bits), patterns)
     values = as_signed.to(_PATTERN_DTYPES[dtype]).view(dtype).to(torch.float64)
-    return values, torch.argsort(_order_keys(patterns, bits))
+    position = torch.empty_like(patterns)
+    position[torch.argsort(_order_keys(patterns, bits))] = patterns
+    return values, position
 
 
 def _order_keys(patterns: Tensor, bits: int) -> Tensor:
     """Unsigned keys that sort sign-magnitude float patterns by value (-0 just below +0)."""
     sign = 1 << (bits - 1)
     return torch.where(patterns >= sign, (1 << bits) - 1 - patterns, patterns + sign)
+
+
+class _Ranked:
+    """Occupied bit patterns ranked by value: which pattern holds a given rank, and how many
+    values lie below a pattern. A weight occupies a few thousand of the 65,536 patterns, so
+    sorting and summing only those costs microseconds per tensor, not a millisecond."""
+
+    def __init__(self, patterns: Tensor, counts: Tensor, position: Tensor) -> None:
+        self._positions, by_value = torch.sort(position[patterns])
+        self._patterns = patterns[by_value]
+        self._position = position
+        self._cumulative = counts[by_value].cumsum(0)
+
+    def pattern_at(self, rank: int) -> int:
+        """The pattern of the value at 0-based `rank`."""
+        return int(self._patterns[torch.searchsorted(self._cumulative, rank, right=True)])
+
+    def count_below(self, pattern: int) -> int:
+        """Values whose pattern sorts below `pattern` (occupied or not)."""
+        occupied_below = int(torch.searchsorted(self._positions, self._position[pattern]))
+        return int(self._cumulative[occupied_below - 1]) if occupied_below else 0
 
 
 def _pattern_histogram(chunks: Iterator[Tensor], bits: int) -> Tensor:
@@ -179,11 +203,13 @@ def _histogram_stats(
 ) -> TensorStats:
     """Everything from the counts of each bit pattern of `table`, a dtype holding every value
     of `weight` exactly; only per-channel and per-group errors read the data again."""
-    values, order = _pattern_table(table)
-    nan = int(counts[values.isnan()].sum())
-    inf = int(counts[values.isinf()].sum())
-    finite = values.isfinite() & (counts > 0)
-    present, multiplicity = values[finite], counts[finite].to(torch.float64)
+    values, position = _pattern_table(table)
+    occupied = counts.nonzero().view(-1)  # the only pass over all patterns
+    occupied_values, occupied_counts = values[occupied], counts[occupied]
+    nan = int(occupied_counts[occupied_values.isnan()].sum())
+    inf = int(occupied_counts[occupied_values.isinf()].sum())
+    finite = occupied_values.isfinite()
+    present, multiplicity = occupied_values[finite], occupied_counts[finite].to(torch.float64)
     moments = _Moments(
         count=int(multiplicity.sum()),
         min=float(present.min()) if present.numel() else 0.0,
@@ -191,9 +217,9 @@ def _histogram_stats(
         total=float((present * multiplicity).sum()),
         squares=float((present.square() * multiplicity).sum()),
     )
-    sorted_counts = torch.where(values.isfinite(), counts, 0)[order]
+    ranked = _Ranked(occupied[finite], occupied_counts[finite], position)
     q1, q3 = (
-        _quantile(moments.count, q, lambda k: float(values[order[_rank_index(sorted_counts, k)]]))
+        _quantile(moments.count, q, lambda k: float(values[ranked.pattern_at(k)]))
         for q in (0.25, 0.75)
     )
     low, high = _tail_bounds(moments)
@@ -214,11 +240,6 @@ def _value_error(
     codes = quantize_grouped(values.view(1, 1, -1), scale.view(1, 1), _view11(zero), args)
     restored = scale_codes(codes, scale, zero).to(torch.float64).view(-1)  # as quantize reads back
     return float(((values - restored).square() * counts).sum())
-
-
-def _rank_index(sorted_counts: Tensor, rank: int) -> int:
-    """Index into `sorted_counts` of the value at 0-based `rank`."""
-    return int(torch.searchsorted(sorted_counts.cumsum(0), rank, right=True))
 
 
 def _quantile(count: int, q: float, value_at_rank: object) -> float:
@@ -308,16 +329,6 @@ def _quantile_ranks(count: int) -> list[int]:
     return sorted(ranks)
 
 
-@cache
-def _bucket_order() -> tuple[Tensor, Tensor]:
-    """Upper-half buckets in ascending order of value, and each bucket's place in that order
-    (bfloat16 is the upper half of a float32)."""
-    _, order = _pattern_table(torch.bfloat16)
-    position_of = torch.empty_like(order)
-    position_of[order] = torch.arange(order.numel())
-    return order, position_of
-
-
 def _refine_buckets(
     flat: Tensor, upper: Tensor, ranks: list[int], low: float, high: float
 ) -> tuple[dict[int, float], int]:
@@ -325,26 +336,24 @@ def _refine_buckets(
     members of the few upper-half buckets those depend on."""
     if not flat.numel():
         return dict.fromkeys(ranks, 0.0), 0
-    order, position_of = _bucket_order()
-    cumulative = upper[order].cumsum(0)
-    rank_buckets = {k: int(order[torch.searchsorted(cumulative, k, right=True)]) for k in ranks}
+    occupied = upper.nonzero().view(-1)
+    # a float32's upper half is a bfloat16: bfloat16's pattern order is the buckets' order
+    ranked = _Ranked(occupied, upper[occupied], _pattern_table(torch.bfloat16)[1])
+    rank_buckets = {k: ranked.pattern_at(k) for k in ranks}
     low_bucket, high_bucket = (_bucket_of(bound) for bound in (low, high))
     # a threshold's bucket is only read when it holds values (in the far tails it rarely does)
     occupied = [b for b in (low_bucket, high_bucket) if upper[b] > 0]
     wanted = sorted({*rank_buckets.values(), *occupied})
     members = torch.cat([_members(chunk, wanted) for chunk in _flat_chunks(flat)])
     member_buckets = _unsigned(_halves(members)[1])
-
-    def before(bucket: int) -> int:  # values in buckets below `bucket`, in value order
-        return int(cumulative[position_of[bucket]] - upper[bucket])
-
     at_rank = {}
     for k, bucket in rank_buckets.items():
         in_bucket = members[member_buckets == bucket]
-        at_rank[k] = float(torch.kthvalue(in_bucket, k - before(bucket) + 1).values)
-    below = before(low_bucket) + int((members[member_buckets == low_bucket] < low).sum())
+        at_rank[k] = float(torch.kthvalue(in_bucket, k - ranked.count_below(bucket) + 1).values)
+    below = ranked.count_below(low_bucket)
+    below += int((members[member_buckets == low_bucket] < low).sum())
     above = (
-        flat.numel() - before(high_bucket) - int(upper[high_bucket])
+        flat.numel() - ranked.count_below(high_bucket) - int(upper[high_bucket])
         + int((members[member_buckets == high_bucket] > high).sum())
     )  # fmt: skip
     return at_rank, below + above
@@ -352,12 +361,14 @@ def _refine_buckets(
 
 def _members(chunk: Tensor, buckets: list[int]) -> Tensor:
     """The values whose upper half is one of `buckets` (a handful: comparisons beat a lookup
-    table)."""
-    upper_half = _halves(chunk)[1]
+    table). In numpy, whose comparisons and boolean selection are about 5x faster than
+    torch's on a million values (this pass was a fifth of a float32 scan)."""
+    values = chunk.numpy()
+    upper_half = values.view(numpy.int32) >> _BITS  # signed, contiguous: compares fastest
     selected = upper_half == _signed16(buckets[0])
     for bucket in buckets[1:]:
         selected |= upper_half == _signed16(bucket)
-    return chunk[selected]
+    return torch.from_numpy(values[selected])
 
 
 def _bucket_of(value: float) -> int:

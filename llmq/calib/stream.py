@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -151,21 +151,25 @@ class LayerStream:
 
         Activations are the largest thing the pipeline holds (128 x 512 tokens of a 70B model
         are 2 GB a copy), so callers say what they need: `keep` returns only the first `keep`
-        samples' outputs (the rest run for the input hooks' sake), `in_place` writes the
-        outputs over `hidden` when the caller has no further use for the inputs.
+        samples' outputs (the rest run for the input hooks' sake, and stop once the layer's
+        last linear has seen its input: its product would be thrown away), `in_place` writes
+        the outputs over `hidden` when the caller has no further use for the inputs.
         """
         if in_place and keep is not None:
             raise ValueError("run_layer: keep and in_place exclude each other")
         kept = hidden.shape[0] if keep is None else min(keep, hidden.shape[0])
         out = hidden if in_place else torch.empty_like(hidden[:kept])
         position_embeddings = self._position_embeddings(hidden[:1])
+        last_linear = layer.get_submodule(self.layout.linears[-1])
         for rows in self.batches(hidden):
-            result = layer(
-                hidden[rows], attention_mask=None, position_embeddings=position_embeddings
-            )
-            result = result[0] if isinstance(result, tuple) else result
-            stored = max(0, min(rows.stop, kept) - rows.start)
-            out[rows.start : rows.start + stored] = result[:stored]
+            with _stop_before(last_linear) if rows.start >= kept else nullcontext():
+                result = layer(
+                    hidden[rows], attention_mask=None, position_embeddings=position_embeddings
+                )
+            if rows.start < kept:
+                result = result[0] if isinstance(result, tuple) else result
+                stored = min(rows.stop, kept) - rows.start
+                out[rows.start : rows.start + stored] = result[:stored]
             if on_batch is not None:
                 on_batch()
         return out
@@ -184,6 +188,27 @@ class LayerStream:
             total += float(nll.double())
             count += targets.numel()
         return total, count
+
+
+class _LayerStopped(Exception):
+    """Raised by `_stop_before`'s hook to end a forward pass whose output nobody reads."""
+
+
+@contextmanager
+def _stop_before(module: nn.Module) -> Iterator[None]:
+    """End the layer's forward pass when it reaches `module`, after the hooks registered
+    before this one (observation) have seen the module's input."""
+
+    def stop(_module: nn.Module, _args: tuple[Tensor, ...]) -> None:
+        raise _LayerStopped
+
+    handle = module.register_forward_pre_hook(stop)
+    try:
+        yield
+    except _LayerStopped:
+        pass
+    finally:
+        handle.remove()
 
 
 @contextmanager

@@ -55,12 +55,24 @@ def test_statistics_see_every_sample_whatever_is_kept(stream_and_layer) -> None:
     stream, layer = stream_and_layer
     hidden = _hidden(stream)
     names = ["self_attn.q_proj", "mlp.down_proj"]
-    _, everything = run_observed(stream, layer, names, hidden, hessian=True)
-    kept, partial = run_observed(stream, layer, names, hidden, hessian=True, keep=1)
+    down_proj_runs = []
+    handle = layer.get_submodule("mlp.down_proj").register_forward_hook(
+        lambda _module, args, _out: down_proj_runs.append(args[0].shape[0])
+    )
+    try:
+        _, everything = run_observed(stream, layer, names, hidden, hessian=True)
+        assert down_proj_runs == [2, 2, 1]
+        down_proj_runs.clear()
+        kept, partial = run_observed(stream, layer, names, hidden, hessian=True, keep=1)
+    finally:
+        handle.remove()
     assert kept.shape[0] == 1
+    # the micro-batches after the kept one stop before down_proj's product, after its input is seen
+    assert down_proj_runs == [2]
     for name in names:
         assert partial[name].num_tokens == everything[name].num_tokens == 5 * 24
         assert torch.equal(partial[name].hessian, everything[name].hessian)
+        assert torch.equal(partial[name].absmax, everything[name].absmax)
 
 
 def _int8(dynamic: bool) -> QuantArgs:

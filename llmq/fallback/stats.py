@@ -157,8 +157,8 @@ def _order_keys(patterns: Tensor, bits: int) -> Tensor:
 
 class _Ranked:
     """Occupied bit patterns ranked by value: which pattern holds a given rank, and how many
-    values lie below a pattern. A weight occupies a few thousand of the 65,536 patterns, so
-    sorting and summing only those costs microseconds per tensor, not a millisecond."""
+    values lie below a pattern. A weight occupies a few thousand of the 65,536 patterns: one
+    pass finds them, and every lookup after that touches only those."""
 
     def __init__(self, patterns: Tensor, counts: Tensor, position: Tensor) -> None:
         self._positions, by_value = torch.sort(position[patterns])
@@ -342,8 +342,8 @@ def _refine_buckets(
     rank_buckets = {k: ranked.pattern_at(k) for k in ranks}
     low_bucket, high_bucket = (_bucket_of(bound) for bound in (low, high))
     # a threshold's bucket is only read when it holds values (in the far tails it rarely does)
-    occupied = [b for b in (low_bucket, high_bucket) if upper[b] > 0]
-    wanted = sorted({*rank_buckets.values(), *occupied})
+    tail_buckets = [b for b in (low_bucket, high_bucket) if upper[b] > 0]
+    wanted = sorted({*rank_buckets.values(), *tail_buckets})
     members = torch.cat([_members(chunk, wanted) for chunk in _flat_chunks(flat)])
     member_buckets = _unsigned(_halves(members)[1])
     at_rank = {}

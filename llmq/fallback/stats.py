@@ -106,7 +106,8 @@ class _Moments:
 def tensor_stats(
     weight: Tensor, args: QuantArgs | None, *, input_weights: Tensor | None = None
 ) -> TensorStats:
-    """Exact statistics of `weight` (any shape, a dtype of SUPPORTED_DTYPES) and, when `args`
+    """Exact statistics of `weight` (a CPU tensor of any shape and a dtype of SUPPORTED_DTYPES:
+    the scan reads memory-mapped files, and part of the work runs in numpy) and, when `args`
     is given, its quantization error under `args` (rows: every dimension but the last).
 
     input_weights [in]: how much each input channel matters, e.g. E[x_j^2] on calibration data;

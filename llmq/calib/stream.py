@@ -110,6 +110,10 @@ class LayerStream:
             for key, tensor in self._load_state(self.ckpt, prefix).items()
         }
         module.load_state_dict(state, strict=True, assign=True)
+        # Tensors read from a shard are views of its memory map, and every page read through an
+        # open handle stays resident: with the handles kept, RSS would grow by each layer read,
+        # to the whole checkpoint. Closed, only the live module's tensors hold mapped pages.
+        self.ckpt.close()
         return module.eval()
 
     def load_layer(self, index: int) -> nn.Module:

@@ -97,6 +97,8 @@ class Checkpoint:
         return (name for name in self.tensors if name.startswith(prefix))
 
     def close(self) -> None:
+        """Drop the shard handles (reads reopen them). Tensors already read stay valid: each
+        keeps its shard's mapping alive until it is freed."""
         self._handles.clear()
 
 

@@ -103,3 +103,32 @@ def test_shared_inputs_are_quantized_once_with_the_same_result(stream_and_layer,
         assert torch.equal(got, expected)
         distinct = 4 if inputs is dynamic else 5  # q/v, o, gate/up, down (+ k with its own)
         assert len(calls) == distinct * len(list(stream.batches(hidden)))
+
+
+def _resident_bytes_of(path: Path) -> int:
+    """Bytes of `path`'s memory maps that are resident in this process (from /proc/self/smaps)."""
+    resident, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = len(fields) >= 6 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            resident += int(fields[1]) * 1024
+    return resident
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_layers_already_dropped_leave_no_mapped_pages(tmp_path: Path, default_model: Path) -> None:
+    from tests.conftest import make_tiny
+
+    model = make_tiny(tmp_path / "model", default_model, layers=6)
+    shard = (model / "model.safetensors").resolve()
+    stream = LayerStream(open_checkpoint(model), device="cpu")
+    layer_bytes = sum(p.numel() * p.element_size() for p in stream.load_layer(0).parameters())
+    for index in range(6):
+        layer = stream.load_layer(index)
+        assert sum(float(p.sum()) for p in layer.parameters()) != 0  # every page read
+        # the live layer's pages only, not those of the layers before it
+        assert _resident_bytes_of(shard) <= layer_bytes + 64 * 1024
+        del layer
+    assert _resident_bytes_of(shard) == 0

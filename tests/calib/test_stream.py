@@ -13,6 +13,7 @@ from llmq.calib.stream import LayerStream, activation_quantization, input_hooks
 from llmq.config import QuantArgs
 from llmq.io.checkpoint import open_checkpoint
 from llmq.quant.primitives import fake_quantize
+from tests.conftest import make_tiny
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +120,6 @@ def _resident_bytes_of(path: Path) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
 def test_layers_already_dropped_leave_no_mapped_pages(tmp_path: Path, default_model: Path) -> None:
-    from tests.conftest import make_tiny
-
     model = make_tiny(tmp_path / "model", default_model, layers=6)
     shard = (model / "model.safetensors").resolve()
     stream = LayerStream(open_checkpoint(model), device="cpu")

@@ -198,8 +198,9 @@ def fake_quantize(x: Tensor, args: QuantArgs, scale: Tensor | None = None) -> Te
         return q.dequantize(ACCUM_DTYPE).to(x.dtype).reshape(x.shape)
     if scale is None:
         groups = as_groups(rows, args)
-        low, high = torch.aminmax(groups, dim=-1, keepdim=True)
-        scale = torch.maximum(-low, high).div_(_code_max(args))
+        # max|x| rather than max(-min, max): the same value, and abs + amax is about 7x faster
+        # on a CPU than aminmax over the last dimension (2 passes of a W8A8 layer's inputs).
+        scale = groups.abs().amax(dim=-1, keepdim=True).div_(_code_max(args))
         scale = torch.where(scale == 0, torch.finfo(ACCUM_DTYPE).eps, scale)
     else:
         groups = rows.reshape(1, 1, -1)

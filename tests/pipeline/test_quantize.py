@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 import llmq
 from llmq.errors import InputError, NumericalError
 from llmq.io.atomic import staging_path
+from llmq.pipeline.quantize import _check_finite
 from tests.conftest import make_tiny
 
 FAST = {"num_samples": 2, "seq_len": 64}
@@ -328,6 +329,28 @@ def test_nan_stops_the_run_naming_the_layer(tmp_path: Path, tiny_llama: Path) ->
     with pytest.raises(NumericalError, match=r"model\.layers\.1\.mlp\.up_proj"):
         llmq.quantize(model, tmp_path / "out", scheme="w8a16", **FAST)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_inf_in_a_norm_stops_the_run_at_that_layers_output(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.1.post_attention_layernorm.weight"][-1] = float("inf")
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(NumericalError, match="the output of layer 1"):
+        llmq.quantize(model, tmp_path / "out", scheme="w8a16", **FAST)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", [0, -1])
+def test_check_finite_finds_one_bad_value_anywhere(bad: float, where: int) -> None:
+    values = torch.randn(4, 64, 32)
+    values.view(-1)[where] = bad
+    with pytest.raises(NumericalError, match="NaN or Inf in the probe"):
+        _check_finite(values, "the probe")
+    _check_finite(torch.randn(4, 64, 32), "the probe")
 
 
 def test_existing_output_needs_overwrite(tmp_path: Path, tiny_llama: Path) -> None:

@@ -164,6 +164,7 @@ def quantize(
     fallback_threshold: float | None = None,
     overwrite: bool = False,
     resume: bool = False,
+    resume_every_s: float = 60.0,
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
     **options: Any,
@@ -176,7 +177,8 @@ def quantize(
     to scan now with the recipe's weight arguments (`fallback_threshold`: the NRMSE threshold,
     default the scheme's; with `calib_stats`, the output error share threshold, default 0.05);
     the linears it flags stay in full precision and join the checkpoint's `ignore` list.
-    Returns a `QuantizeResult`.
+    `resume_every_s`: seconds between the resume points an interrupted run continues from with
+    `resume=True` (0: after every layer). Returns a `QuantizeResult`.
     """
     from llmq.calib.stats import CalibStats
     from llmq.io.atomic import check_output_dir
@@ -184,6 +186,8 @@ def quantize(
     from llmq.pipeline.quantize import run_quantization
 
     recipe = recipe or make_recipe(**options)
+    if not resume_every_s >= 0:
+        raise InputError(f"--resume-every {resume_every_s}: must be >= 0 seconds")
     ckpt = _open(model, progress)
     if fallback_threshold is not None and str(fallback) != "auto":
         raise InputError(
@@ -224,7 +228,7 @@ def quantize(
     return run_quantization(
         ckpt, plan, recipe, out,
         calibration_ids=ids, calib_stats=stats, resume=resume, progress=progress, record=record,
-        device=device,
+        device=device, resume_every_s=resume_every_s,
     )  # fmt: skip
 
 

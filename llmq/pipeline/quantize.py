@@ -31,7 +31,13 @@ from llmq.io.checkpoint import Checkpoint
 from llmq.pack.format import PackFormat, compress, quantization_config, scheme_format
 from llmq.pipeline.plan import LinearPlan, Plan, config_groups
 from llmq.pipeline.scaling import ScaleReport, apply_awq, apply_smoothquant
-from llmq.pipeline.state import HIDDEN_FILE, STATE_FILE, RunState, load_state
+from llmq.pipeline.state import (
+    HIDDEN_FILE,
+    RESUME_EVERY_S,
+    STATE_FILE,
+    RunState,
+    load_state,
+)
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.quant.awq import output_error
 from llmq.quant.kvcache import KVQuantizer, KVRange
@@ -107,15 +113,16 @@ def run_quantization(
     progress: Progress = NO_PROGRESS,
     record: dict[str, Any],
     device: str | None = None,
+    resume_every_s: float = RESUME_EVERY_S,
 ) -> QuantizeResult:
     started = time.perf_counter()
     staging = staging_path(out)
     fingerprint = {"recipe": recipe.model_dump(mode="json"), "source": ckpt.file_stamps()}
-    state = load_state(staging, fingerprint) if resume else None
+    state = load_state(staging, fingerprint, resume_every_s) if resume else None
     if state is None:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        state = RunState(staging=staging, fingerprint=fingerprint)
+        state = RunState(staging, fingerprint, every_s=resume_every_s)
     resumed = state.done
     method = get_method(recipe)
     stream = LayerStream(ckpt, device=device)

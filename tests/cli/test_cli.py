@@ -55,6 +55,7 @@ def run(*args: str):
         (["--scheme", "w8a8", "--activations", "sometimes"], "activations"),
         (["--scheme", "w8a8", "--smooth", "0.5", "--skip-layer-check"], "need calibration"),
         (["--scheme", "fp8-block", "--clip", "mse"], "block-scaled"),
+        (["--resume-every", "-1"], "--resume-every -1.0: must be >= 0"),
     ],
 )
 def test_bad_options_exit_2(

@@ -309,7 +309,9 @@ def test_resume_after_interrupt_gives_identical_checkpoint(
     llmq.quantize(model, reference, scheme="w8a8", **FAST)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
-        llmq.quantize(model, out, scheme="w8a8", progress=InterruptAfter(2), **FAST)
+        llmq.quantize(
+            model, out, scheme="w8a8", progress=InterruptAfter(2), resume_every_s=0, **FAST
+        )
     assert not out.exists()
     state = json.loads((staging_path(out) / "llmq-state.json").read_text())
     assert len(state["layers"]) == 2
@@ -371,6 +373,24 @@ def test_quantizing_a_quantized_checkpoint_is_refused(tmp_path: Path, tiny_llama
         llmq.quantize(out, tmp_path / "again", scheme="w8a16", **FAST)
 
 
+def test_no_resume_point_before_the_interval_then_resume_starts_over(
+    tmp_path: Path, default_model: Path
+) -> None:
+    model = make_tiny(tmp_path / "model", default_model, layers=4)
+    reference = tmp_path / "reference"
+    llmq.quantize(model, reference, scheme="w8a8", **FAST)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        llmq.quantize(
+            model, out, scheme="w8a8", progress=InterruptAfter(3), resume_every_s=3600, **FAST
+        )
+    assert not (staging_path(out) / "llmq-state.json").exists()
+    assert (staging_path(out) / "model-00004-of-00005.safetensors").exists()  # layer 2's shard
+    result = llmq.quantize(model, out, scheme="w8a8", resume=True, **FAST)
+    assert result.resumed_layers == 0
+    assert checkpoint_bytes(out) == checkpoint_bytes(reference)
+
+
 def test_sigkill_mid_run_then_resume_is_identical(tmp_path: Path, default_model: Path) -> None:
     """A real kill (SIGKILL: no cleanup runs) half-way, then --resume, equals an uninterrupted run."""
     import os
@@ -392,6 +412,8 @@ def test_sigkill_mid_run_then_resume_is_identical(tmp_path: Path, default_model:
         str(model),
         "--out",
         str(out),
+        "--resume-every",
+        "0",
         *options,
     ]
     state = staging_path(out) / "llmq-state.json"

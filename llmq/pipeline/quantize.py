@@ -43,6 +43,7 @@ from llmq.quant.awq import output_error
 from llmq.quant.kvcache import KVQuantizer, KVRange
 from llmq.quant.methods import Method, MethodResult, get_method
 from llmq.quant.observers import observe_scale
+from llmq.quant.primitives import ROW_STRATEGIES
 from llmq.quant.rtn import rtn_quantize_weight
 
 log = logging.getLogger(__name__)
@@ -389,10 +390,15 @@ def _quantize_linears(
     its on-disk tensors (names relative to the layer)."""
     tensors: dict[str, Tensor] = {}
     reports = []
+    results = {}
+    for names in _stacks(local, stats):
+        weights = [layer.get_submodule(name).weight.data for name in names]
+        parts = _quantize_stack(method, weights, [local[name] for name in names], stats[names[0]])
+        results.update(zip(names, parts, strict=True))
     for name, linear in local.items():
         module = layer.get_submodule(name)
         weight = module.weight.data
-        result = _quantize_one(method, weight, linear, stats[name])
+        result = results[name]
         _check_finite(result.weight.scale, f"the scales of {linear.name}")
         dequantized = result.weight.dequantize(weight.dtype)
         delta = dequantized - weight
@@ -411,19 +417,35 @@ def _quantize_linears(
     return tensors, reports
 
 
-def _quantize_one(
-    method: Method, weight: Tensor, linear: LinearPlan, stats: InputStats | None
-) -> MethodResult:
-    """The method on one linear; numerical trouble is named and a raised dampening warned."""
+def _stacks(local: dict[str, LinearPlan], stats: dict[str, InputStats | None]) -> list[list[str]]:
+    """The linears grouped into weights quantized as one, stacked by rows: those that read one
+    input (q/k/v, gate/up: one statistics object) with the same arguments and dtype, when their
+    scales are per row. Methods treat rows independently, so the codes are the same; GPTQ then
+    runs its per-column loop once for q/k/v instead of three times (2x faster here)."""
+    stacks: dict[object, list[str]] = {}
+    for name, linear in local.items():
+        stackable = stats[name] is not None and linear.args.strategy in ROW_STRATEGIES
+        key = (id(stats[name]), linear.args, linear.dtype) if stackable else name
+        stacks.setdefault(key, []).append(name)
+    return list(stacks.values())
+
+
+def _quantize_stack(
+    method: Method, weights: list[Tensor], linears: list[LinearPlan], stats: InputStats | None
+) -> list[MethodResult]:
+    """The method on linears stacked by rows, one result each; numerical trouble is named and a
+    raised dampening warned."""
+    names = ", ".join(linear.name for linear in linears)
+    stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
     try:
         result = method.quantize_weight(
-            weight, linear.args, stats, scale_dtype=_TORCH_DTYPES[linear.dtype]
+            stacked, linears[0].args, stats, scale_dtype=_TORCH_DTYPES[linears[0].dtype]
         )
     except NumericalError as exc:
-        raise NumericalError(f"{linear.name}: {exc.message}", hint=exc.hint) from None
+        raise NumericalError(f"{names}: {exc.message}", hint=exc.hint) from None
     if result.warning:
-        log.warning("%s: %s", linear.name, result.warning)
-    return result
+        log.warning("%s: %s", names, result.warning)
+    return [result] if len(weights) == 1 else result.split_rows([len(w) for w in weights])
 
 
 def _relative_rmse(output: Tensor, reference: Tensor) -> float:

@@ -7,6 +7,8 @@ column's rounding error over the columns not yet quantized, weighted by the inve
 
 Updates are applied lazily in blocks of `block_size` columns (the result is the same, the
 memory traffic much lower). Codes come from `quantize_grouped`, the same rounding as RTN.
+Rows are independent given H: the loss is kept per row, so that linears sharing an input can
+be quantized as one stacked weight and their losses told apart.
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ MAX_DAMPENING = 10.0
 @dataclass(frozen=True, slots=True)
 class GPTQResult:
     weight: QuantizedWeight
-    loss: float  # GPTQ's objective: Σ_j ||w_j - q_j||² / (2 Hinv[j, j]²)
+    row_loss: Tensor  # [out] GPTQ's objective per row: Σ_j (w_ij - q_ij)² / (2 Hinv[j, j]²)
     dampening_frac: float  # the dampening used; larger than asked when Cholesky failed
+
+    @property
+    def loss(self) -> float:
+        return float(self.row_loss.sum())
 
 
 def gptq_quantize_weight(
@@ -79,12 +85,14 @@ def gptq_quantize_weight(
     )
     w, h = w[:, order], h[order][:, order]
     hinv, used_frac = _inverse_hessian_factor(h, dampening_frac)
-    loss = torch.zeros((), dtype=work, device=w.device)
+    row_loss = torch.zeros(rows, dtype=work, device=w.device)
     columns = order.tolist()
     block_size = _aligned_block(block_size, args)
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
-        block = w[:, start:end].clone()
+        # Transposed, so that a column and the later columns it updates are contiguous rows:
+        # up to 2x faster than strided columns on weights with many rows (gate/up).
+        block = w[:, start:end].T.contiguous()
         hinv_block = hinv[start:end, start:end]
         diagonal = hinv_block.diagonal()
         # Row i: Hinv[i, j] / Hinv[i, i], so that a column's rounding residual updates the
@@ -94,15 +102,15 @@ def gptq_quantize_weight(
         residuals = torch.empty_like(block)
         for i in range(end - start):
             column = columns[start + i]
-            params.start_group(column, w_block=block, block_start=start, position=start + i)
-            residual = block[:, i] - params.quantize_column(block[:, i], column)
-            block[:, i + 1 :].addr_(residual, spread[i, i + 1 :], alpha=-1)
-            residuals[:, i] = residual
-        errors = residuals / diagonal
-        loss += errors.pow(2).sum() / 2
+            params.start_group(column, w_block=block.T, block_start=start, position=start + i)
+            residual = block[i] - params.quantize_column(block[i], column)
+            block[i + 1 :].addr_(spread[i, i + 1 :], residual, alpha=-1)
+            residuals[i] = residual
+        errors = residuals.T / diagonal
+        row_loss += errors.pow(2).sum(dim=1) / 2
         w[:, end:] -= errors @ hinv[start:end, end:]
     scale, zero = params.stored()
-    return GPTQResult(QuantizedWeight(params.codes, scale, zero, args), float(loss), used_frac)
+    return GPTQResult(QuantizedWeight(params.codes, scale, zero, args), row_loss, used_frac)
 
 
 def _code_dtype(args: QuantArgs) -> torch.dtype:

@@ -8,7 +8,7 @@ quantizer (RTN for "awq", GPTQ for "awq+gptq"); the pruners will register here t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -27,12 +27,28 @@ if TYPE_CHECKING:  # statistics are produced by llmq.calib; methods only read th
 @dataclass(frozen=True, slots=True)
 class MethodResult:
     weight: QuantizedWeight
-    loss: float | None = None  # the method's own objective (GPTQ's), when it has one
+    row_loss: Tensor | None = None  # [out] the method's own objective (GPTQ's) per row, if any
     dampening_frac: float | None = None  # GPTQ: the dampening used (raised if Cholesky failed)
     warning: str | None = None  # numerical trouble handled by a documented fallback
 
+    @property
+    def loss(self) -> float | None:
+        return None if self.row_loss is None else float(self.row_loss.sum())
+
+    def split_rows(self, sizes: list[int]) -> list[MethodResult]:
+        """One result per part of a row-stacked weight (`QuantizedWeight.split_rows`)."""
+        parts = self.weight.split_rows(sizes)
+        losses = [None] * len(sizes) if self.row_loss is None else self.row_loss.split(sizes)
+        return [
+            replace(self, weight=part, row_loss=loss)
+            for part, loss in zip(parts, losses, strict=True)
+        ]
+
 
 class Method(Protocol):
+    """Methods treat rows independently given per-row scales (channel, group): the pipeline
+    quantizes linears that read one input as one weight stacked by rows."""
+
     name: str
     needs_hessian: bool  # the pipeline accumulates XᵀX per input when True
     awq: AWQConfig | None  # search and fold AWQ scales before quantizing, when set
@@ -136,7 +152,7 @@ class GPTQ:
                 f"Hessian not positive definite with dampening {self.config.dampening_frac:g}; "
                 f"used {result.dampening_frac:g}. More calibration samples usually avoid this."
             )
-        return MethodResult(result.weight, result.loss, result.dampening_frac, warning)
+        return MethodResult(result.weight, result.row_loss, result.dampening_frac, warning)
 
 
 @register_method("rtn")

@@ -31,6 +31,9 @@ from torch import Tensor
 from llmq.config import QuantArgs, group_width
 
 ACCUM_DTYPE = torch.float32
+# Strategies whose scales belong to single rows: a weight's rows can be quantized apart or
+# stacked with another weight's (a per-tensor or block scale spans rows).
+ROW_STRATEGIES = ("channel", "group")
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 
@@ -53,6 +56,21 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = ACCUM_DTYPE) -> Tensor:
         return dequantize(self.codes, self.scale, self.zero_point, self.args).to(dtype)
+
+    def split_rows(self, sizes: list[int]) -> list[QuantizedWeight]:
+        """The weights of a row-stacked weight, apart again (per-row scales only). Each part
+        gets its own storage: safetensors refuses to save tensors that share memory."""
+        if self.args.strategy not in ROW_STRATEGIES:
+            raise ValueError(f"{self.args.strategy} scales span rows: the weight cannot be split")
+        zeros = self.zero_point.split(sizes) if self.zero_point is not None else [None] * len(sizes)
+        return [
+            QuantizedWeight(
+                codes.clone(), scale.clone(), None if zero is None else zero.clone(), self.args
+            )
+            for codes, scale, zero in zip(
+                self.codes.split(sizes), self.scale.split(sizes), zeros, strict=True
+            )
+        ]
 
 
 def as_groups(x: Tensor, args: QuantArgs) -> Tensor:

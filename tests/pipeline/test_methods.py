@@ -11,7 +11,7 @@ import torch
 import llmq
 from llmq.errors import InputError
 from llmq.io import family
-from tests.pipeline.test_quantize import logits_pair
+from tests.pipeline.test_quantize import checkpoint_bytes, logits_pair
 
 CALIB = {"num_samples": 4, "seq_len": 64, "calib_text": "pydoc"}
 
@@ -70,6 +70,36 @@ def test_awq_refused_without_pairings(
     with pytest.raises(InputError, match="no norm/linear pairings"):
         llmq.quantize(tiny_llama, tmp_path / "a", method="awq", **CALIB)
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-asym", "w8a8"])
+def test_linears_sharing_an_input_are_quantized_as_one_stack(
+    tmp_path: Path, tiny_llama: Path, scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q/k/v and gate/up go through GPTQ as two stacked weights, and the checkpoint and the
+    per-linear losses are those of quantizing every linear alone."""
+    from llmq.pipeline import quantize as pipeline
+    from llmq.quant.methods import GPTQ
+
+    calls: list[int] = []
+    solve = GPTQ.quantize_weight
+
+    def counted(self, weight, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(weight.shape[0])
+        return solve(self, weight, *args, **kwargs)
+
+    monkeypatch.setattr(GPTQ, "quantize_weight", counted)
+    stacked = llmq.quantize(tiny_llama, tmp_path / "stacked", scheme=scheme, method="gptq", **CALIB)
+    per_layer = len(calls) // len(stacked.layers)
+    assert per_layer == 4  # q/k/v, o, gate/up, down
+    monkeypatch.setattr(pipeline, "_stacks", lambda local, _stats: [[name] for name in local])
+    alone = llmq.quantize(tiny_llama, tmp_path / "alone", scheme=scheme, method="gptq", **CALIB)
+    assert len(calls) == per_layer * len(stacked.layers) + 7 * len(alone.layers)
+    assert checkpoint_bytes(tmp_path / "stacked") == checkpoint_bytes(tmp_path / "alone")
+    for ours, theirs in zip(stacked.layers, alone.layers, strict=True):
+        for a, b in zip(ours.linears, theirs.linears, strict=True):
+            assert (a.name, a.weight_nrmse) == (b.name, b.weight_nrmse)
+            assert a.loss == pytest.approx(b.loss, rel=1e-5)
 
 
 def test_raised_dampening_is_reported(

@@ -105,6 +105,33 @@ def test_lower_output_error_than_rtn_on_real_activations(
         assert gptq_err < 0.9 * rtn_err, name
 
 
+@pytest.mark.parametrize("args", [INT4_G32_ASYM, INT8_CHANNEL], ids=lambda a: a.label)
+def test_weights_stacked_by_rows_quantize_as_each_alone(
+    real_hessians: dict[str, Tensor], real_weights: dict[str, Tensor], args: QuantArgs
+) -> None:
+    """Rows are independent given H: how the pipeline quantizes q/k/v (and gate/up) at once."""
+    h = real_hessians["self_attn.q_proj"]
+    weights = [real_weights["self_attn.q_proj"], real_weights["mlp.gate_proj"]]
+    stacked = gptq_quantize_weight(torch.cat(weights), h, args)
+    sizes = [len(w) for w in weights]
+    parts = stacked.weight.split_rows(sizes)
+    for weight, part, row_loss in zip(weights, parts, stacked.row_loss.split(sizes), strict=True):
+        alone = gptq_quantize_weight(weight, h, args)
+        assert torch.equal(part.codes, alone.weight.codes)
+        assert torch.equal(part.scale, alone.weight.scale)
+        assert (part.zero_point is None) == (alone.weight.zero_point is None)
+        if part.zero_point is not None:
+            assert torch.equal(part.zero_point, alone.weight.zero_point)
+        assert float(row_loss.sum()) == pytest.approx(alone.loss, rel=1e-5)
+
+
+def test_scales_that_span_rows_cannot_be_split() -> None:
+    w, _ = _correlated_problem(7)
+    per_tensor = quantize_weight(w, QuantArgs(num_bits=8, strategy="tensor"))
+    with pytest.raises(ValueError, match="tensor scales span rows"):
+        per_tensor.split_rows([16, 32])
+
+
 def test_dead_inputs_get_zero_weight() -> None:
     w, h = _correlated_problem(3)
     h[5, :] = 0.0

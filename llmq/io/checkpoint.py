@@ -28,6 +28,19 @@ DTYPE_BYTES = {
 }  # fmt: skip
 
 
+def torch_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype string ("BF16" -> torch.bfloat16)."""
+    import torch
+
+    return {
+        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+        "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2, "U16": torch.uint16, "U32": torch.uint32,
+        "U64": torch.uint64,
+    }[dtype]  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
     """A tensor's entry in a shard header: enough to plan work without reading data."""

@@ -27,7 +27,7 @@ from llmq.calib.stream import InputQuantization, LayerStream, activation_quantiz
 from llmq.config import Recipe
 from llmq.errors import InputError, NumericalError
 from llmq.io.atomic import publish, save_safetensors, staging_path, write_json
-from llmq.io.checkpoint import Checkpoint
+from llmq.io.checkpoint import Checkpoint, torch_dtype
 from llmq.pack.format import PackFormat, compress, quantization_config, scheme_format
 from llmq.pipeline.plan import LinearPlan, Plan, config_groups
 from llmq.pipeline.scaling import ScaleReport, apply_awq, apply_smoothquant
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 # The layer-output errors (the method's, and plain RTN's for comparison) are measured on the
 # first windows: enough for a comparison, and a fraction of the activations' memory and of a pass.
 REPORT_WINDOWS = 16
-_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 RECORD_FILE = "llmq.json"
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 
@@ -245,7 +244,7 @@ def _equivalence_scaling(
     """AWQ's or SmoothQuant's scales, folded into the layer (at most one of them: the recipe
     refuses both); the consumers' statistics after scaling."""
     args = {name: linear.args for name, linear in local.items()}
-    dtypes = {name: _TORCH_DTYPES[linear.dtype] for name, linear in local.items()}
+    dtypes = {name: torch_dtype(linear.dtype) for name, linear in local.items()}
     if method.awq is not None:
         return apply_awq(layer, stream.layout, args, dtypes, stats, method.awq)
     if recipe.smooth is not None:
@@ -271,7 +270,7 @@ def _input_quantization(
                 raise InputError(f"{linear.name}: static input scales need calibration data")
             scale = observe_scale(
                 observed.absmax, observed.samples, args, recipe.observer,
-                scale_dtype=_TORCH_DTYPES[linear.dtype],
+                scale_dtype=torch_dtype(linear.dtype),
             )  # fmt: skip
         inputs[name] = (args, scale)
     return inputs
@@ -284,7 +283,7 @@ def _kv_quantization(
     args = recipe.kv_cache_args
     if args is None or kv_range is None:
         return None
-    dtype = _TORCH_DTYPES[next(iter(local.values())).dtype] if local else torch.float32
+    dtype = torch_dtype(next(iter(local.values())).dtype) if local else torch.float32
     return KVQuantizer(args, **kv_range.scales(args, dtype))
 
 
@@ -323,7 +322,7 @@ def _compare_with_rtn(
     for name, linear in local.items():
         module = layer.get_submodule(name)
         weight = originals[name] = module.weight.data
-        q = rtn_quantize_weight(weight, linear.args, scale_dtype=_TORCH_DTYPES[linear.dtype])
+        q = rtn_quantize_weight(weight, linear.args, scale_dtype=torch_dtype(linear.dtype))
         module.weight.data = q.dequantize(weight.dtype)
         errors[name] = _output_error(module.weight.data - weight, weight, stats[name])
     inputs = _input_quantization(local, stats, recipe)
@@ -439,7 +438,7 @@ def _quantize_stack(
     stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
     try:
         result = method.quantize_weight(
-            stacked, linears[0].args, stats, scale_dtype=_TORCH_DTYPES[linears[0].dtype]
+            stacked, linears[0].args, stats, scale_dtype=torch_dtype(linears[0].dtype)
         )
     except NumericalError as exc:
         raise NumericalError(f"{names}: {exc.message}", hint=exc.hint) from None
@@ -476,7 +475,9 @@ def _other_layer_tensors(
     quantized = {f"{prefix}{name}.weight" for name in local}
     state = layer.state_dict()
     return {
-        name: state[name[len(prefix) :]].to(device="cpu", dtype=ckpt.read(name).dtype)
+        name: state[name[len(prefix) :]].to(
+            device="cpu", dtype=torch_dtype(ckpt.tensors[name].dtype)
+        )
         for name in ckpt.names_with_prefix(prefix)
         if name not in quantized
     }

@@ -14,6 +14,7 @@ from typing import Any
 
 from llmq import __version__
 from llmq.config import (
+    RESUME_EVERY_S,
     SCAN_RATIO_THRESHOLD,
     SCAN_SCHEME,
     SCAN_SHARE_THRESHOLD,
@@ -164,7 +165,7 @@ def quantize(
     fallback_threshold: float | None = None,
     overwrite: bool = False,
     resume: bool = False,
-    resume_every_s: float = 60.0,
+    resume_every_s: float = RESUME_EVERY_S,
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
     **options: Any,

@@ -18,7 +18,7 @@ from llmq.cli.console import (
     quiet_libraries,
 )
 from llmq.cli.options import CalibText, Device, JsonFlag, ModelArg, Seed
-from llmq.config import scheme_names
+from llmq.config import RESUME_EVERY_S, scheme_names
 from llmq.texts import DEFAULT_CALIBRATION_TEXT
 
 
@@ -153,7 +153,7 @@ def quantize(
         typer.Option(
             help="Seconds between resume points: the hidden states after a layer, saved for --resume (as large as the calibration activations: 2 GB a layer for a 70B model at 128 x 512 tokens). 0 saves after every layer; an interruption loses at most this much work."
         ),
-    ] = 60.0,
+    ] = RESUME_EVERY_S,
     device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:

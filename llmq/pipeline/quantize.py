@@ -24,20 +24,14 @@ from torch import Tensor, nn
 from llmq.calib.collect import run_observed
 from llmq.calib.stats import CalibStats, InputStats
 from llmq.calib.stream import InputQuantization, LayerStream, activation_quantization, kv_hook
-from llmq.config import Recipe
+from llmq.config import RESUME_EVERY_S, Recipe
 from llmq.errors import InputError, NumericalError
 from llmq.io.atomic import publish, save_safetensors, staging_path, write_json
 from llmq.io.checkpoint import Checkpoint, torch_dtype
 from llmq.pack.format import PackFormat, compress, quantization_config, scheme_format
 from llmq.pipeline.plan import LinearPlan, Plan, config_groups
 from llmq.pipeline.scaling import ScaleReport, apply_awq, apply_smoothquant
-from llmq.pipeline.state import (
-    HIDDEN_FILE,
-    RESUME_EVERY_S,
-    STATE_FILE,
-    RunState,
-    load_state,
-)
+from llmq.pipeline.state import HIDDEN_FILE, STATE_FILE, RunState, load_state
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.quant.awq import output_error
 from llmq.quant.kvcache import KVQuantizer, KVRange

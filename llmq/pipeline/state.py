@@ -17,15 +17,12 @@ from typing import Any
 
 from torch import Tensor
 
+from llmq.config import RESUME_EVERY_S
 from llmq.errors import InputError
 from llmq.io.atomic import save_safetensors, write_json
 
 STATE_FILE = "llmq-state.json"
 HIDDEN_FILE = "llmq-hidden.safetensors"
-# Hidden states are as large as the calibration activations (151 MB for the default model at
-# 128 x 512 tokens, 2 GB for a 70B one): saved after every layer, they cost 2-3% of a W8A8 run
-# here. A minute of work is what an interruption can lose instead.
-RESUME_EVERY_S = 60.0
 
 
 @dataclass(slots=True)

@@ -453,7 +453,9 @@ def _relative_rmse(output: Tensor, reference: Tensor) -> float:
 
 def _check_finite(tensor: Tensor, what: str) -> None:
     """NaN or Inf anywhere shows in the extremes (NaN propagates through min and max): one
-    reduction, 25x faster than `isfinite(tensor).all()` on a layer's activations."""
+    reduction, 25x faster than `isfinite(tensor).all()` on a layer's activations, and without
+    its temporaries (an abs() copy and two masks: +0.25 GB of peak RSS for the default model's
+    151 MB of activations)."""
     if not all(torch.isfinite(extreme) for extreme in torch.aminmax(tensor)):
         raise NumericalError(
             f"NaN or Inf in {what}",

@@ -301,24 +301,29 @@ def checkpoint_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "llmq.json"}
 
 
+@pytest.mark.parametrize(("every_s", "resumed"), [(0, 2), (3600, 0)])
 def test_resume_after_interrupt_gives_identical_checkpoint(
-    tmp_path: Path, default_model: Path
+    tmp_path: Path, default_model: Path, every_s: float, resumed: int
 ) -> None:
+    """Interrupted after two layers: with a resume point after every layer the rerun continues
+    after them; with none saved yet (the interval has not passed) it starts over."""
     model = make_tiny(tmp_path / "model", default_model, layers=4)
     reference = tmp_path / "reference"
     llmq.quantize(model, reference, scheme="w8a8", **FAST)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         llmq.quantize(
-            model, out, scheme="w8a8", progress=InterruptAfter(2), resume_every_s=0, **FAST
+            model, out, scheme="w8a8", progress=InterruptAfter(2), resume_every_s=every_s, **FAST
         )
     assert not out.exists()
-    state = json.loads((staging_path(out) / "llmq-state.json").read_text())
-    assert len(state["layers"]) == 2
-    with pytest.raises(InputError, match="different model or recipe"):
-        llmq.quantize(model, out, scheme="w4a16", resume=True, **FAST)
+    assert (staging_path(out) / "model-00003-of-00005.safetensors").exists()  # layer 1's shard
+    state = staging_path(out) / "llmq-state.json"
+    assert len(json.loads(state.read_text())["layers"] if state.exists() else []) == resumed
+    if resumed:  # a saved state is only continued with the same recipe
+        with pytest.raises(InputError, match="different model or recipe"):
+            llmq.quantize(model, out, scheme="w4a16", resume=True, **FAST)
     result = llmq.quantize(model, out, scheme="w8a8", resume=True, **FAST)
-    assert result.resumed_layers == 2
+    assert result.resumed_layers == resumed
     assert checkpoint_bytes(out) == checkpoint_bytes(reference)
 
 
@@ -371,24 +376,6 @@ def test_quantizing_a_quantized_checkpoint_is_refused(tmp_path: Path, tiny_llama
     llmq.quantize(tiny_llama, out, scheme="w8a16", **FAST)
     with pytest.raises(InputError, match="already quantized"):
         llmq.quantize(out, tmp_path / "again", scheme="w8a16", **FAST)
-
-
-def test_no_resume_point_before_the_interval_then_resume_starts_over(
-    tmp_path: Path, default_model: Path
-) -> None:
-    model = make_tiny(tmp_path / "model", default_model, layers=4)
-    reference = tmp_path / "reference"
-    llmq.quantize(model, reference, scheme="w8a8", **FAST)
-    out = tmp_path / "out"
-    with pytest.raises(KeyboardInterrupt):
-        llmq.quantize(
-            model, out, scheme="w8a8", progress=InterruptAfter(3), resume_every_s=3600, **FAST
-        )
-    assert not (staging_path(out) / "llmq-state.json").exists()
-    assert (staging_path(out) / "model-00004-of-00005.safetensors").exists()  # layer 2's shard
-    result = llmq.quantize(model, out, scheme="w8a8", resume=True, **FAST)
-    assert result.resumed_layers == 0
-    assert checkpoint_bytes(out) == checkpoint_bytes(reference)
 
 
 def test_sigkill_mid_run_then_resume_is_identical(tmp_path: Path, default_model: Path) -> None:

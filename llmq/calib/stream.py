@@ -103,17 +103,23 @@ class LayerStream:
     def num_layers(self) -> int:
         return self.ckpt.num_layers
 
-    def _materialize(self, module_name: str, prefix: str) -> nn.Module:
-        module = copy.deepcopy(self._skeleton.get_submodule(module_name))
+    def _read_state(self, prefix: str) -> dict[str, Tensor]:
+        """The tensors under `prefix` on the stream's device, in its compute dtype.
+
+        Tensors read from a shard are views of its memory map, and every page read through an
+        open handle stays resident: with the handles kept, RSS would grow by each layer read,
+        to the whole checkpoint. Closed after each read, only live tensors hold mapped pages.
+        """
         state = {
             key: tensor.to(device=self.device, dtype=self.dtype)
             for key, tensor in self._load_state(self.ckpt, prefix).items()
         }
-        module.load_state_dict(state, strict=True, assign=True)
-        # Tensors read from a shard are views of its memory map, and every page read through an
-        # open handle stays resident: with the handles kept, RSS would grow by each layer read,
-        # to the whole checkpoint. Closed, only the live module's tensors hold mapped pages.
         self.ckpt.close()
+        return state
+
+    def _materialize(self, module_name: str, prefix: str) -> nn.Module:
+        module = copy.deepcopy(self._skeleton.get_submodule(module_name))
+        module.load_state_dict(self._read_state(prefix), strict=True, assign=True)
         return module.eval()
 
     def load_layer(self, index: int) -> nn.Module:
@@ -127,8 +133,7 @@ class LayerStream:
         return nn.functional.embedding(input_ids.to(self.device), weight)
 
     def _read_weight(self, module: str) -> Tensor:
-        state = self._load_state(self.ckpt, f"{module}.")
-        return state["weight"].to(device=self.device, dtype=self.dtype)
+        return self._read_state(f"{module}.")["weight"]
 
     def _position_embeddings(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         positions = torch.arange(hidden.shape[1], device=self.device).unsqueeze(0)

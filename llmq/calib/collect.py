@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from llmq.calib.stats import CalibStats, InputStats
-from llmq.calib.stream import LayerStream, input_hooks
+from llmq.calib.stream import BlockOutput, LayerStream, input_hooks
 from llmq.io.checkpoint import Checkpoint
 from llmq.progress import NO_PROGRESS, Progress
 
@@ -22,6 +22,30 @@ def shared_input_owners(stream: LayerStream, names: list[str]) -> dict[str, str]
         for name in present:
             owners[name] = present[0]
     return owners
+
+
+class _Observer:
+    """The input hook that accumulates each named linear's input statistics; linears that share
+    an input share one InputStats (computed once, from the group's first linear)."""
+
+    def __init__(
+        self, stream: LayerStream, names: list[str], *, hessian: bool, samples: bool
+    ) -> None:
+        self.owners = shared_input_owners(stream, names)
+        self.hessian, self.samples = hessian, samples
+        self.observed: dict[str, InputStats] = {}
+
+    def __call__(self, name: str, x: Tensor) -> None:
+        if self.owners[name] != name:
+            return
+        if name not in self.observed:
+            self.observed[name] = InputStats.empty(
+                x.shape[-1], hessian=self.hessian, device=x.device, samples=self.samples
+            )
+        self.observed[name].update(x)
+
+    def stats(self) -> dict[str, InputStats]:
+        return {name: self.observed[owner] for name, owner in self.owners.items()}
 
 
 def run_observed(
@@ -38,23 +62,51 @@ def run_observed(
 ) -> tuple[Tensor, dict[str, InputStats]]:
     """Run `layer` on `hidden` and return its output (all of it, the first `keep` samples, or
     written over `hidden` when `in_place`: see `LayerStream.run_layer`) and the input statistics
-    of the named linears (with sample rows when `samples`); linears that share an input share
-    one InputStats (computed once)."""
-    owners = shared_input_owners(stream, names)
-    observed: dict[str, InputStats] = {}
-
-    def observe(name: str, x: Tensor) -> None:
-        if owners[name] != name:
-            return
-        if name not in observed:
-            observed[name] = InputStats.empty(
-                x.shape[-1], hessian=hessian, device=x.device, samples=samples
-            )
-        observed[name].update(x)
-
-    with input_hooks(layer, names, observe):
+    of the named linears (with sample rows when `samples`)."""
+    observer = _Observer(stream, names, hessian=hessian, samples=samples)
+    with input_hooks(layer, names, observer):
         output = stream.run_layer(layer, hidden, on_batch=on_batch, keep=keep, in_place=in_place)
-    return output, {name: observed[owner] for name, owner in owners.items()}
+    return output, observer.stats()
+
+
+def observe_until(
+    stream: LayerStream,
+    layer: nn.Module,
+    names: list[str],
+    hidden: Tensor,
+    until: str,
+    *,
+    hessian: bool,
+    replace: dict[str, BlockOutput] | None = None,
+    capture: bool = False,
+    on_batch: Callable[[], Any] | None = None,
+) -> tuple[dict[str, InputStats], Tensor | None]:
+    """Run `layer` on `hidden` only up to module `until` (`LayerStream.run_until`); return the
+    input statistics of the named linears (which run before `until`, or are it) and, when
+    `capture`, `until`'s input for every sample."""
+    observer = _Observer(stream, names, hessian=hessian, samples=False)
+    captured = _Captured(len(hidden))
+    with (
+        input_hooks(layer, names, observer),
+        input_hooks(layer, [until] if capture else [], captured),
+    ):
+        stream.run_until(layer, hidden, until, replace=replace, on_batch=on_batch)
+    return observer.stats(), captured.tensor if capture else None
+
+
+class _Captured:
+    """An input hook that stores one module's inputs, batch after batch, in one tensor."""
+
+    def __init__(self, samples: int) -> None:
+        self.samples = samples
+        self.tensor: Tensor | None = None
+        self.filled = 0
+
+    def __call__(self, _name: str, x: Tensor) -> None:
+        if self.tensor is None:
+            self.tensor = x.new_empty(self.samples, *x.shape[1:])
+        self.tensor[self.filled : self.filled + len(x)] = x
+        self.filled += len(x)
 
 
 def collect_stats(

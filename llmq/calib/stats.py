@@ -48,8 +48,10 @@ class InputStats:
     def update(self, x: Tensor) -> None:
         rows = x.reshape(-1, x.shape[-1]).to(ACCUM_DTYPE)
         n = rows.shape[0]
-        self.absmax = torch.maximum(self.absmax, rows.abs().amax(dim=0))
-        self.abs_sum += rows.abs().sum(dim=0)
+        magnitudes = rows.abs()
+        self.absmax = torch.maximum(self.absmax, magnitudes.amax(dim=0))
+        self.abs_sum += magnitudes.sum(dim=0)
+        del magnitudes
         if self.hessian is not None:
             total = self.num_tokens + n
             add_gram(self.hessian, rows, beta=self.num_tokens / total, alpha=2.0 / total)

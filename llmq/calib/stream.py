@@ -22,6 +22,8 @@ from llmq.quant.primitives import fake_quantize
 
 StateLoader = Callable[[Checkpoint, str], dict[str, Tensor]]
 """Reads the float state dict of one module prefix (e.g. "model.layers.3.") from a checkpoint."""
+BlockOutput = Callable[[slice], Tensor]
+"""A residual block's output for some samples of the batch, standing in for running the block."""
 KVHook = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 """(keys, values) after the rotary embedding, as the KV cache stores them -> what attention reads."""
 
@@ -152,6 +154,7 @@ class LayerStream:
         on_batch: Callable[[], Any] | None = None,
         keep: int | None = None,
         in_place: bool = False,
+        replace: dict[str, BlockOutput] | None = None,
     ) -> Tensor:
         """Apply one decoder layer to `hidden` [samples, seq, hidden], in micro-batches.
 
@@ -163,18 +166,15 @@ class LayerStream:
         samples' outputs (the rest run for the input hooks' sake, and stop once the layer's
         last linear has seen its input: its product would be thrown away), `in_place` writes
         the outputs over `hidden` when the caller has no further use for the inputs.
+        `replace` maps blocks (`layout.blocks`) to outputs already computed, which the layer
+        uses instead of running them.
         """
         if in_place and keep is not None:
             raise ValueError("run_layer: keep and in_place exclude each other")
         kept = hidden.shape[0] if keep is None else min(keep, hidden.shape[0])
         out = hidden if in_place else torch.empty_like(hidden[:kept])
-        position_embeddings = self._position_embeddings(hidden[:1])
-        last_linear = layer.get_submodule(self.layout.linears[-1])
-        for rows in self.batches(hidden):
-            with _stop_before(last_linear) if rows.start >= kept else nullcontext():
-                result = layer(
-                    hidden[rows], attention_mask=None, position_embeddings=position_embeddings
-                )
+        last_linear = self.layout.linears[-1]
+        for rows, result in self._forward(layer, hidden, replace, stop=last_linear, after=kept):
             if rows.start < kept:
                 result = result[0] if isinstance(result, tuple) else result
                 stored = min(rows.stop, kept) - rows.start
@@ -182,6 +182,65 @@ class LayerStream:
             if on_batch is not None:
                 on_batch()
         return out
+
+    @torch.inference_mode()
+    def run_until(
+        self,
+        layer: nn.Module,
+        hidden: Tensor,
+        module: str,
+        *,
+        replace: dict[str, BlockOutput] | None = None,
+        on_batch: Callable[[], Any] | None = None,
+    ) -> None:
+        """Run `layer` on `hidden` up to `module`, for the input hooks' sake: they see its
+        input, and nothing after it runs. `replace`: as in `run_layer`."""
+        for _ in self._forward(layer, hidden, replace, stop=module, after=0):
+            if on_batch is not None:
+                on_batch()
+
+    def _forward(
+        self,
+        layer: nn.Module,
+        hidden: Tensor,
+        replace: dict[str, BlockOutput] | None,
+        *,
+        stop: str,
+        after: int,
+    ) -> Iterator[tuple[slice, Any]]:
+        """(rows, the layer's output on them) per micro-batch; batches from sample `after` on
+        stop before module `stop` and give None."""
+        position_embeddings = self._position_embeddings(hidden[:1])
+        stop_module = layer.get_submodule(stop)
+        for rows in self.batches(hidden):
+            stopping = rows.start >= after
+            result = None
+            with (
+                self._answering(layer, replace or {}, rows),
+                _stop_before(stop_module) if stopping else nullcontext(),
+            ):
+                result = layer(
+                    hidden[rows], attention_mask=None, position_embeddings=position_embeddings
+                )
+            yield rows, result
+
+    @contextmanager
+    def _answering(
+        self, layer: nn.Module, replace: dict[str, BlockOutput], rows: slice
+    ) -> Iterator[None]:
+        """Blocks of `replace` return their given output for `rows` instead of running."""
+        modules = []
+        for name, output in replace.items():
+            value = output(rows)
+            answer = (value, None) if name == self.layout.attention else value
+            module = layer.get_submodule(name)
+            module.forward = lambda *_args, _answer=answer, **_kwargs: _answer
+            modules.append(module)
+        try:
+            yield
+        finally:
+            for module in modules:
+                del module.forward
 
     @torch.inference_mode()
     def token_nll(self, hidden: Tensor, input_ids: Tensor) -> tuple[float, int]:

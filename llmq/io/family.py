@@ -22,6 +22,7 @@ class DecoderLayout:
     lm_head: str
     rotary: str  # the model-level rotary embedding module (cos/sin shared by all layers)
     attention: str  # a layer's attention module: KV cache scales (k_scale, v_scale) live on it
+    mlp: str  # a layer's MLP module
     # Linears of one layer, grouped by shared input, in execution order. Members of a group read
     # the same activations, so they share calibration statistics (and a GPTQ Hessian).
     sequential: tuple[tuple[str, ...], ...]
@@ -44,6 +45,19 @@ class DecoderLayout:
         return tuple(pair for pair in self.smooth if pair[0] in self.fixed_alpha_producers)
 
     @property
+    def blocks(self) -> tuple[tuple[str, tuple[tuple[str, ...], ...]], ...]:
+        """The layer's residual blocks in order (attention, MLP), each with its linear groups.
+
+        A block's last group is its output projection: the block returns that linear's output
+        (HF attention modules as `(output, weights)`), which is how the pipeline reuses a block's
+        quantized output without running the block again.
+        """
+        return tuple(
+            (block, tuple(group for group in self.sequential if group[0].startswith(f"{block}.")))
+            for block in (self.attention, self.mlp)
+        )
+
+    @property
     def linears(self) -> tuple[str, ...]:
         return tuple(name for group in self.sequential for name in group)
 
@@ -64,6 +78,7 @@ _LLAMA_LIKE = DecoderLayout(
     lm_head="lm_head",
     rotary="model.rotary_emb",
     attention="self_attn",
+    mlp="mlp",
     sequential=(_ATTENTION, ("self_attn.o_proj",), _MLP_IN, ("mlp.down_proj",)),
     smooth=(
         ("input_layernorm", _ATTENTION),

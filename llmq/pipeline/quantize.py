@@ -1,11 +1,17 @@
 """The layer pipeline: embeddings once, then one decoder layer at a time.
 
-For each layer: load it from the shards, observe its linear inputs on the calibration batch
-(full precision outputs of the first REPORT_WINDOWS windows kept as the reference), quantize its
-linears with the chosen method, run it again quantized (activations too, when the scheme
-quantizes them) over its own inputs to get the next layer's inputs and the layer's output
-error, write its packed tensors, and record it for --resume. Peak memory is about one layer
-plus one copy of the activations, whatever the model size.
+For each layer: load it from the shards, quantize its linears with the chosen method on the
+calibration batch, keep the quantized layer's output (activations quantized too, when the
+scheme says so) as the next layer's input, write its packed tensors, and record it for
+--resume. The report compares the layer's output with the full-precision layer's, and with
+plain RTN's, on the first REPORT_WINDOWS windows.
+
+Two schedules inside a layer. Methods that only need their own Hessians (GPTQ) quantize group
+by group, each group observed on the outputs of the groups before it, already quantized: about
+one forward pass per layer; peak memory is one layer plus 2 + intermediate/hidden copies of
+the activations. The others (AWQ, SmoothQuant, static activation scales, KV cache) observe the
+full-precision layer whole, quantize, then run it again quantized: two passes; peak memory is
+one layer plus one copy of the activations. Both are independent of the model's depth.
 """
 
 from __future__ import annotations
@@ -21,9 +27,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from llmq.calib.collect import run_observed
+from llmq.calib.collect import observe_until, run_observed
 from llmq.calib.stats import CalibStats, InputStats
-from llmq.calib.stream import InputQuantization, LayerStream, activation_quantization, kv_hook
+from llmq.calib.stream import (
+    BlockOutput,
+    InputQuantization,
+    LayerStream,
+    activation_quantization,
+    kv_hook,
+)
 from llmq.config import RESUME_EVERY_S, Recipe
 from llmq.errors import InputError, NumericalError
 from llmq.io.atomic import publish, save_safetensors, staging_path, write_json
@@ -42,8 +54,9 @@ from llmq.quant.rtn import rtn_quantize_weight
 
 log = logging.getLogger(__name__)
 # The layer-output errors (the method's, and plain RTN's for comparison) are measured on the
-# first windows: enough for a comparison, and a fraction of the activations' memory and of a pass.
-REPORT_WINDOWS = 16
+# first windows: enough for a comparison (8 x 512 tokens for the default calibration), and a
+# fraction of the activations' memory and of a pass (1/16 of one for the default 128 windows).
+REPORT_WINDOWS = 8
 RECORD_FILE = "llmq.json"
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 
@@ -180,46 +193,175 @@ def _quantize_layer(
     prefix = stream.layout.layer_prefix(index)
     layer = stream.load_layer(index)
     local = {linear.name[len(prefix) :]: linear for linear in linears}
-    compare = hidden is not None and method.name != "rtn"  # report what plain RTN would give
-    passes = 0 if hidden is None else 2 * _batches(stream, hidden)
-    if compare:
-        passes += _batches(stream, hidden[:REPORT_WINDOWS])
-    attention = layer.get_submodule(stream.layout.attention)
+    staged = hidden is not None and _stages_in_layer(recipe, method, calib_stats, local)
+    passes = _passes(stream, method, hidden, staged=staged)
     with progress.stage(f"layer {index}", total=passes, transient=True) as step:
-        reference, observed, output, rtn_error = None, {}, None, None
-        kv_range = KVRange() if recipe.kv_cache_args is not None else None
-        if hidden is not None:
-            with kv_hook(attention, kv_range):
-                reference, observed = run_observed(
-                    stream, layer, list(local), hidden, hessian=method.needs_hessian,
-                    samples=_needs_samples(recipe), on_batch=lambda: step(1),
-                    keep=REPORT_WINDOWS,
-                )  # fmt: skip
-        stats = {name: _stats_for(calib_stats, observed, prefix, name) for name in local}
-        kv = _kv_quantization(recipe, kv_range, local)
-        rtn_errors: dict[str, float | None] = {}
-        if compare:
-            rtn_errors, rtn_error = _compare_with_rtn(
-                stream, layer, local, stats, recipe, kv, hidden, reference, lambda: step(1)
+        if staged:
+            assert hidden is not None
+            done = _quantize_staged(stream, layer, local, method, recipe, hidden, lambda: step(1))
+        else:
+            done = _quantize_observed(
+                stream, layer, local, method, recipe, hidden, calib_stats, prefix, lambda: step(1)
             )
-        stats, scale_reports = _equivalence_scaling(stream, layer, local, recipe, method, stats)
-        tensors, linear_reports = _quantize_linears(
-            layer, local, stats, method, scheme_format(recipe.scheme), rtn_errors
-        )
-        inputs = _input_quantization(local, stats, recipe)
-        if reference is not None:  # the inputs are spent: the outputs take their place
-            output = _run_quantized(
-                stream, layer, inputs, kv, hidden, lambda: step(1), in_place=True
-            )
-            _check_finite(output, f"the output of layer {index}")
-    error = None if reference is None else _relative_rmse(output[:REPORT_WINDOWS], reference)
-    tensors.update(_scale_tensors(inputs, kv, stream.layout.attention))
-    tensors = {f"{prefix}{key}": value for key, value in tensors.items()}
+    if done.output is not None:
+        _check_finite(done.output, f"the output of layer {index}")
+    tensors = {f"{prefix}{key}": value for key, value in done.tensors.items()}
     tensors.update(_other_layer_tensors(stream.ckpt, layer, prefix, local))
     report = LayerReport(
-        index, error, time.perf_counter() - started, linear_reports, rtn_error, scale_reports
+        index, done.error, time.perf_counter() - started, done.linears, done.rtn_error,
+        done.scales,
+    )  # fmt: skip
+    return report, done.output, tensors
+
+
+@dataclass(slots=True)
+class _LayerDone:
+    tensors: dict[str, Tensor]  # on-disk tensors, named relative to the layer
+    linears: list[LinearReport]
+    output: Tensor | None  # the layer's quantized output: the next layer's input
+    error: float | None = None  # LayerReport.output_rel_rmse
+    rtn_error: float | None = None
+    scales: list[ScaleReport] = field(default_factory=list)
+
+
+def _stages_in_layer(
+    recipe: Recipe, method: Method, calib_stats: CalibStats | None, local: dict[str, LinearPlan]
+) -> bool:
+    """Whether the layer is quantized group by group (`_quantize_staged`): for methods that
+    observe their own Hessians and quantize weights alone. Scale searches (AWQ, SmoothQuant),
+    KV cache and activation scales read the float layer's statistics of all groups at once."""
+    return (
+        calib_stats is None
+        and method.needs_hessian
+        and method.awq is None
+        and recipe.smooth is None
+        and recipe.kv_cache_args is None
+        and all(linear.input_args is None for linear in local.values())
     )
-    return report, output, tensors
+
+
+def _passes(stream: LayerStream, method: Method, hidden: Tensor | None, *, staged: bool) -> int:
+    """Micro-batches a layer runs (its progress bar's total)."""
+    if hidden is None:
+        return 0
+    report = _batches(stream, hidden[:REPORT_WINDOWS]) if method.name != "rtn" else 0
+    if staged:  # the reference, each group's stage, the output
+        groups = len(stream.layout.sequential)
+        return (
+            report
+            + _batches(stream, hidden[:REPORT_WINDOWS])
+            + (groups + 1) * _batches(stream, hidden)
+        )
+    return 2 * _batches(stream, hidden) + report
+
+
+def _quantize_observed(
+    stream: LayerStream,
+    layer: nn.Module,
+    local: dict[str, LinearPlan],
+    method: Method,
+    recipe: Recipe,
+    hidden: Tensor | None,
+    calib_stats: CalibStats | None,
+    prefix: str,
+    on_batch: Callable[[], Any],
+) -> _LayerDone:
+    """Observe the float layer's inputs of all linears in one pass, quantize them (after AWQ's
+    or SmoothQuant's scales, when asked), then run the layer again quantized."""
+    reference, observed, output, rtn_error = None, {}, None, None
+    attention = layer.get_submodule(stream.layout.attention)
+    kv_range = KVRange() if recipe.kv_cache_args is not None else None
+    if hidden is not None:
+        with kv_hook(attention, kv_range):
+            reference, observed = run_observed(
+                stream, layer, list(local), hidden, hessian=method.needs_hessian,
+                samples=_needs_samples(recipe), on_batch=on_batch, keep=REPORT_WINDOWS,
+            )  # fmt: skip
+    stats = {name: _stats_for(calib_stats, observed, prefix, name) for name in local}
+    kv = _kv_quantization(recipe, kv_range, local)
+    rtn_errors: dict[str, float | None] = {}
+    if reference is not None and method.name != "rtn":  # report what plain RTN would give
+        rtn = _rtn_weights(layer, local)
+        rtn_errors = _rtn_linear_errors(layer, rtn, stats)
+        inputs = _input_quantization(local, stats, recipe)
+        rtn_error = _rtn_layer_error(stream, layer, rtn, inputs, kv, hidden, reference, on_batch)
+    stats, scale_reports = _equivalence_scaling(stream, layer, local, recipe, method, stats)
+    tensors, linear_reports = _quantize_linears(
+        layer, local, stats, method, scheme_format(recipe.scheme), rtn_errors
+    )
+    inputs = _input_quantization(local, stats, recipe)
+    error = None
+    if reference is not None:  # the inputs are spent: the outputs take their place
+        output = _run_quantized(stream, layer, inputs, kv, hidden, on_batch, in_place=True)
+        error = _relative_rmse(output[:REPORT_WINDOWS], reference)
+    tensors.update(_scale_tensors(inputs, kv, stream.layout.attention))
+    return _LayerDone(tensors, linear_reports, output, error, rtn_error, scale_reports)
+
+
+def _quantize_staged(
+    stream: LayerStream,
+    layer: nn.Module,
+    local: dict[str, LinearPlan],
+    method: Method,
+    recipe: Recipe,
+    hidden: Tensor,
+    on_batch: Callable[[], Any],
+) -> _LayerDone:
+    """Quantize the layer group by group (GPTQ's true-sequential order inside a layer): each
+    group of linears that share an input is observed on the output of the groups before it,
+    already quantized, then quantized. The layer's output is written over `hidden`.
+
+    It costs about one forward pass, against two for observe-then-propagate: each stage runs
+    the layer only up to its group, blocks already quantized answer from their kept outputs,
+    and the MLP's output projection runs once, in the last pass, on its kept inputs. The price
+    is memory: the attention's output and the MLP's intermediate activations of all samples
+    (2 + intermediate/hidden copies of the activations, with the layer's own input).
+    """
+    reference = stream.run_layer(layer, hidden[:REPORT_WINDOWS], on_batch=on_batch)
+    rtn = _rtn_weights(layer, local) if method.name != "rtn" else {}
+    rtn_error = None
+    if rtn:
+        rtn_error = _rtn_layer_error(stream, layer, rtn, {}, None, hidden, reference, on_batch)
+    fmt = scheme_format(recipe.scheme)
+    done = _LayerDone({}, [], hidden, rtn_error=rtn_error)
+    kept: dict[str, BlockOutput] = {}
+    blocks = stream.layout.blocks
+    for position, (block, groups) in enumerate(blocks):
+        projection_input = None
+        for group in groups:
+            names = [name for name in group if name in local]
+            last = group is groups[-1]
+            if not names and not last:
+                continue
+            stats, captured = observe_until(
+                stream, layer, names, hidden, names[0] if names else group[0], hessian=True,
+                replace=kept, capture=last, on_batch=on_batch,
+            )  # fmt: skip
+            part = {name: local[name] for name in names}
+            errors = _rtn_linear_errors(layer, {name: rtn[name] for name in part}, stats)
+            tensors, reports = _quantize_linears(layer, part, stats, method, fmt, errors)
+            done.tensors.update(tensors)
+            done.linears.extend(reports)
+            projection_input = captured
+        assert projection_input is not None
+        projection = layer.get_submodule(groups[-1][0])
+        if position < len(blocks) - 1:  # later stages read it: computed once, kept
+            kept[block] = _kept_output(stream, projection, projection_input)
+        else:  # only the last pass reads it
+            kept[block] = lambda rows, x=projection_input, p=projection: p(x[rows])
+        del projection_input
+    stream.run_layer(layer, hidden, on_batch=on_batch, in_place=True, replace=kept)
+    done.error = _relative_rmse(hidden[:REPORT_WINDOWS], reference)
+    return done
+
+
+@torch.inference_mode()
+def _kept_output(stream: LayerStream, projection: nn.Module, inputs: Tensor) -> BlockOutput:
+    """A block's output, from its output projection on the kept inputs of all samples."""
+    output = inputs.new_empty(*inputs.shape[:-1], projection.weight.shape[0])
+    for rows in stream.batches(inputs):
+        output[rows] = projection(inputs[rows])
+    return lambda rows: output[rows]
 
 
 def _needs_samples(recipe: Recipe) -> bool:
@@ -298,32 +440,50 @@ def _batches(stream: LayerStream, hidden: Tensor) -> int:
     return len(list(stream.batches(hidden)))
 
 
-def _compare_with_rtn(
+def _rtn_weights(layer: nn.Module, local: dict[str, LinearPlan]) -> dict[str, Tensor]:
+    """Each linear's weight after plain RTN (dequantized): the comparison the report shows."""
+    rtn = {}
+    for name, linear in local.items():
+        weight = layer.get_submodule(name).weight.data
+        q = rtn_quantize_weight(weight, linear.args, scale_dtype=torch_dtype(linear.dtype))
+        rtn[name] = q.dequantize(weight.dtype)
+    return rtn
+
+
+def _rtn_linear_errors(
+    layer: nn.Module, rtn: dict[str, Tensor], stats: dict[str, InputStats | None]
+) -> dict[str, float | None]:
+    """Each linear's output error under plain RTN (before the method replaces its weight)."""
+    errors = {}
+    for name, quantized in rtn.items():
+        weight = layer.get_submodule(name).weight.data
+        errors[name] = _output_error(quantized - weight, weight, stats[name])
+    return errors
+
+
+def _rtn_layer_error(
     stream: LayerStream,
     layer: nn.Module,
-    local: dict[str, LinearPlan],
-    stats: dict[str, InputStats | None],
-    recipe: Recipe,
+    rtn: dict[str, Tensor],
+    inputs: dict[str, InputQuantization],
     kv: KVQuantizer | None,
     hidden: Tensor,
     reference: Tensor,
     on_batch: Callable[[], Any],
-) -> tuple[dict[str, float | None], float]:
-    """What plain RTN would give: each linear's output error, and the layer's output error on
-    the reference windows (its weights swapped in and back, so no second copy of the layer)."""
+) -> float:
+    """The layer's output error with plain RTN weights, on the reference windows (swapped in
+    and back, so no second copy of the layer)."""
     originals: dict[str, Tensor] = {}
-    errors: dict[str, float | None] = {}
-    for name, linear in local.items():
+    for name, quantized in rtn.items():
         module = layer.get_submodule(name)
-        weight = originals[name] = module.weight.data
-        q = rtn_quantize_weight(weight, linear.args, scale_dtype=torch_dtype(linear.dtype))
-        module.weight.data = q.dequantize(weight.dtype)
-        errors[name] = _output_error(module.weight.data - weight, weight, stats[name])
-    inputs = _input_quantization(local, stats, recipe)
-    output = _run_quantized(stream, layer, inputs, kv, hidden[: len(reference)], on_batch)
-    for name, weight in originals.items():
-        layer.get_submodule(name).weight.data = weight
-    return errors, _relative_rmse(output, reference)
+        originals[name] = module.weight.data
+        module.weight.data = quantized
+    try:
+        output = _run_quantized(stream, layer, inputs, kv, hidden[: len(reference)], on_batch)
+    finally:
+        for name, weight in originals.items():
+            layer.get_submodule(name).weight.data = weight
+    return _relative_rmse(output, reference)
 
 
 def _run_quantized(

@@ -131,3 +131,33 @@ def test_layers_already_dropped_leave_no_mapped_pages(tmp_path: Path, default_mo
         assert _resident_bytes_of(shard) <= layer_bytes + 64 * 1024
         del layer
     assert _resident_bytes_of(shard) == 0
+
+
+def test_replaced_blocks_answer_from_their_outputs_and_run_until_stops(stream_and_layer) -> None:
+    stream, layer = stream_and_layer
+    hidden = _hidden(stream)
+    attention = layer.get_submodule(stream.layout.attention)
+    outputs: list[torch.Tensor] = []
+    handle = attention.register_forward_hook(lambda _m, _a, out: outputs.append(out[0]))
+    full = stream.run_layer(layer, hidden)
+    handle.remove()
+    kept = torch.cat(outputs)
+    calls = {"q_proj": 0, "down_proj": 0, "gate_proj": 0}
+    hooks = [
+        layer.get_submodule(name).register_forward_hook(  # counts the runs that finish
+            lambda _m, _a, _out, key=key: calls.__setitem__(key, calls[key] + 1)
+        )
+        for key, name in (
+            ("q_proj", "self_attn.q_proj"),
+            ("gate_proj", "mlp.gate_proj"),
+            ("down_proj", "mlp.down_proj"),
+        )
+    ]
+    replace = {stream.layout.attention: lambda rows: kept[rows]}
+    torch.testing.assert_close(stream.run_layer(layer, hidden, replace=replace), full)
+    assert calls == {"q_proj": 0, "gate_proj": 3, "down_proj": 3}  # 5 samples, batches of 2
+    stream.run_until(layer, hidden, "mlp.down_proj", replace=replace)
+    assert calls == {"q_proj": 0, "gate_proj": 6, "down_proj": 3}
+    for hook in hooks:
+        hook.remove()
+    assert "forward" not in vars(attention)  # the block runs again once the call is over

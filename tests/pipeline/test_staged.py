@@ -1,0 +1,91 @@
+"""The in-layer sequential schedule of GPTQ-style methods: each group of linears is observed
+after the groups before it are quantized, and what the layer writes is the quantized layer's
+output, as if it had run whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from llmq.api import make_recipe
+from llmq.calib.collect import run_observed
+from llmq.calib.stream import LayerStream
+from llmq.io.checkpoint import open_checkpoint
+from llmq.pipeline.plan import plan_quantization
+from llmq.pipeline.quantize import _quantize_staged, _stages_in_layer
+from llmq.quant.methods import Method, MethodResult, get_method
+
+
+@dataclass
+class Recording:
+    """A method that keeps the Hessian each call was given, then quantizes as `inner`."""
+
+    inner: Method
+    hessians: list[Tensor] = field(default_factory=list)
+    name: str = "gptq"
+    needs_hessian: bool = True
+    awq: None = None
+
+    def quantize_weight(self, weight, args, stats, *, scale_dtype) -> MethodResult:
+        self.hessians.append(stats.hessian.clone())
+        return self.inner.quantize_weight(weight, args, stats, scale_dtype=scale_dtype)
+
+
+@pytest.fixture(scope="module")
+def staged_run(tiny_llama: Path):
+    """Layer 0 of the tiny model quantized W4A16 GPTQ by `_quantize_staged` on embedded tokens."""
+    ckpt = open_checkpoint(tiny_llama)
+    recipe = make_recipe(scheme="w4a16", method="gptq", group_size=32)
+    stream = LayerStream(ckpt, device="cpu", batch_size=2)
+    prefix = stream.layout.layer_prefix(0)
+    local = {
+        linear.name[len(prefix) :]: linear for linear in plan_quantization(ckpt, recipe).layers[0]
+    }
+    ids = torch.randint(
+        0, stream.config.vocab_size, (5, 32), generator=torch.Generator().manual_seed(0)
+    )
+    inputs = stream.embed(ids)
+    hidden = inputs.clone()
+    layer = stream.load_layer(0)
+    method = Recording(get_method(recipe))
+    assert _stages_in_layer(recipe, method, None, local)
+    done = _quantize_staged(stream, layer, local, method, recipe, hidden, lambda: None)
+    return stream, layer, inputs, done, method
+
+
+def test_each_group_is_observed_after_the_groups_before_it_are_quantized(staged_run) -> None:
+    """The Hessian each group got is the one a whole-layer pass observes with the groups before
+    it quantized and the rest still in full precision."""
+    stream, quantized, inputs, _, method = staged_run
+    groups = stream.layout.sequential
+    assert len(method.hessians) == len(groups)  # q/k/v and gate/up are one stack each
+    for position, group in enumerate(groups):
+        layer = stream.load_layer(0)
+        for earlier in groups[:position]:
+            for name in earlier:
+                layer.get_submodule(name).weight.data = quantized.get_submodule(name).weight.data
+        _, observed = run_observed(stream, layer, list(group), inputs.clone(), hessian=True)
+        expected = observed[group[0]].hessian
+        torch.testing.assert_close(method.hessians[position], expected, rtol=1e-4, atol=1e-6)
+        if position > 0:  # the float layer's Hessian differs: quantization upstream shows
+            _, floats = run_observed(
+                stream, stream.load_layer(0), list(group), inputs.clone(), hessian=True
+            )
+            assert not torch.allclose(floats[group[0]].hessian, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_the_output_is_the_quantized_layer_run_whole(staged_run) -> None:
+    stream, quantized, inputs, done, _ = staged_run
+    expected = stream.run_layer(quantized, inputs)
+    torch.testing.assert_close(done.output, expected, rtol=1e-5, atol=1e-5)
+    float_output = stream.run_layer(stream.load_layer(0), inputs)
+    relative = float((expected - float_output).norm() / float_output.norm())
+    assert done.error == pytest.approx(relative, rel=1e-4)  # all 5 samples are report windows
+    assert done.error < done.rtn_error  # GPTQ beats plain RTN on the windows it saw
+    assert [report.name for report in done.linears] == [
+        stream.layout.layer_prefix(0) + name for name in stream.layout.linears
+    ]

@@ -35,9 +35,13 @@ class Recording:
         return self.inner.quantize_weight(weight, args, stats, scale_dtype=scale_dtype)
 
 
-@pytest.fixture(scope="module")
-def staged_run(tiny_llama: Path):
-    """Layer 0 of the tiny model quantized W4A16 GPTQ by `_quantize_staged` on embedded tokens."""
+@pytest.fixture(
+    scope="module", params=[(), ("self_attn.q_proj", "mlp.down_proj")], ids=["all", "some-ignored"]
+)
+def staged_run(tiny_llama: Path, request: pytest.FixtureRequest):
+    """Layer 0 of the tiny model quantized W4A16 GPTQ by `_quantize_staged` on embedded tokens;
+    with linears left in full precision too (a group's first linear, a block's output projection),
+    as `--ignore` and `--fallback` leave them."""
     ckpt = open_checkpoint(tiny_llama)
     recipe = make_recipe(scheme="w4a16", method="gptq", group_size=32)
     stream = LayerStream(ckpt, device="cpu", batch_size=2)
@@ -45,6 +49,8 @@ def staged_run(tiny_llama: Path):
     local = {
         linear.name[len(prefix) :]: linear for linear in plan_quantization(ckpt, recipe).layers[0]
     }
+    for name in request.param:
+        del local[name]
     ids = torch.randint(
         0, stream.config.vocab_size, (5, 32), generator=torch.Generator().manual_seed(0)
     )
@@ -54,32 +60,33 @@ def staged_run(tiny_llama: Path):
     method = Recording(get_method(recipe))
     assert _stages_in_layer(recipe, method, None, local)
     done = _quantize_staged(stream, layer, local, method, recipe, hidden, lambda: None)
-    return stream, layer, inputs, done, method
+    return stream, layer, inputs, done, method, local
 
 
 def test_each_group_is_observed_after_the_groups_before_it_are_quantized(staged_run) -> None:
     """The Hessian each group got is the one a whole-layer pass observes with the groups before
     it quantized and the rest still in full precision."""
-    stream, quantized, inputs, _, method = staged_run
-    groups = stream.layout.sequential
+    stream, quantized, inputs, _, method, local = staged_run
+    groups = [[name for name in group if name in local] for group in stream.layout.sequential]
+    groups = [group for group in groups if group]
     assert len(method.hessians) == len(groups)  # q/k/v and gate/up are one stack each
     for position, group in enumerate(groups):
         layer = stream.load_layer(0)
         for earlier in groups[:position]:
             for name in earlier:
                 layer.get_submodule(name).weight.data = quantized.get_submodule(name).weight.data
-        _, observed = run_observed(stream, layer, list(group), inputs.clone(), hessian=True)
+        _, observed = run_observed(stream, layer, group, inputs.clone(), hessian=True)
         expected = observed[group[0]].hessian
         torch.testing.assert_close(method.hessians[position], expected, rtol=1e-4, atol=1e-6)
         if position > 0:  # the float layer's Hessian differs: quantization upstream shows
             _, floats = run_observed(
-                stream, stream.load_layer(0), list(group), inputs.clone(), hessian=True
+                stream, stream.load_layer(0), group, inputs.clone(), hessian=True
             )
             assert not torch.allclose(floats[group[0]].hessian, expected, rtol=1e-4, atol=1e-6)
 
 
 def test_the_output_is_the_quantized_layer_run_whole(staged_run) -> None:
-    stream, quantized, inputs, done, _ = staged_run
+    stream, quantized, inputs, done, _, local = staged_run
     expected = stream.run_layer(quantized, inputs)
     torch.testing.assert_close(done.output, expected, rtol=1e-5, atol=1e-5)
     float_output = stream.run_layer(stream.load_layer(0), inputs)
@@ -87,5 +94,5 @@ def test_the_output_is_the_quantized_layer_run_whole(staged_run) -> None:
     assert done.error == pytest.approx(relative, rel=1e-4)  # all 5 samples are report windows
     assert done.error < done.rtn_error  # GPTQ beats plain RTN on the windows it saw
     assert [report.name for report in done.linears] == [
-        stream.layout.layer_prefix(0) + name for name in stream.layout.linears
+        stream.layout.layer_prefix(0) + name for name in stream.layout.linears if name in local
     ]

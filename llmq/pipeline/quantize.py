@@ -281,10 +281,10 @@ def _quantize_observed(
     kv = _kv_quantization(recipe, kv_range, local)
     rtn_errors: dict[str, float | None] = {}
     if reference is not None and method.name != "rtn":  # report what plain RTN would give
-        rtn = _rtn_weights(layer, local)
-        rtn_errors = _rtn_linear_errors(layer, rtn, stats)
-        inputs = _input_quantization(local, stats, recipe)
-        rtn_error = _rtn_layer_error(stream, layer, rtn, inputs, kv, hidden, reference, on_batch)
+        rtn_errors, rtn_error = _compare_with_rtn(
+            stream, layer, local, stats, _input_quantization(local, stats, recipe), kv, hidden,
+            reference, on_batch,
+        )  # fmt: skip
     stats, scale_reports = _equivalence_scaling(stream, layer, local, recipe, method, stats)
     tensors, linear_reports = _quantize_linears(
         layer, local, stats, method, scheme_format(recipe.scheme), rtn_errors
@@ -318,41 +318,71 @@ def _quantize_staged(
     (2 + intermediate/hidden copies of the activations, with the layer's own input).
     """
     reference = stream.run_layer(layer, hidden[:REPORT_WINDOWS], on_batch=on_batch)
-    rtn = _rtn_weights(layer, local) if method.name != "rtn" else {}
+    compare = method.name != "rtn"  # report what plain RTN would give
     rtn_error = None
-    if rtn:
+    if compare:  # RTN's copy of the whole layer lives only for this pass
+        rtn = _rtn_weights(layer, local)
         rtn_error = _rtn_layer_error(stream, layer, rtn, {}, None, hidden, reference, on_batch)
-    fmt = scheme_format(recipe.scheme)
-    done = _LayerDone({}, [], hidden, rtn_error=rtn_error)
-    kept: dict[str, BlockOutput] = {}
+        del rtn
+    stages = _Stages(stream, layer, local, method, recipe, hidden, compare, on_batch)
     blocks = stream.layout.blocks
     for position, (block, groups) in enumerate(blocks):
-        projection_input = None
-        for group in groups:
-            names = [name for name in group if name in local]
-            last = group is groups[-1]
-            if not names and not last:
-                continue
-            stats, captured = observe_until(
-                stream, layer, names, hidden, names[0] if names else group[0], hessian=True,
-                replace=kept, capture=last, on_batch=on_batch,
-            )  # fmt: skip
-            part = {name: local[name] for name in names}
-            errors = _rtn_linear_errors(layer, {name: rtn[name] for name in part}, stats)
-            tensors, reports = _quantize_linears(layer, part, stats, method, fmt, errors)
-            done.tensors.update(tensors)
-            done.linears.extend(reports)
-            projection_input = captured
+        for group in groups[:-1]:
+            stages.quantize(group)
+        projection_input = stages.quantize(groups[-1], capture=True)
         assert projection_input is not None
         projection = layer.get_submodule(groups[-1][0])
         if position < len(blocks) - 1:  # later stages read it: computed once, kept
-            kept[block] = _kept_output(stream, projection, projection_input)
+            stages.kept[block] = _kept_output(stream, projection, projection_input)
         else:  # only the last pass reads it
-            kept[block] = lambda rows, x=projection_input, p=projection: p(x[rows])
+            stages.kept[block] = lambda rows, x=projection_input, p=projection: p(x[rows])
         del projection_input
-    stream.run_layer(layer, hidden, on_batch=on_batch, in_place=True, replace=kept)
+    stream.run_layer(layer, hidden, on_batch=on_batch, in_place=True, replace=stages.kept)
+    done = stages.done
+    done.rtn_error = rtn_error
     done.error = _relative_rmse(hidden[:REPORT_WINDOWS], reference)
     return done
+
+
+class _Stages:
+    """One layer's staged quantization: what the stages share, and one stage."""
+
+    def __init__(
+        self,
+        stream: LayerStream,
+        layer: nn.Module,
+        local: dict[str, LinearPlan],
+        method: Method,
+        recipe: Recipe,
+        hidden: Tensor,
+        compare: bool,
+        on_batch: Callable[[], Any],
+    ) -> None:
+        self.stream, self.layer, self.local, self.method = stream, layer, local, method
+        self.fmt = scheme_format(recipe.scheme)
+        self.hidden, self.compare, self.on_batch = hidden, compare, on_batch
+        self.kept: dict[str, BlockOutput] = {}  # blocks done: their outputs, by block
+        self.done = _LayerDone({}, [], hidden)
+
+    def quantize(self, group: tuple[str, ...], *, capture: bool = False) -> Tensor | None:
+        """Observe the group's input on every sample (the layer run up to it), quantize its
+        linears, and return its input when `capture` (a block's output projection). A group
+        left entirely in full precision runs only to be captured."""
+        names = [name for name in group if name in self.local]
+        if not names and not capture:
+            return None
+        stats, captured = observe_until(
+            self.stream, self.layer, names, self.hidden, names[0] if names else group[0],
+            hessian=True, replace=self.kept, capture=capture, on_batch=self.on_batch,
+        )  # fmt: skip
+        part = {name: self.local[name] for name in names}
+        errors: dict[str, float | None] = {}
+        if self.compare:  # RTN's output error, from the weights the method is about to replace
+            errors = _rtn_linear_errors(self.layer, _rtn_weights(self.layer, part), stats)
+        tensors, reports = _quantize_linears(self.layer, part, stats, self.method, self.fmt, errors)
+        self.done.tensors.update(tensors)
+        self.done.linears.extend(reports)
+        return captured
 
 
 @torch.inference_mode()
@@ -438,6 +468,24 @@ def _scale_tensors(
 
 def _batches(stream: LayerStream, hidden: Tensor) -> int:
     return len(list(stream.batches(hidden)))
+
+
+def _compare_with_rtn(
+    stream: LayerStream,
+    layer: nn.Module,
+    local: dict[str, LinearPlan],
+    stats: dict[str, InputStats | None],
+    inputs: dict[str, InputQuantization],
+    kv: KVQuantizer | None,
+    hidden: Tensor,
+    reference: Tensor,
+    on_batch: Callable[[], Any],
+) -> tuple[dict[str, float | None], float]:
+    """What plain RTN would give: each linear's output error, and the layer's output error on
+    the reference windows (RTN's copy of the layer is dropped on return)."""
+    rtn = _rtn_weights(layer, local)
+    errors = _rtn_linear_errors(layer, rtn, stats)
+    return errors, _rtn_layer_error(stream, layer, rtn, inputs, kv, hidden, reference, on_batch)
 
 
 def _rtn_weights(layer: nn.Module, local: dict[str, LinearPlan]) -> dict[str, Tensor]:

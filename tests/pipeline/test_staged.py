@@ -96,3 +96,27 @@ def test_the_output_is_the_quantized_layer_run_whole(staged_run) -> None:
     assert [report.name for report in done.linears] == [
         stream.layout.layer_prefix(0) + name for name in stream.layout.linears if name in local
     ]
+
+
+def test_rtn_with_output_clipping_runs_staged_without_comparing_with_itself(
+    tiny_llama: Path,
+) -> None:
+    """RTN's output-error clip search needs Hessians, so it takes the staged schedule too; it has
+    no RTN comparison (it is RTN)."""
+    ckpt = open_checkpoint(tiny_llama)
+    recipe = make_recipe(scheme="w4a16", method="rtn", clip="output", group_size=32)
+    method = get_method(recipe)
+    stream = LayerStream(ckpt, device="cpu", batch_size=2)
+    prefix = stream.layout.layer_prefix(0)
+    local = {
+        linear.name[len(prefix) :]: linear for linear in plan_quantization(ckpt, recipe).layers[0]
+    }
+    assert _stages_in_layer(recipe, method, None, local)
+    inputs = torch.randn(
+        3, 16, stream.config.hidden_size, generator=torch.Generator().manual_seed(1)
+    )
+    layer = stream.load_layer(0)
+    done = _quantize_staged(stream, layer, local, method, recipe, inputs.clone(), lambda: None)
+    assert done.rtn_error is None
+    assert all(report.rtn_output_error is None for report in done.linears)
+    torch.testing.assert_close(done.output, stream.run_layer(layer, inputs), rtol=1e-5, atol=1e-5)

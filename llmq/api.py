@@ -88,6 +88,7 @@ def make_recipe(
     dampening_frac: float = 0.01,
     actorder: str = "static",
     block_size: int = 128,
+    true_sequential: bool = True,
     awq_grid: int = 20,
     awq_duo_scaling: bool = True,
     smooth: str | float | None = None,
@@ -97,7 +98,9 @@ def make_recipe(
 ) -> Recipe:
     """Validate options into a Recipe (InputError naming the option on bad values).
 
-    GPTQ: dampening_frac, actorder ("static" or "none"), block_size. AWQ: awq_grid alphas,
+    GPTQ: dampening_frac, actorder ("static" or "none"), block_size, true_sequential (group by
+    group inside each layer, in one forward pass; off: the float layer observed whole, in two
+    passes and with fewer activations held). AWQ: awq_grid alphas,
     awq_duo_scaling (s = mean|x|^a / mean|w|^(1-a); off: mean|x|^a). SmoothQuant: smooth
     (alpha in [0, 1], "auto" or None). activations: "dynamic" (per token) or "static" (one
     calibrated input_scale per linear, chosen by observer: absmax, percentile or mse).
@@ -143,7 +146,12 @@ def make_recipe(
         ignore=tuple(ignore),
         clip=clip,
         calibration=calibration,
-        gptq={"dampening_frac": dampening_frac, "actorder": actorder, "block_size": block_size},
+        gptq={
+            "dampening_frac": dampening_frac,
+            "actorder": actorder,
+            "block_size": block_size,
+            "true_sequential": true_sequential,
+        },
         awq={"grid": awq_grid, "duo_scaling": awq_duo_scaling},
         smooth=parse_smooth(smooth),
         activations=activations,

@@ -214,6 +214,11 @@ class GPTQConfig(BaseModel):
     # static: columns in decreasing Hessian-diagonal order, groups fixed up front (no g_idx);
     # none: columns in order, each group's range taken from the updated weights.
     actorder: Literal["static", "none"] = "static"
+    # Inside a layer, quantize q/k/v, then o_proj, gate/up, down_proj, each group observed after
+    # the groups before it are quantized (one forward pass a layer, more activations held);
+    # off: observe the full-precision layer whole, then run it again quantized (two passes).
+    # Also governs RTN with clip="output", the other method that needs only its Hessians.
+    true_sequential: bool = True
 
 
 class AWQConfig(BaseModel):

@@ -80,6 +80,12 @@ def quantize(
             help="gptq column order: static (largest Hessian diagonal first, groups fixed up front; loads everywhere) or none (in order, as in the paper)."
         ),
     ] = "static",
+    true_sequential: Annotated[
+        bool,
+        typer.Option(
+            help="gptq (and rtn --clip output): quantize each layer group by group, q/k/v, then o_proj, gate/up, down_proj, each observed after the groups before it are quantized; about one forward pass a layer, but it holds the attention output and the MLP's intermediate activations of all calibration windows (Llama-3-70B at 128x512 tokens: ~12 GB instead of ~2 GB). --no-true-sequential observes the float layer whole, then runs it again quantized: two passes, less memory. awq, --smooth, static activations and --kv-cache always do the latter."
+        ),
+    ] = True,
     awq_duo_scaling: Annotated[
         bool,
         typer.Option(
@@ -171,6 +177,7 @@ def quantize(
             strict_group_size=strict_group_size, ignore=("lm_head", *(ignore or [])), clip=clip,
             calib_text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed,
             skip_layer_check=skip_layer_check, dampening_frac=dampening_frac, actorder=actorder,
+            true_sequential=true_sequential,
             awq_duo_scaling=awq_duo_scaling, smooth=smooth, activations=activations,
             observer=observer, kv_cache=kv_cache,
         )  # fmt: skip

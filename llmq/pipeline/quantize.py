@@ -228,10 +228,12 @@ def _stages_in_layer(
     recipe: Recipe, method: Method, calib_stats: CalibStats | None, local: dict[str, LinearPlan]
 ) -> bool:
     """Whether the layer is quantized group by group (`_quantize_staged`): for methods that
-    observe their own Hessians and quantize weights alone. Scale searches (AWQ, SmoothQuant),
-    KV cache and activation scales read the float layer's statistics of all groups at once."""
+    observe their own Hessians and quantize weights alone, unless the recipe turns it off.
+    Scale searches (AWQ, SmoothQuant), KV cache and activation scales read the float layer's
+    statistics of all groups at once."""
     return (
-        calib_stats is None
+        recipe.gptq.true_sequential
+        and calib_stats is None
         and method.needs_hessian
         and method.awq is None
         and recipe.smooth is None

@@ -4,6 +4,7 @@ output, as if it had run whole."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,12 +12,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from llmq.api import make_recipe
+from llmq.api import _calibration_windows, make_recipe
 from llmq.calib.collect import run_observed
 from llmq.calib.stream import LayerStream
+from llmq.config import Recipe
 from llmq.io.checkpoint import open_checkpoint
 from llmq.pipeline.plan import plan_quantization
 from llmq.pipeline.quantize import _quantize_staged, _stages_in_layer
+from llmq.progress import NO_PROGRESS
 from llmq.quant.methods import Method, MethodResult, get_method
 
 
@@ -120,3 +123,43 @@ def test_rtn_with_output_clipping_runs_staged_without_comparing_with_itself(
     assert done.rtn_error is None
     assert all(report.rtn_output_error is None for report in done.linears)
     torch.testing.assert_close(done.output, stream.run_layer(layer, inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_no_true_sequential_observes_the_float_layer_whole(
+    tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--no-true-sequential`: every group of every layer gets the Hessian of the full-precision
+    layer on that layer's inputs (one observation pass), and the recipe records the choice."""
+    from typer.testing import CliRunner
+
+    from llmq.cli.main import app
+    from llmq.quant import methods
+
+    seen: list[Tensor] = []
+    gptq = methods.GPTQ.quantize_weight
+
+    def recording(self, weight, args, stats, *, scale_dtype):
+        seen.append(stats.hessian.clone())
+        return gptq(self, weight, args, stats, scale_dtype=scale_dtype)
+
+    monkeypatch.setattr(methods.GPTQ, "quantize_weight", recording)
+    out = tmp_path / "two-pass"
+    options = ["--method", "gptq", "--group-size", "32", "--num-samples", "3", "--seq-len", "24"]
+    result = CliRunner().invoke(
+        app, ["quantize", str(tiny_llama), "--out", str(out), *options, "--no-true-sequential"]
+    )
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "llmq.json").read_text())
+    assert record["recipe"]["gptq"]["true_sequential"] is False
+    ckpt = open_checkpoint(tiny_llama)
+    groups = ckpt.layout.sequential
+    assert len(seen) == len(groups) * ckpt.num_layers
+    recipe = Recipe.model_validate(record["recipe"])
+    stream = LayerStream(ckpt, device="cpu")
+    windows = _calibration_windows(tiny_llama, recipe.calibration, NO_PROGRESS)
+    _, observed = run_observed(
+        stream, stream.load_layer(0), list(ckpt.layout.linears), stream.embed(windows.input_ids),
+        hessian=True,
+    )  # fmt: skip
+    for position, group in enumerate(groups):  # layer 0's groups, all from the float layer
+        torch.testing.assert_close(seen[position], observed[group[0]].hessian)

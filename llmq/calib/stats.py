@@ -51,7 +51,7 @@ class InputStats:
         magnitudes = rows.abs()
         self.absmax = torch.maximum(self.absmax, magnitudes.amax(dim=0))
         self.abs_sum += magnitudes.sum(dim=0)
-        del magnitudes
+        del magnitudes  # before the Hessian's product: one working copy of x at a time
         if self.hessian is not None:
             total = self.num_tokens + n
             add_gram(self.hessian, rows, beta=self.num_tokens / total, alpha=2.0 / total)

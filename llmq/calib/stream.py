@@ -230,13 +230,13 @@ class LayerStream:
     ) -> Iterator[None]:
         """Blocks of `replace` return their given output for `rows` instead of running."""
         modules = []
-        for name, output in replace.items():
-            value = output(rows)
-            answer = (value, None) if name == self.layout.attention else value
-            module = layer.get_submodule(name)
-            module.forward = lambda *_args, _answer=answer, **_kwargs: _answer
-            modules.append(module)
         try:
+            for name, output in replace.items():
+                value = output(rows)
+                answer = (value, None) if name == self.layout.attention else value
+                module = layer.get_submodule(name)
+                module.forward = lambda *_args, _answer=answer, **_kwargs: _answer
+                modules.append(module)
             yield
         finally:
             for module in modules:

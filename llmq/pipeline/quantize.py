@@ -6,12 +6,13 @@ scheme says so) as the next layer's input, write its packed tensors, and record 
 --resume. The report compares the layer's output with the full-precision layer's, and with
 plain RTN's, on the first REPORT_WINDOWS windows.
 
-Two schedules inside a layer. Methods that only need their own Hessians (GPTQ) quantize group
-by group, each group observed on the outputs of the groups before it, already quantized: about
-one forward pass per layer; peak memory is one layer plus 2 + intermediate/hidden copies of
-the activations. The others (AWQ, SmoothQuant, static activation scales, KV cache) observe the
-full-precision layer whole, quantize, then run it again quantized: two passes; peak memory is
-one layer plus one copy of the activations. Both are independent of the model's depth.
+Two schedules inside a layer. Methods that only need their own Hessians (GPTQ, unless
+--no-true-sequential) quantize group by group, each group observed on the outputs of the
+groups before it, already quantized: about one forward pass per layer; peak memory is one
+layer plus 2 + intermediate/hidden copies of the activations. The others (AWQ, SmoothQuant,
+static activation scales, KV cache) observe the full-precision layer whole, quantize, then run
+it again quantized: two passes; peak memory is one layer plus one copy of the activations.
+Both are independent of the model's depth.
 """
 
 from __future__ import annotations

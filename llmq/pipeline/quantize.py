@@ -199,7 +199,7 @@ def _quantize_layer(
     with progress.stage(f"layer {index}", total=passes, transient=True) as step:
         if staged:
             assert hidden is not None
-            done = _quantize_staged(stream, layer, local, method, recipe, hidden, lambda: step(1))
+            done = _StagedLayer(stream, layer, local, method, recipe, hidden, lambda: step(1)).run()
         else:
             done = _quantize_observed(
                 stream, layer, local, method, recipe, hidden, calib_stats, prefix, lambda: step(1)
@@ -228,7 +228,7 @@ class _LayerDone:
 def _stages_in_layer(
     recipe: Recipe, method: Method, calib_stats: CalibStats | None, local: dict[str, LinearPlan]
 ) -> bool:
-    """Whether the layer is quantized group by group (`_quantize_staged`): for methods that
+    """Whether the layer is quantized group by group (`_StagedLayer`): for methods that
     observe their own Hessians and quantize weights alone, unless the recipe turns it off.
     Scale searches (AWQ, SmoothQuant), KV cache and activation scales read the float layer's
     statistics of all groups at once."""
@@ -301,16 +301,8 @@ def _quantize_observed(
     return _LayerDone(tensors, linear_reports, output, error, rtn_error, scale_reports)
 
 
-def _quantize_staged(
-    stream: LayerStream,
-    layer: nn.Module,
-    local: dict[str, LinearPlan],
-    method: Method,
-    recipe: Recipe,
-    hidden: Tensor,
-    on_batch: Callable[[], Any],
-) -> _LayerDone:
-    """Quantize the layer group by group (GPTQ's true-sequential order inside a layer): each
+class _StagedLayer:
+    """Quantize one layer group by group (GPTQ's true-sequential order inside a layer): each
     group of linears that share an input is observed on the output of the groups before it,
     already quantized, then quantized. The layer's output is written over `hidden`.
 
@@ -320,35 +312,6 @@ def _quantize_staged(
     is memory: the attention's output and the MLP's intermediate activations of all samples
     (2 + intermediate/hidden copies of the activations, with the layer's own input).
     """
-    reference = stream.run_layer(layer, hidden[:REPORT_WINDOWS], on_batch=on_batch)
-    compare = method.name != "rtn"  # report what plain RTN would give
-    rtn_error = None
-    if compare:  # RTN's copy of the whole layer lives only for this pass
-        rtn = _rtn_weights(layer, local)
-        rtn_error = _rtn_layer_error(stream, layer, rtn, {}, None, hidden, reference, on_batch)
-        del rtn
-    stages = _Stages(stream, layer, local, method, recipe, hidden, compare, on_batch)
-    blocks = stream.layout.blocks
-    for position, (block, groups) in enumerate(blocks):
-        for group in groups[:-1]:
-            stages.quantize(group)
-        projection_input = stages.quantize(groups[-1], capture=True)
-        assert projection_input is not None
-        projection = layer.get_submodule(groups[-1][0])
-        if position < len(blocks) - 1:  # later stages read it: computed once, kept
-            stages.kept[block] = _kept_output(stream, projection, projection_input)
-        else:  # only the last pass reads it
-            stages.kept[block] = lambda rows, x=projection_input, p=projection: p(x[rows])
-        del projection_input
-    stream.run_layer(layer, hidden, on_batch=on_batch, in_place=True, replace=stages.kept)
-    done = stages.done
-    done.rtn_error = rtn_error
-    done.error = _relative_rmse(hidden[:REPORT_WINDOWS], reference)
-    return done
-
-
-class _Stages:
-    """One layer's staged quantization: what the stages share, and one stage."""
 
     def __init__(
         self,
@@ -358,16 +321,40 @@ class _Stages:
         method: Method,
         recipe: Recipe,
         hidden: Tensor,
-        compare: bool,
         on_batch: Callable[[], Any],
     ) -> None:
         self.stream, self.layer, self.local, self.method = stream, layer, local, method
         self.fmt = scheme_format(recipe.scheme)
-        self.hidden, self.compare, self.on_batch = hidden, compare, on_batch
+        self.hidden, self.on_batch = hidden, on_batch
+        self.compare = method.name != "rtn"  # report what plain RTN would give
         self.kept: dict[str, BlockOutput] = {}  # blocks done: their outputs, by block
         self.done = _LayerDone({}, [], hidden)
 
-    def quantize(self, group: tuple[str, ...], *, capture: bool = False) -> Tensor | None:
+    def run(self) -> _LayerDone:
+        stream, layer, hidden = self.stream, self.layer, self.hidden
+        reference = stream.run_layer(layer, hidden[:REPORT_WINDOWS], on_batch=self.on_batch)
+        if self.compare:  # RTN's copy of the whole layer lives only for this pass
+            self.done.rtn_error = _rtn_layer_error(
+                stream, layer, _rtn_weights(layer, self.local), {}, None, hidden, reference,
+                self.on_batch,
+            )  # fmt: skip
+        blocks = stream.layout.blocks
+        for position, (block, groups) in enumerate(blocks):
+            for group in groups[:-1]:
+                self._quantize(group)
+            projection_input = self._quantize(groups[-1], capture=True)
+            assert projection_input is not None
+            projection = layer.get_submodule(groups[-1][0])
+            if position < len(blocks) - 1:  # later stages read it: computed once, kept
+                self.kept[block] = _kept_output(stream, projection, projection_input)
+            else:  # only the last pass reads it
+                self.kept[block] = lambda rows, x=projection_input, p=projection: p(x[rows])
+            del projection_input
+        stream.run_layer(layer, hidden, on_batch=self.on_batch, in_place=True, replace=self.kept)
+        self.done.error = _relative_rmse(hidden[:REPORT_WINDOWS], reference)
+        return self.done
+
+    def _quantize(self, group: tuple[str, ...], *, capture: bool = False) -> Tensor | None:
         """Observe the group's input on every sample (the layer run up to it), quantize its
         linears, and return its input when `capture` (a block's output projection). A group
         left entirely in full precision runs only to be captured."""

@@ -18,7 +18,7 @@ from llmq.calib.stream import LayerStream
 from llmq.config import Recipe
 from llmq.io.checkpoint import open_checkpoint
 from llmq.pipeline.plan import plan_quantization
-from llmq.pipeline.quantize import _quantize_staged, _stages_in_layer
+from llmq.pipeline.quantize import _StagedLayer, _stages_in_layer
 from llmq.progress import NO_PROGRESS
 from llmq.quant.methods import Method, MethodResult, get_method
 
@@ -42,7 +42,7 @@ class Recording:
     scope="module", params=[(), ("self_attn.q_proj", "mlp.down_proj")], ids=["all", "some-ignored"]
 )
 def staged_run(tiny_llama: Path, request: pytest.FixtureRequest):
-    """Layer 0 of the tiny model quantized W4A16 GPTQ by `_quantize_staged` on embedded tokens;
+    """Layer 0 of the tiny model quantized W4A16 GPTQ by `_StagedLayer` on embedded tokens;
     with linears left in full precision too (a group's first linear, a block's output projection),
     as `--ignore` and `--fallback` leave them."""
     ckpt = open_checkpoint(tiny_llama)
@@ -62,7 +62,7 @@ def staged_run(tiny_llama: Path, request: pytest.FixtureRequest):
     layer = stream.load_layer(0)
     method = Recording(get_method(recipe))
     assert _stages_in_layer(recipe, method, None, local)
-    done = _quantize_staged(stream, layer, local, method, recipe, hidden, lambda: None)
+    done = _StagedLayer(stream, layer, local, method, recipe, hidden, lambda: None).run()
     return stream, layer, inputs, done, method, local
 
 
@@ -119,7 +119,7 @@ def test_rtn_with_output_clipping_runs_staged_without_comparing_with_itself(
         3, 16, stream.config.hidden_size, generator=torch.Generator().manual_seed(1)
     )
     layer = stream.load_layer(0)
-    done = _quantize_staged(stream, layer, local, method, recipe, inputs.clone(), lambda: None)
+    done = _StagedLayer(stream, layer, local, method, recipe, inputs.clone(), lambda: None).run()
     assert done.rtn_error is None
     assert all(report.rtn_output_error is None for report in done.linears)
     torch.testing.assert_close(done.output, stream.run_layer(layer, inputs), rtol=1e-5, atol=1e-5)

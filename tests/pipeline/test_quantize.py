@@ -301,20 +301,26 @@ def checkpoint_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "llmq.json"}
 
 
-@pytest.mark.parametrize(("every_s", "resumed"), [(0, 2), (3600, 0)])
+W8A8_RTN = {"scheme": "w8a8"}  # two passes a layer
+W4A16_GPTQ = {"scheme": "w4a16", "method": "gptq", "group_size": 32}  # group by group
+
+
+@pytest.mark.parametrize(
+    ("every_s", "resumed", "job"),
+    [(0, 2, W8A8_RTN), (3600, 0, W8A8_RTN), (0, 2, W4A16_GPTQ)],
+    ids=["every-layer", "none-saved", "gptq-staged"],
+)
 def test_resume_after_interrupt_gives_identical_checkpoint(
-    tmp_path: Path, default_model: Path, every_s: float, resumed: int
+    tmp_path: Path, default_model: Path, every_s: float, resumed: int, job: dict
 ) -> None:
     """Interrupted after two layers: with a resume point after every layer the rerun continues
     after them; with none saved yet (the interval has not passed) it starts over."""
     model = make_tiny(tmp_path / "model", default_model, layers=4)
     reference = tmp_path / "reference"
-    llmq.quantize(model, reference, scheme="w8a8", **FAST)
+    llmq.quantize(model, reference, **job, **FAST)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
-        llmq.quantize(
-            model, out, scheme="w8a8", progress=InterruptAfter(2), resume_every_s=every_s, **FAST
-        )
+        llmq.quantize(model, out, progress=InterruptAfter(2), resume_every_s=every_s, **job, **FAST)
     assert not out.exists()
     assert (staging_path(out) / "model-00003-of-00005.safetensors").exists()  # layer 1's shard
     state = staging_path(out) / "llmq-state.json"
@@ -322,7 +328,7 @@ def test_resume_after_interrupt_gives_identical_checkpoint(
     if resumed:  # a saved state is only continued with the same recipe
         with pytest.raises(InputError, match="different model or recipe"):
             llmq.quantize(model, out, scheme="w4a16", resume=True, **FAST)
-    result = llmq.quantize(model, out, scheme="w8a8", resume=True, **FAST)
+    result = llmq.quantize(model, out, resume=True, **job, **FAST)
     assert result.resumed_layers == resumed
     assert checkpoint_bytes(out) == checkpoint_bytes(reference)
 

@@ -4,6 +4,7 @@ used by `llmq calibrate` (whole model) and by the quantization pipeline (layer b
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 from torch import Tensor, nn
@@ -85,13 +86,13 @@ def observe_until(
     input statistics of the named linears (which run before `until`, or are it) and, when
     `capture`, `until`'s input for every sample."""
     observer = _Observer(stream, names, hessian=hessian, samples=False)
-    captured = _Captured(len(hidden))
+    captured = _Captured(len(hidden)) if capture else None
     with (
         input_hooks(layer, names, observer),
-        input_hooks(layer, [until] if capture else [], captured),
+        input_hooks(layer, [until], captured) if captured is not None else nullcontext(),
     ):
         stream.run_until(layer, hidden, until, replace=replace, on_batch=on_batch)
-    return observer.stats(), captured.tensor if capture else None
+    return observer.stats(), None if captured is None else captured.tensor
 
 
 class _Captured:

@@ -367,7 +367,9 @@ class _StagedLayer:
         )  # fmt: skip
         part = {name: self.local[name] for name in names}
         errors: dict[str, float | None] = {}
-        if self.compare:  # RTN's output error, from the weights the method is about to replace
+        if self.compare:  # RTN's output error, from the weights the method is about to replace:
+            # RTN runs again here (~20 ms a layer on the default model) rather than its copy of
+            # the whole layer being held through every stage
             errors = _rtn_linear_errors(self.layer, _rtn_weights(self.layer, part), stats)
         tensors, reports = _quantize_linears(self.layer, part, stats, self.method, self.fmt, errors)
         self.done.tensors.update(tensors)

@@ -30,10 +30,16 @@ class _Observer:
     an input share one InputStats (computed once, from the group's first linear)."""
 
     def __init__(
-        self, stream: LayerStream, names: list[str], *, hessian: bool, samples: bool
+        self,
+        stream: LayerStream,
+        names: list[str],
+        *,
+        hessian: bool,
+        samples: bool,
+        magnitudes: bool = True,
     ) -> None:
         self.owners = shared_input_owners(stream, names)
-        self.hessian, self.samples = hessian, samples
+        self.hessian, self.samples, self.magnitudes = hessian, samples, magnitudes
         self.observed: dict[str, InputStats] = {}
 
     def __call__(self, name: str, x: Tensor) -> None:
@@ -41,8 +47,9 @@ class _Observer:
             return
         if name not in self.observed:
             self.observed[name] = InputStats.empty(
-                x.shape[-1], hessian=self.hessian, device=x.device, samples=self.samples
-            )
+                x.shape[-1], hessian=self.hessian, device=x.device, samples=self.samples,
+                magnitudes=self.magnitudes,
+            )  # fmt: skip
         self.observed[name].update(x)
 
     def stats(self) -> dict[str, InputStats]:
@@ -77,15 +84,15 @@ def observe_until(
     hidden: Tensor,
     until: str,
     *,
-    hessian: bool,
     replace: dict[str, BlockOutput] | None = None,
     capture: bool = False,
     on_batch: Callable[[], Any] | None = None,
 ) -> tuple[dict[str, InputStats], Tensor | None]:
     """Run `layer` on `hidden` only up to module `until` (`LayerStream.run_until`); return the
-    input statistics of the named linears (which run before `until`, or are it) and, when
-    `capture`, `until`'s input for every sample."""
-    observer = _Observer(stream, names, hessian=hessian, samples=False)
+    Hessians of the named linears' inputs (which run before `until`, or are it; no magnitudes:
+    the staged schedule serves methods that read Hessians alone) and, when `capture`,
+    `until`'s input for every sample."""
+    observer = _Observer(stream, names, hessian=True, samples=False, magnitudes=False)
     captured = _Captured(len(hidden)) if capture else None
     with (
         input_hooks(layer, names, observer),

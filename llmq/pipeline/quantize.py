@@ -363,7 +363,7 @@ class _StagedLayer:
             return None
         stats, captured = observe_until(
             self.stream, self.layer, names, self.hidden, names[0] if names else group[0],
-            hessian=True, replace=self.kept, capture=capture, on_batch=self.on_batch,
+            replace=self.kept, capture=capture, on_batch=self.on_batch,
         )  # fmt: skip
         part = {name: self.local[name] for name in names}
         errors: dict[str, float | None] = {}

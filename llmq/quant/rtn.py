@@ -52,16 +52,17 @@ def clip_ratios(
     ||Δw||² without a Hessian, Δw H_gg Δwᵀ (the group's share of the squared output error on
     the calibration inputs, cross-group terms left out as in AWQ's clip search) with one."""
     groups = as_groups(weight, args).to(torch.float32)
+    by_group = groups.transpose(0, 1)  # [groups, rows, n]: one product per diagonal block
     blocks = None if hessian is None else _diagonal_blocks(hessian.to(torch.float32), groups.shape)
     best_err = torch.full(groups.shape[:2], float("inf"), dtype=torch.float64)
     best_ratio = torch.ones(groups.shape[:2], dtype=torch.float64)
     for ratio in CLIP_GRID:
         q = quantize_weight(weight, args, scale_dtype=scale_dtype, clip_ratio=ratio)
-        delta = as_groups(q.dequantize(), args) - groups
+        delta = as_groups(q.dequantize(), args).transpose(0, 1).sub_(by_group)
         if blocks is None:
-            err = delta.double().pow(2).sum(dim=-1)
-        else:
-            err = torch.einsum("rgi,gij,rgj->rg", delta, blocks, delta).double()
+            err = delta.double().pow(2).sum(dim=-1).T
+        else:  # a batched product, then the row-wise dot: einsum's plan was 1.5x slower
+            err = torch.bmm(delta, blocks).mul_(delta).sum(dim=-1).T.double()
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_ratio = torch.where(better, ratio, best_ratio)

@@ -27,6 +27,23 @@ def test_accumulators_match_float64_reference() -> None:
     )
 
 
+def test_hessian_alone_skips_magnitudes_and_says_so() -> None:
+    torch.manual_seed(0)
+    batch = torch.randn(5, 16)
+    full = InputStats.empty(16, hessian=True, device=torch.device("cpu"))
+    alone = InputStats.empty(16, hessian=True, device=torch.device("cpu"), magnitudes=False)
+    full.update(batch)
+    alone.update(batch)
+    assert alone.hessian is not None and full.hessian is not None
+    assert torch.equal(alone.hessian, full.hessian)
+    assert alone.absmax is None and alone.abs_sum is None
+    with pytest.raises(ValueError, match="Hessian alone"):
+        _ = alone.mean_abs
+    rescaled = alone.rescaled(torch.full((16,), 2.0))
+    assert rescaled.hessian is not None
+    torch.testing.assert_close(rescaled.hessian, 4 * alone.hessian)
+
+
 @pytest.mark.parametrize("width, block", [(150, 64), (128, 64), (40, 256)])
 def test_gram_from_upper_blocks_matches_float64(width: int, block: int) -> None:
     torch.manual_seed(1)

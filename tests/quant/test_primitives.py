@@ -13,7 +13,7 @@ from llmq.quant.primitives import (
     quantize_weight,
     static_scale,
 )
-from llmq.quant.rtn import rtn_quantize_weight
+from llmq.quant.rtn import CLIP_GRID, clip_ratios, rtn_quantize_weight
 
 ARGS = [
     QuantArgs(num_bits=4, strategy="group", group_size=32),
@@ -147,6 +147,29 @@ def test_mse_clip_never_worse_than_minmax(args: QuantArgs) -> None:
     plain = (quantize_weight(w, args).dequantize() - w).pow(2).sum()
     clipped = (rtn_quantize_weight(w, args, clip="mse").dequantize() - w).pow(2).sum()
     assert clipped < plain
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_output_clip_picks_each_groups_best_ratio_in_float64(symmetric: bool) -> None:
+    """Every ratio of the grid scored in float64 by the group's share of the output error,
+    δ H_gg δᵀ: the search's pick is the minimum (up to float32 rounding of near ties)."""
+    torch.manual_seed(4)
+    args = QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=symmetric)
+    w = torch.randn(24, 128)
+    w[:, 5] *= 15
+    x = torch.randn(512, 128) * torch.rand(128)
+    hessian = 2 * x.T @ x / len(x)
+    chosen = clip_ratios(w, args, scale_dtype=torch.float32, hessian=hessian)
+    h = hessian.double().reshape(4, 32, 4, 32).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+    errors = []
+    for ratio in CLIP_GRID:
+        delta = quantize_weight(w, args, clip_ratio=ratio).dequantize().double() - w.double()
+        delta = delta.reshape(24, 4, 32)
+        errors.append(torch.einsum("rgi,gij,rgj->rg", delta, h, delta))
+    errors = torch.stack(errors)  # [ratios, rows, groups]
+    picked = errors.gather(0, (CLIP_GRID.view(-1, 1, 1) == chosen).double().argmax(0, keepdim=True))
+    assert torch.all(picked[0] <= errors.amin(0) * (1 + 1e-5))
+    assert (chosen < 1).float().mean() > 0.2  # the outlier column makes clipping pay
 
 
 def reference_fp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

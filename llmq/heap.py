@@ -3,9 +3,10 @@ over and over.
 
 glibc hands every freed block over 128 KB back to the kernel, so each new multi-megabyte
 tensor page-faults in fresh zeroed memory: elementwise work on 1M-element chunks runs 5-7x
-slower than on memory already mapped. Inside `reused_heap()` blocks up to 64 MB come from the
-heap and stay there; leaving it restores glibc's default thresholds. Elsewhere (macOS, musl) it
-does nothing.
+slower than on memory already mapped, and a CPU forward pass of a decoder layer over 4 x 512
+tokens (every op's output a new tensor) 5-7% slower. Inside `reused_heap()` blocks up to 64 MB
+come from the heap and stay there; leaving it restores glibc's default thresholds. Elsewhere
+(macOS, musl) it does nothing.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from llmq.calib.stats import CalibStats, InputStats
 from llmq.calib.stream import BlockOutput, LayerStream, input_hooks
+from llmq.heap import reused_heap
 from llmq.io.checkpoint import Checkpoint
 from llmq.progress import NO_PROGRESS, Progress
 
@@ -130,7 +131,7 @@ def collect_stats(
     hidden = stream.embed(input_ids)
     stats = CalibStats()
     names = list(stream.layout.linears)
-    with progress.stage("calibrating layers", total=ckpt.num_layers) as advance:
+    with progress.stage("calibrating layers", total=ckpt.num_layers) as advance, reused_heap():
         for index in range(ckpt.num_layers):
             layer = stream.load_layer(index)
             batches = len(list(stream.batches(hidden)))

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from llmq.calib.collect import Batches, observe_until, run_observed
+from llmq.calib.collect import observe_until, run_observed
 from llmq.calib.stats import CalibStats, InputStats
 from llmq.calib.stream import (
     BlockOutput,
@@ -351,15 +351,15 @@ class _StagedLayer:
             assert projection_input is not None
             projection = layer.get_submodule(groups[-1][0])
             if position < len(blocks) - 1:  # later stages read it: computed once, kept
-                self.kept[block] = _kept_output(stream, projection, projection_input, hidden)
+                self.kept[block] = _kept_output(stream, projection, projection_input)
             else:  # only the last pass reads it
-                self.kept[block] = lambda rows, x=projection_input, p=projection: p(x(rows))
+                self.kept[block] = lambda rows, x=projection_input, p=projection: p(x[rows])
             del projection_input
         stream.run_layer(layer, hidden, on_batch=self.on_batch, in_place=True, replace=self.kept)
         self.done.error = _relative_rmse(hidden[:REPORT_WINDOWS], reference)
         return self.done
 
-    def _quantize(self, group: tuple[str, ...], *, capture: bool = False) -> Batches | None:
+    def _quantize(self, group: tuple[str, ...], *, capture: bool = False) -> Tensor | None:
         """Observe the group's input on every sample (the layer run up to it), quantize its
         linears, and return its input when `capture` (a block's output projection). A group
         left entirely in full precision runs only to be captured."""
@@ -383,15 +383,12 @@ class _StagedLayer:
 
 
 @torch.inference_mode()
-def _kept_output(
-    stream: LayerStream, projection: nn.Module, inputs: Batches, hidden: Tensor
-) -> Batches:
-    """A block's output, from its output projection on the kept inputs of all samples (the
-    micro-batches of `hidden`)."""
-    output = Batches()
-    for rows in stream.batches(hidden):
-        output.add(projection(inputs(rows)))
-    return output
+def _kept_output(stream: LayerStream, projection: nn.Module, inputs: Tensor) -> BlockOutput:
+    """A block's output, from its output projection on the kept inputs of all samples."""
+    output = inputs.new_empty(*inputs.shape[:-1], projection.weight.shape[0])
+    for rows in stream.batches(inputs):
+        output[rows] = projection(inputs[rows])
+    return lambda rows: output[rows]
 
 
 def _needs_samples(recipe: Recipe) -> bool:

@@ -382,7 +382,7 @@ class _StagedLayer:
         return captured
 
 
-@torch.inference_mode()
+@torch.inference_mode()  # also when `_StagedLayer` runs outside `_quantize_layer` (tests)
 def _kept_output(stream: LayerStream, projection: nn.Module, inputs: Tensor) -> BlockOutput:
     """A block's output, from its output projection on the kept inputs of all samples."""
     output = inputs.new_empty(*inputs.shape[:-1], projection.weight.shape[0])
@@ -516,8 +516,8 @@ def _rtn_layer_error(
     reference: Tensor,
     on_batch: Callable[[], Any],
 ) -> float:
-    """The layer's output error with plain RTN weights, on the reference windows (swapped in
-    and back, so no second copy of the layer)."""
+    """The layer's output error with plain RTN weights, on the reference windows (swapped into
+    the layer's own modules and back: no second layer is built)."""
     originals: dict[str, Tensor] = {}
     for name, quantized in rtn.items():
         module = layer.get_submodule(name)

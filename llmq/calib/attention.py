@@ -1,0 +1,49 @@
+"""Causal self-attention for the CPU layer passes, block by block of queries.
+
+PyTorch's CPU flash kernel (SDPA) splits keys in blocks of 512: for windows of up to 512
+tokens it multiplies every query by every key and masks half of the products away. Here each
+block of queries multiplies only the keys at or before it, and the heads that share a key/value
+head (GQA) are multiplied as one: on 4 windows of 512 tokens with 9 query and 3 key/value heads
+(SmolLM2-135M) 14 ms against SDPA's 19-21 ms on two cores, about 0.2 s of a 6.6 s GPTQ layer.
+
+    query: [batch, heads, seq, head_dim]; key, value: [batch, kv_heads, seq, head_dim]
+    output: [batch, seq, heads, head_dim] (transformers' attention output layout)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+QUERY_BLOCK = 32
+"""Queries per block: the products skipped grow as blocks shrink, the per-op overhead too."""
+BLOCKED_SEQ_LENGTHS = range(256, 513)
+"""Window lengths where this is faster than SDPA on a CPU (measured at 256 and 512 tokens: 12%
+and 25%). At 128 they tie; from 1024 on, SDPA's kernel skips masked key blocks itself and
+ties or wins."""
+
+
+def causal_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+    """softmax(scaling · Q Kᵀ + causal mask) V, equal to SDPA with is_causal=True up to float
+    rounding (queries and keys of the same length)."""
+    batch, heads, seq, head_dim = query.shape
+    kv_heads = key.shape[1]
+    if key.shape[2] != seq or heads % kv_heads:
+        raise ValueError(
+            f"causal_attention: query {tuple(query.shape)} and key {tuple(key.shape)} do not pair"
+        )
+    share = heads // kv_heads
+    grouped = (query * scaling).view(batch, kv_heads, share, seq, head_dim)
+    output = query.new_empty(batch, seq, kv_heads, share, value.shape[-1])
+    masked = torch.full((QUERY_BLOCK, QUERY_BLOCK), float("-inf"), device=query.device)
+    masked = masked.triu(1).to(query.dtype)
+    for start in range(0, seq, QUERY_BLOCK):
+        end = min(start + QUERY_BLOCK, seq)
+        size = end - start
+        block = grouped[:, :, :, start:end].reshape(batch, kv_heads, share * size, head_dim)
+        scores = torch.matmul(block, key[:, :, :end].transpose(-1, -2))
+        scores.view(batch, kv_heads, share, size, end)[..., start:end] += masked[:size, :size]
+        weights = torch.softmax(scores, dim=-1)
+        mixed = torch.matmul(weights, value[:, :, :end])
+        output[:, start:end] = mixed.view(batch, kv_heads, share, size, -1).permute(0, 3, 1, 2, 4)
+    return output.view(batch, seq, heads, -1)

@@ -68,7 +68,7 @@ def test_refuses_keys_that_do_not_pair_with_the_queries() -> None:
 def test_layer_passes_use_it_and_match_sdpa(tiny_llama: Path, monkeypatch) -> None:
     stream = LayerStream(open_checkpoint(tiny_llama), device="cpu", batch_size=2)
     layer = stream.load_layer(0)
-    seq = BLOCKED_SEQ_LENGTHS.start + 11
+    seq = max(BLOCKED_SEQ_LENGTHS)
     hidden = torch.randn(
         3, seq, stream.config.hidden_size, generator=torch.Generator().manual_seed(2)
     )
@@ -81,10 +81,13 @@ def test_layer_passes_use_it_and_match_sdpa(tiny_llama: Path, monkeypatch) -> No
     monkeypatch.setattr(stream_module, "causal_attention", counted)
     blocked = stream.run_layer(layer, hidden)
     assert len(calls) == 2  # one per micro-batch
-    monkeypatch.setattr(stream_module, "BLOCKED_SEQ_LENGTHS", range(0))
+    monkeypatch.setattr(stream_module, "BLOCKED_SEQ_LENGTHS", frozenset())
     sdpa = stream.run_layer(layer, hidden)
     assert len(calls) == 2
     torch.testing.assert_close(blocked, sdpa, rtol=1e-5, atol=1e-5)
+
+
+_BLOCKED = max(BLOCKED_SEQ_LENGTHS)
 
 
 class _Attention(nn.Module):
@@ -97,9 +100,9 @@ class _Attention(nn.Module):
         ({}, True),
         ({"mask": torch.zeros(1)}, False),
         ({"device": "meta"}, False),
-        ({"seq": BLOCKED_SEQ_LENGTHS.start - 1}, False),
-        ({"seq": BLOCKED_SEQ_LENGTHS.stop}, False),
-        ({"keys": BLOCKED_SEQ_LENGTHS.start}, False),
+        ({"seq": _BLOCKED - 1}, False),
+        ({"seq": _BLOCKED + 1}, False),
+        ({"keys": _BLOCKED - 1}, False),
         ({"dropout": 0.1}, False),
         ({"sliding_window": 128}, False),
         ({"sliding_window": 4096}, True),
@@ -108,7 +111,7 @@ class _Attention(nn.Module):
     ],
 )
 def test_dispatch_only_for_plain_causal_cpu_windows(change: dict, expected: bool) -> None:
-    seq = change.get("seq", BLOCKED_SEQ_LENGTHS.stop - 1)
+    seq = change.get("seq", _BLOCKED)
     device = change.get("device", "cpu")
     query = torch.empty(1, 2, seq, 8, device=device)
     key = torch.empty(1, 2, change.get("keys", seq), 8, device=device)

@@ -13,6 +13,8 @@ and 0.15 s less of a 6.5 s GPTQ layer.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -48,3 +50,25 @@ def causal_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float) 
         mixed = torch.matmul(weights, value[:, :, :end])
         output[:, start:end] = mixed.view(batch, kv_heads, share, size, -1).permute(0, 3, 1, 2, 4)
     return output.view(batch, seq, heads, -1)
+
+
+def blocked_causal_applies(
+    module: torch.nn.Module, query: Tensor, key: Tensor, mask: Tensor | None, kwargs: dict[str, Any]
+) -> bool:
+    """Whether `causal_attention` can stand in for SDPA in a transformers attention call: plain
+    causal self-attention over windows of BLOCKED_SEQ_LENGTHS tokens on the CPU (the layer
+    passes call layers with no mask), nothing SDPA would do differently asked for."""
+    seq = query.shape[2]
+    window = kwargs.get("sliding_window")
+    return (
+        query.device.type == "cpu"
+        and mask is None
+        and seq in BLOCKED_SEQ_LENGTHS
+        and key.shape[2] == seq
+        and getattr(module, "is_causal", True)
+        and kwargs.get("is_causal") is not False
+        and not kwargs.get("dropout")
+        and kwargs.get("scaling") is not None
+        and (window is None or window >= seq)
+        and all(kwargs.get(name) is None for name in ("softcap", "position_bias", "cache"))
+    )

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from llmq.calib.attention import BLOCKED_SEQ_LENGTHS, causal_attention
+from llmq.calib.attention import blocked_causal_applies, causal_attention
 from llmq.config import QuantArgs
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
@@ -49,30 +49,9 @@ def _sdpa_with_kv_hook(
     hook = getattr(module, _KV_HOOK, None)
     if hook is not None:
         key, value = hook(key, value)
-    if _blocked_causal(module, query, key, attention_mask, kwargs):
+    if blocked_causal_applies(module, query, key, attention_mask, kwargs):
         return causal_attention(query, key, value, kwargs["scaling"]), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def _blocked_causal(
-    module: nn.Module, query: Tensor, key: Tensor, mask: Tensor | None, kwargs: dict[str, Any]
-) -> bool:
-    """Plain causal self-attention over windows of BLOCKED_SEQ_LENGTHS tokens on the CPU (the
-    layer passes call layers with no mask): nothing SDPA would do differently is asked for."""
-    seq = query.shape[2]
-    window = kwargs.get("sliding_window")
-    return (
-        query.device.type == "cpu"
-        and mask is None
-        and seq in BLOCKED_SEQ_LENGTHS
-        and key.shape[2] == seq
-        and getattr(module, "is_causal", True)
-        and kwargs.get("is_causal") is not False
-        and not kwargs.get("dropout")
-        and kwargs.get("scaling") is not None
-        and (window is None or window >= seq)
-        and all(kwargs.get(name) is None for name in ("softcap", "position_bias", "cache"))
-    )
 
 
 def register_attention() -> None:

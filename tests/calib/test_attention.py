@@ -9,9 +9,15 @@ import pytest
 import torch
 from torch import nn
 
+import llmq.calib.attention as attention_module
 import llmq.calib.stream as stream_module
-from llmq.calib.attention import BLOCKED_SEQ_LENGTHS, QUERY_BLOCK, causal_attention
-from llmq.calib.stream import LayerStream, _blocked_causal
+from llmq.calib.attention import (
+    BLOCKED_SEQ_LENGTHS,
+    QUERY_BLOCK,
+    blocked_causal_applies,
+    causal_attention,
+)
+from llmq.calib.stream import LayerStream
 from llmq.io.checkpoint import open_checkpoint
 
 
@@ -81,7 +87,7 @@ def test_layer_passes_use_it_and_match_sdpa(tiny_llama: Path, monkeypatch) -> No
     monkeypatch.setattr(stream_module, "causal_attention", counted)
     blocked = stream.run_layer(layer, hidden)
     assert len(calls) == 2  # one per micro-batch
-    monkeypatch.setattr(stream_module, "BLOCKED_SEQ_LENGTHS", frozenset())
+    monkeypatch.setattr(attention_module, "BLOCKED_SEQ_LENGTHS", frozenset())
     sdpa = stream.run_layer(layer, hidden)
     assert len(calls) == 2
     torch.testing.assert_close(blocked, sdpa, rtol=1e-5, atol=1e-5)
@@ -117,4 +123,4 @@ def test_dispatch_only_for_plain_causal_cpu_windows(change: dict, expected: bool
     key = torch.empty(1, 2, change.get("keys", seq), 8, device=device)
     kwargs = {"scaling": 0.3, "dropout": 0.0}
     kwargs.update({k: v for k, v in change.items() if k not in ("seq", "device", "keys", "mask")})
-    assert _blocked_causal(_Attention(), query, key, change.get("mask"), kwargs) is expected
+    assert blocked_causal_applies(_Attention(), query, key, change.get("mask"), kwargs) is expected

@@ -6,7 +6,7 @@ column's rounding error over the columns not yet quantized, weighted by the inve
     for each column j:  q_j = Q(w_j);  e_j = (w_j - q_j) / Hinv[j, j];  W[:, j:] -= e_j Hinv[j, j:]
 
 Updates are applied lazily in blocks of `block_size` columns (the result is the same, the
-memory traffic much lower). Codes come from `quantize_grouped`, the same rounding as RTN.
+memory traffic much lower). Codes follow `to_code_grid_`, the same rounding as RTN.
 Rows are independent given H: the loss is kept per row, so that linears sharing an input can
 be quantized as one stacked weight and their losses told apart.
 """
@@ -23,11 +23,11 @@ from llmq.config import QuantArgs
 from llmq.errors import NumericalError
 from llmq.quant.primitives import (
     ACCUM_DTYPE,
+    FP8_DTYPE,
     QuantizedWeight,
     as_groups,
     choose_qparams,
-    quantize_grouped,
-    scale_codes,
+    to_code_grid_,
 )
 
 # When H + λI is not positive definite, λ is multiplied by this until it is, up to MAX_DAMPENING.
@@ -86,7 +86,6 @@ def gptq_quantize_weight(
     w, h = w[:, order], h[order][:, order]
     hinv, used_frac = _inverse_hessian_factor(h, dampening_frac)
     row_loss = torch.zeros(rows, dtype=work, device=w.device)
-    columns = order.tolist()
     block_size = _aligned_block(block_size, args)
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
@@ -95,22 +94,50 @@ def gptq_quantize_weight(
         block = w[:, start:end].T.contiguous()
         hinv_block = hinv[start:end, start:end]
         diagonal = hinv_block.diagonal()
-        # Row i: Hinv[i, j] / Hinv[i, i], so that a column's rounding residual updates the
-        # later columns in one fused multiply-add (a few small ops per column: on a CPU the
-        # per-column op count, not the arithmetic, is GPTQ's cost).
-        spread = hinv_block / diagonal.unsqueeze(1)
-        residuals = torch.empty_like(block)
-        for i in range(end - start):
-            column = columns[start + i]
-            params.start_group(column, w_block=block.T, block_start=start, position=start + i)
-            residual = block[i] - params.quantize_column(block[i], column)
-            block[i + 1 :].addr_(spread[i, i + 1 :], residual, alpha=-1)
-            residuals[i] = residual
+        residuals = _quantize_block(block, hinv_block / diagonal.unsqueeze(1), params, order, start)
         errors = residuals.T / diagonal
         row_loss += errors.pow(2).sum(dim=1) / 2
         w[:, end:] -= errors @ hinv[start:end, end:]
     scale, zero = params.stored()
     return GPTQResult(QuantizedWeight(params.codes, scale, zero, args), row_loss, used_frac)
+
+
+def _quantize_block(
+    block: Tensor, spread: Tensor, params: _QParams, order: Tensor, start: int
+) -> Tensor:
+    """GPTQ's inner loop over one block of columns (`block`: [columns, rows], updated in place):
+    quantize each column, record its codes, and spread its rounding residual over the later
+    columns of the block. `spread` row i holds Hinv[i, j] / Hinv[i, i], so that one fused
+    multiply-add applies a residual. Returns the residuals [columns, rows].
+
+    On a CPU the per-column op count, not the arithmetic, is GPTQ's cost: each column costs
+    six in-place or out= ops on buffers and per-column scales gathered once per segment (the
+    block, or one group when ranges come from the updated weights).
+    """
+    residuals = torch.empty_like(block)
+    codes = torch.empty(block.shape, dtype=torch.float64, device=block.device)
+    shifted = codes[0].clone() if params.zero is not None else None
+    dequantized = torch.empty_like(block[0])
+    segment = params.group if params.lazy else len(block)
+    for first in range(0, len(block), segment):
+        params.start_group(
+            int(order[start + first]), w_block=block.T, block_start=start, position=start + first
+        )
+        scale, zero, dequant_scale = params.columns(order[start + first : start + first + segment])
+        for j in range(len(scale)):
+            i = first + j
+            code = codes[i]
+            torch.div(block[i], scale[j], out=code)  # float64, as RTN computes codes
+            params.round_codes_(code, None if zero is None else zero[j])
+            if zero is not None and shifted is not None:
+                code = torch.sub(code, zero[j], out=shifted)
+            # the product of a code and a scale is exact in float64: rounding it to the working
+            # dtype gives what that dtype's own product gives (`scale_codes`)
+            torch.mul(code, dequant_scale[j], out=dequantized)
+            torch.sub(block[i], dequantized, out=residuals[i])
+            block[i + 1 :].addr_(spread[i, i + 1 :], residuals[i], alpha=-1)
+    params.codes[:, order[start : start + len(block)]] = codes.T.to(params.codes.dtype)
+    return residuals
 
 
 def _code_dtype(args: QuantArgs) -> torch.dtype:
@@ -167,6 +194,7 @@ class _QParams:
     ) -> None:
         self.args = args
         self.scale_dtype = scale_dtype
+        self.work = weight.dtype  # GPTQ's working dtype: dequantized columns are rounded to it
         self.ratio = clip_ratio
         self.group = int(args.group_size) if args.strategy == "group" else weight.shape[1]
         self.lazy = lazy and args.strategy == "group"
@@ -199,16 +227,21 @@ class _QParams:
         group = column // self.group
         self._set(slice(group, group + 1), w_block[:, local : local + self.group])
 
-    def quantize_column(self, values: Tensor, column: int) -> Tensor:
-        """Quantize one column: its codes are recorded, its dequantized values returned (in the
-        working dtype)."""
-        group = column // self.group
-        scale = self.scale[:, group : group + 1]
-        zero = None if self.zero is None else self.zero[:, group : group + 1]
-        code = quantize_grouped(values.reshape(-1, 1, 1), scale, zero, self.args).reshape(-1)
-        self.codes[:, column] = code
-        zero = None if zero is None else zero.reshape(-1)
-        return scale_codes(code, scale.reshape(-1), zero, dtype=values.dtype)
+    def columns(self, columns: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Per-column quantization parameters, one row per column of `columns`: the scale and
+        zero point in float64 (the dtype codes are computed in) and the scale as the working
+        dtype holds it (for dequantization)."""
+        groups = torch.div(columns, self.group, rounding_mode="floor").to(self.scale.device)
+        scale = self.scale[:, groups].T
+        zero = None if self.zero is None else self.zero[:, groups].T.to(torch.float64)
+        return scale.to(torch.float64), zero, scale.to(self.work).to(torch.float64)
+
+    def round_codes_(self, scaled: Tensor, zero: Tensor | None) -> None:
+        """Codes from weights divided by their scale, in place, as `quantize_grouped` rounds
+        them (float64 values: integers, or FP8 values)."""
+        to_code_grid_(scaled, zero, self.args)
+        if self.args.type == "float":
+            scaled.copy_(scaled.to(FP8_DTYPE))
 
     def stored(self) -> tuple[Tensor, Tensor | None]:
         """Scale and zero point in the layout `QuantizedWeight` stores."""

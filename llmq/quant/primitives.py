@@ -144,12 +144,19 @@ def quantize_grouped(groups: Tensor, scale: Tensor, zero: Tensor | None, args: Q
     One float64 working copy, rounded and clamped in place: three times faster than a new
     tensor per step on million-value chunks (the scan and RTN spend most of their time here)."""
     scaled = groups.to(torch.float64, copy=True).div_(scale.to(torch.float64).unsqueeze(-1))
+    shift = None if zero is None else zero.to(torch.float64).unsqueeze(-1)
+    return to_code_grid_(scaled, shift, args).to(FP8_DTYPE if args.type == "float" else torch.int8)
+
+
+def to_code_grid_(scaled: Tensor, zero: Tensor | None, args: QuantArgs) -> Tensor:
+    """Weights divided by their scale (float64) -> codes, in place: the zero point added, then
+    rounded and clamped to the integer range; for FP8, clamped to ±448 only (the cast to FP8
+    rounds). The one rounding rule of RTN, GPTQ and the scan."""
     if args.type == "float":
-        return scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    qmin, qmax = int_range(args.num_bits)
+        return scaled.clamp_(-FP8_MAX, FP8_MAX)
     if zero is not None:
-        scaled.add_(zero.to(torch.float64).unsqueeze(-1))
-    return scaled.round_().clamp_(qmin, qmax).to(torch.int8)
+        scaled.add_(zero)
+    return scaled.round_().clamp_(*int_range(args.num_bits))
 
 
 def dequantize(codes: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs) -> Tensor:

@@ -44,14 +44,14 @@ def test_hessian_alone_skips_magnitudes_and_says_so() -> None:
     torch.testing.assert_close(rescaled.hessian, 4 * alone.hessian)
 
 
-@pytest.mark.parametrize("width, block", [(150, 64), (128, 64), (40, 256)])
-def test_gram_from_upper_blocks_matches_float64(width: int, block: int) -> None:
+@pytest.mark.parametrize("width, leaf", [(150, 64), (128, 64), (40, 256), (577, 192), (7, 1)])
+def test_gram_from_upper_blocks_matches_float64(width: int, leaf: int) -> None:
     torch.manual_seed(1)
     start = torch.randn(width, width)
     start = start @ start.T  # any symmetric running value
     rows = torch.randn(300, width)
     target = start.clone()
-    add_gram(target, rows, beta=0.25, alpha=0.5, block=block)
+    add_gram(target, rows, beta=0.25, alpha=0.5, leaf=leaf)
     x = rows.double()
     expected = 0.25 * start.double() + 0.5 * x.T @ x
     torch.testing.assert_close(target.double(), expected, rtol=1e-5, atol=1e-4)

@@ -116,8 +116,7 @@ def _quantize_block(
     """
     residuals = torch.empty_like(block)
     codes = torch.empty(block.shape, dtype=torch.float64, device=block.device)
-    shifted = codes[0].clone() if params.zero is not None else None
-    dequantized = torch.empty_like(block[0])
+    shifted, dequantized = torch.empty_like(codes[0]), torch.empty_like(block[0])
     segment = params.group if params.lazy else len(block)
     for first in range(0, len(block), segment):
         params.start_group(
@@ -129,7 +128,7 @@ def _quantize_block(
             code = codes[i]
             torch.div(block[i], scale[j], out=code)  # float64, as RTN computes codes
             params.round_codes_(code, None if zero is None else zero[j])
-            if zero is not None and shifted is not None:
+            if zero is not None:
                 code = torch.sub(code, zero[j], out=shifted)
             # the product of a code and a scale is exact in float64: rounding it to the working
             # dtype gives what that dtype's own product gives (`scale_codes`)

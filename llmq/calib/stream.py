@@ -237,7 +237,9 @@ class LayerStream:
     def _answering(
         self, layer: nn.Module, replace: dict[str, BlockOutput], rows: slice
     ) -> Iterator[None]:
-        """Blocks of `replace` return their given output for `rows` instead of running."""
+        """Blocks of `replace` return their given output for `rows` instead of running, and the
+        norm in front of each passes its input through: nothing reads its output. (A staged
+        GPTQ layer ran 8 norms per micro-batch, 4 of them for nothing: ~2% of its time.)"""
         modules = []
         try:
             for name, output in replace.items():
@@ -246,6 +248,11 @@ class LayerStream:
                 module = layer.get_submodule(name)
                 module.forward = lambda *_args, _answer=answer, **_kwargs: _answer
                 modules.append(module)
+                norm = self.layout.norm_before(name)
+                if norm is not None:
+                    skipped = layer.get_submodule(norm)
+                    skipped.forward = lambda hidden, *_args, **_kwargs: hidden
+                    modules.append(skipped)
             yield
         finally:
             for module in modules:

@@ -57,6 +57,15 @@ class DecoderLayout:
             for block in (self.attention, self.mlp)
         )
 
+    def norm_before(self, block: str) -> str | None:
+        """The norm whose output only `block` reads (the producer of its first group, when that
+        is not a linear), or None."""
+        groups = dict(self.blocks)[block]
+        for producer, consumers in self.smooth:
+            if consumers == groups[0] and producer not in self.linears:
+                return producer
+        return None
+
     @property
     def linears(self) -> tuple[str, ...]:
         return tuple(name for group in self.sequential for name in group)

@@ -153,11 +153,22 @@ def test_replaced_blocks_answer_from_their_outputs_and_run_until_stops(stream_an
             ("down_proj", "mlp.down_proj"),
         )
     ]
+    norms = {"input_layernorm": [], "post_attention_layernorm": []}  # output is input?
+    hooks += [
+        layer.get_submodule(name).register_forward_hook(
+            lambda _m, args, out, seen=seen: seen.append(out is args[0])
+        )
+        for name, seen in norms.items()
+    ]
     replace = {stream.layout.attention: lambda rows: kept[rows]}
     torch.testing.assert_close(stream.run_layer(layer, hidden, replace=replace), full)
     assert calls == {"q_proj": 0, "gate_proj": 3, "down_proj": 3}  # 5 samples, batches of 2
+    # nothing reads the output of the norm in front of the replaced attention: it passes through
+    assert norms == {"input_layernorm": [True] * 3, "post_attention_layernorm": [False] * 3}
     stream.run_until(layer, hidden, "mlp.down_proj", replace=replace)
     assert calls == {"q_proj": 0, "gate_proj": 6, "down_proj": 3}
     for hook in hooks:
         hook.remove()
-    assert "forward" not in vars(attention)  # the block runs again once the call is over
+    norm = layer.get_submodule("input_layernorm")
+    assert not torch.equal(norm(hidden[0]), hidden[0])  # normalizes again once the call is over
+    assert "forward" not in vars(attention) and "forward" not in vars(norm)

@@ -41,3 +41,23 @@ def test_freed_blocks_are_reused_instead_of_faulted_in_again() -> None:
     pages = (40 << 20) // resource.getpagesize()
     assert _faults("default") > 15 * pages  # glibc maps and unmaps each block
     assert _faults("reused") < 2 * pages  # the first block's pages, then reuse
+
+
+def test_reused_buffers_hand_out_one_slot_memory_again() -> None:
+    import torch
+
+    from llmq.heap import ReusedBuffers
+
+    buffers = ReusedBuffers()
+    like = torch.empty(0)
+    first = buffers.take("capture", (4, 8), like)
+    first.fill_(1.0)
+    again = buffers.take("capture", (2, 8), like)  # smaller: the front of the same memory
+    assert again.data_ptr() == first.data_ptr() and again.shape == (2, 8)
+    assert bool((again == 1.0).all())  # uninitialized: what the slot held, not zeros
+    other = buffers.take("kept", (4, 8), like)
+    assert other.data_ptr() != first.data_ptr()  # slots never share memory
+    larger = buffers.take("capture", (8, 8), like)
+    assert larger.shape == (8, 8) and larger.numel() == 64
+    wide = buffers.take("capture", (8, 8), torch.empty(0, dtype=torch.float64))
+    assert wide.dtype == torch.float64  # another dtype: fresh memory of that dtype

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from llmq.calib.stats import CalibStats, InputStats
 from llmq.calib.stream import BlockOutput, LayerStream, input_hooks
-from llmq.heap import reused_heap
+from llmq.heap import ReusedBuffers, reused_heap
 from llmq.io.checkpoint import Checkpoint
 from llmq.progress import NO_PROGRESS, Progress
 
@@ -87,14 +87,15 @@ def observe_until(
     *,
     replace: dict[str, BlockOutput] | None = None,
     capture: bool = False,
+    buffers: ReusedBuffers | None = None,
     on_batch: Callable[[], Any] | None = None,
 ) -> tuple[dict[str, InputStats], Tensor | None]:
     """Run `layer` on `hidden` only up to module `until` (`LayerStream.run_until`); return the
     Hessians of the named linears' inputs (which run before `until`, or are it; no magnitudes:
     the staged schedule serves methods that read Hessians alone) and, when `capture`,
-    `until`'s input for every sample."""
+    `until`'s input for every sample, in the "capture" slot of `buffers` when given."""
     observer = _Observer(stream, names, hessian=True, samples=False, magnitudes=False)
-    captured = _Captured(len(hidden)) if capture else None
+    captured = _Captured(len(hidden), buffers or ReusedBuffers()) if capture else None
     with (
         input_hooks(layer, names, observer),
         input_hooks(layer, [until], captured) if captured is not None else nullcontext(),
@@ -106,14 +107,14 @@ def observe_until(
 class _Captured:
     """An input hook that stores one module's inputs, batch after batch, in one tensor."""
 
-    def __init__(self, samples: int) -> None:
-        self.samples = samples
+    def __init__(self, samples: int, buffers: ReusedBuffers) -> None:
+        self.samples, self.buffers = samples, buffers
         self.tensor: Tensor | None = None
         self.filled = 0
 
     def __call__(self, _name: str, x: Tensor) -> None:
         if self.tensor is None:
-            self.tensor = x.new_empty(self.samples, *x.shape[1:])
+            self.tensor = self.buffers.take("capture", (self.samples, *x.shape[1:]), x)
         self.tensor[self.filled : self.filled + len(x)] = x
         self.filled += len(x)
 

@@ -39,7 +39,7 @@ from llmq.calib.stream import (
 )
 from llmq.config import RESUME_EVERY_S, Recipe
 from llmq.errors import InputError, NumericalError
-from llmq.heap import reused_heap
+from llmq.heap import ReusedBuffers, reused_heap
 from llmq.io.atomic import publish, save_safetensors, staging_path, write_json
 from llmq.io.checkpoint import Checkpoint, torch_dtype
 from llmq.pack.format import PackFormat, compress, quantization_config, scheme_format
@@ -139,6 +139,7 @@ def run_quantization(
     if resumed == 0:
         save_safetensors(staging / shards.name(0), _non_layer_tensors(ckpt))
     hidden = _initial_hidden(stream, state, calibration_ids)
+    buffers = ReusedBuffers()  # captured and kept activations, layer after layer
     with (
         progress.stage("quantizing layers", total=ckpt.num_layers) as advance,
         reused_heap(),  # every op's output is a fresh tensor: 5-10% of a CPU layer was faults
@@ -146,11 +147,13 @@ def run_quantization(
         advance(resumed)
         for index in range(resumed, ckpt.num_layers):
             report, hidden, tensors = _quantize_layer(
-                stream, index, plan.layers[index], recipe, method, hidden, calib_stats, progress
-            )
+                stream, index, plan.layers[index], recipe, method, hidden, calib_stats, progress,
+                buffers,
+            )  # fmt: skip
             save_safetensors(staging / shards.name(index + 1), tensors)
             state.record(asdict(report), hidden)
             advance(1)
+    del buffers
     _finalize(ckpt, plan, recipe, staging, shards, record)
     publish(staging, out)
     return QuantizeResult(
@@ -194,6 +197,7 @@ def _quantize_layer(
     hidden: Tensor | None,
     calib_stats: CalibStats | None,
     progress: Progress,
+    buffers: ReusedBuffers,
 ) -> tuple[LayerReport, Tensor | None, dict[str, Tensor]]:
     started = time.perf_counter()
     prefix = stream.layout.layer_prefix(index)
@@ -204,7 +208,9 @@ def _quantize_layer(
     with progress.stage(f"layer {index}", total=passes, transient=True) as step:
         if staged:
             assert hidden is not None
-            done = _StagedLayer(stream, layer, local, method, recipe, hidden, lambda: step(1)).run()
+            done = _StagedLayer(
+                stream, layer, local, method, recipe, hidden, lambda: step(1), buffers
+            ).run()
         else:
             done = _quantize_observed(
                 stream, layer, local, method, recipe, hidden, calib_stats, prefix, lambda: step(1)
@@ -315,7 +321,8 @@ class _StagedLayer:
     the layer only up to its group, blocks already quantized answer from their kept outputs,
     and the MLP's output projection runs once, in the last pass, on its kept inputs. The price
     is memory: the attention's output and the MLP's intermediate activations of all samples
-    (2 + intermediate/hidden copies of the activations, with the layer's own input).
+    (2 + intermediate/hidden copies of the activations, with the layer's own input), held in
+    `buffers` from layer to layer.
     """
 
     def __init__(
@@ -327,8 +334,10 @@ class _StagedLayer:
         recipe: Recipe,
         hidden: Tensor,
         on_batch: Callable[[], Any],
+        buffers: ReusedBuffers | None = None,
     ) -> None:
         self.stream, self.layer, self.local, self.method = stream, layer, local, method
+        self.buffers = buffers or ReusedBuffers()
         self.fmt = scheme_format(recipe.scheme)
         self.hidden, self.on_batch = hidden, on_batch
         self.compare = method.name != "rtn"  # report what plain RTN would give
@@ -351,7 +360,11 @@ class _StagedLayer:
             assert projection_input is not None
             projection = layer.get_submodule(groups[-1][0])
             if position < len(blocks) - 1:  # later stages read it: computed once, kept
-                self.kept[block] = _kept_output(stream, projection, projection_input)
+                output = self.buffers.take(
+                    f"kept {block}", (*projection_input.shape[:-1], projection.weight.shape[0]),
+                    projection_input,
+                )  # fmt: skip
+                self.kept[block] = _kept_output(stream, projection, projection_input, output)
             else:  # only the last pass reads it
                 self.kept[block] = lambda rows, x=projection_input, p=projection: p(x[rows])
             del projection_input
@@ -368,7 +381,7 @@ class _StagedLayer:
             return None
         stats, captured = observe_until(
             self.stream, self.layer, names, self.hidden, names[0] if names else group[0],
-            replace=self.kept, capture=capture, on_batch=self.on_batch,
+            replace=self.kept, capture=capture, buffers=self.buffers, on_batch=self.on_batch,
         )  # fmt: skip
         part = {name: self.local[name] for name in names}
         errors: dict[str, float | None] = {}
@@ -383,9 +396,11 @@ class _StagedLayer:
 
 
 @torch.inference_mode()  # also when `_StagedLayer` runs outside `_quantize_layer` (tests)
-def _kept_output(stream: LayerStream, projection: nn.Module, inputs: Tensor) -> BlockOutput:
-    """A block's output, from its output projection on the kept inputs of all samples."""
-    output = inputs.new_empty(*inputs.shape[:-1], projection.weight.shape[0])
+def _kept_output(
+    stream: LayerStream, projection: nn.Module, inputs: Tensor, output: Tensor
+) -> BlockOutput:
+    """A block's output, from its output projection on the kept inputs of all samples,
+    written into `output`."""
     for rows in stream.batches(inputs):
         output[rows] = projection(inputs[rows])
     return lambda rows: output[rows]

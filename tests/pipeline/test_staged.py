@@ -101,6 +101,40 @@ def test_the_output_is_the_quantized_layer_run_whole(staged_run) -> None:
     ]
 
 
+def test_layers_sharing_buffers_give_what_fresh_buffers_give(tiny_llama: Path) -> None:
+    """The pipeline hands every layer the same ReusedBuffers (captured inputs and kept outputs
+    reuse one layer's memory in the next): two layers in a row give bit-identical outputs and
+    tensors to two layers each with buffers of its own."""
+    from llmq.heap import ReusedBuffers
+
+    ckpt = open_checkpoint(tiny_llama)
+    recipe = make_recipe(scheme="w4a16", method="gptq", group_size=32)
+    stream = LayerStream(ckpt, device="cpu", batch_size=2)
+    plan = plan_quantization(ckpt, recipe)
+    ids = torch.randint(
+        0, stream.config.vocab_size, (5, 32), generator=torch.Generator().manual_seed(0)
+    )
+
+    def two_layers(shared: ReusedBuffers | None) -> list:
+        hidden, results = stream.embed(ids), []
+        for index in (0, 1):
+            prefix = stream.layout.layer_prefix(index)
+            local = {lin.name[len(prefix) :]: lin for lin in plan.layers[index]}
+            done = _StagedLayer(
+                stream, stream.load_layer(index), local, get_method(recipe), recipe, hidden,
+                lambda: None, shared,
+            ).run()  # fmt: skip
+            results.append((done.output.clone(), done.tensors))
+        return results
+
+    for (output, tensors), (fresh_output, fresh_tensors) in zip(
+        two_layers(ReusedBuffers()), two_layers(None), strict=True
+    ):
+        assert torch.equal(output, fresh_output)
+        assert tensors.keys() == fresh_tensors.keys()
+        assert all(torch.equal(tensors[key], fresh_tensors[key]) for key in tensors)
+
+
 def test_rtn_with_output_clipping_runs_staged_without_comparing_with_itself(
     tiny_llama: Path,
 ) -> None:

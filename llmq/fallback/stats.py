@@ -13,6 +13,7 @@ does. std is the population standard deviation (divided by n).
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from llmq.quant.primitives import (
     quantize_grouped,
     quantize_weight,
     scale_codes,
+    to_code_grid_,
 )
 
 CHUNK_ELEMENTS = 1 << 20
@@ -122,12 +124,6 @@ def tensor_stats(
     if weight.element_size() <= 2:
         return _small_float_stats(weight, flat, args, input_weights)
     return _float32_stats(weight, flat, args, input_weights)
-
-
-def _sum_of_squares(x: Tensor) -> float:
-    """In float64: a float32 dot over a million values is off by ~1e-5 relative."""
-    wide = x.to(torch.float64)
-    return float(torch.dot(wide, wide))
 
 
 def _flat_chunks(flat: Tensor) -> Iterator[Tensor]:
@@ -279,30 +275,64 @@ def _float32_stats(
     low, high = _tail_bounds(moments)
     at_rank, tail = _refine_buckets(flat, upper, ranks, low, high)
     q1, q3 = (_quantile(moments.count, q, lambda k: at_rank[k]) for q in (0.25, 0.75))
-    errors = _quantization_errors(weight, moments, None if nan + inf else args, input_weights)
+    checked = None if nan + inf else args
+    per_tensor = None
+    if checked is not None and checked.type == "int":
+        per_tensor = functools.partial(_int_tensor_error, flat, moments, checked)
+    errors = _quantization_errors(weight, moments, checked, input_weights, per_tensor)
     return _finish(weight.numel(), moments, nan, inf, q1, q3, tail, errors)
 
 
 def _float32_summary(flat: Tensor) -> tuple[_Moments, Tensor, bool]:
-    """One pass: min, max, sum and sum of squares (float64),
-    the histogram of the upper 16 bits, and whether any lower 16 bits are set. min and max are
-    NaN when some value is."""
+    """One pass: min, max, sum and sum of squares, the histogram of the upper 16 bits, and
+    whether any lower 16 bits are set (checked until one is: the first chunk, for genuine
+    float32 weights). Sums are torch's cascaded float32 sums of each chunk (relative error
+    ~1e-7 on a million values, where a float32 dot product is off by ~1e-5), added in float64:
+    a float64 copy of every chunk cost a fifth of the scan. min and max are NaN when some
+    value is."""
     low, high, total, squares = math.inf, -math.inf, 0.0, 0.0
     upper = torch.zeros(1 << _BITS, dtype=torch.int64)
     lower_halves_used = False
     for chunk in _flat_chunks(flat):
-        lower_half, upper_half = _halves(chunk)
-        lower_halves_used = lower_halves_used or bool(torch.count_nonzero(lower_half))
+        lower_halves_used = lower_halves_used or _any_lower_half(chunk)
         chunk_low, chunk_high = (float(v) for v in torch.aminmax(chunk))
         low = math.nan if math.isnan(chunk_low) else min(low, chunk_low)
         high = math.nan if math.isnan(chunk_high) else max(high, chunk_high)
-        wide = chunk.to(torch.float64)
-        total += float(wide.sum())
-        squares += _sum_of_squares(wide)
-        upper += torch.bincount(_unsigned(upper_half), minlength=1 << _BITS)
+        total += float(chunk.sum())
+        squares += float(chunk.square().sum())
+        upper += torch.bincount(_upper_halves(chunk), minlength=1 << _BITS)
     if not flat.numel():
         low = high = 0.0
     return _Moments(flat.numel(), low, high, total, squares), upper, lower_halves_used
+
+
+def _int_tensor_error(flat: Tensor, moments: _Moments, args: QuantArgs) -> float:
+    """Squared error of per-tensor integer quantization, chunk by chunk in float32, with the
+    scale and zero point of `quantize`, its rounding rule (`to_code_grid_`) and dequantization
+    (`scale_codes`). Only the division is float32 where `quantize` divides in float64: a code
+    can differ only for a value within a float32 rounding of a rounding boundary, whose error
+    is half a step either way. Twice as fast as float64 working copies. (Feeding this from
+    the bucket pass, while each chunk is in the cache, measured slower than its own pass.)"""
+    scale, zero = _tensor_qparams(moments, args, torch.float32)
+    total = 0.0
+    for chunk in _flat_chunks(flat):
+        codes = to_code_grid_(chunk / scale, zero, args)
+        total += float(scale_codes(codes, scale, zero).sub_(chunk).square_().sum())
+    return total
+
+
+def _any_lower_half(chunk: Tensor) -> bool:
+    """Whether any value has lower 16 bits set; the first 4,096 values answer for genuine
+    float32 weights."""
+    lower_half = _halves(chunk)[0]
+    return bool(torch.count_nonzero(lower_half[:4096])) or bool(torch.count_nonzero(lower_half))
+
+
+def _upper_halves(chunk: Tensor) -> Tensor:
+    """The upper 16 bits of float32 values as unsigned int32 (what bincount counts), from one
+    contiguous shift in numpy: 3.5x faster than converting torch's strided int16 view."""
+    bits = chunk.numpy().view(numpy.uint32) >> numpy.uint32(_BITS)
+    return torch.from_numpy(bits.view(numpy.int32))
 
 
 def _halves(chunk: Tensor) -> tuple[Tensor, Tensor]:
@@ -374,7 +404,8 @@ def _members(chunk: Tensor, buckets: list[int]) -> tuple[Tensor, Tensor]:
     selected = upper_half == _signed16(buckets[0])
     for bucket in buckets[1:]:
         selected |= upper_half == _signed16(bucket)
-    return torch.from_numpy(values[selected]), torch.from_numpy(upper_half[selected])
+    members = values[selected]  # few: their keys are recomputed rather than selected too
+    return torch.from_numpy(members), torch.from_numpy(members.view(numpy.int32) >> _BITS)
 
 
 def _bucket_of(value: float) -> int:

@@ -5,8 +5,11 @@ glibc hands every freed block over 128 KB back to the kernel, so each new multi-
 tensor page-faults in fresh zeroed memory: elementwise work on 1M-element chunks runs 5-7x
 slower than on memory already mapped, and a CPU forward pass of a decoder layer over 4 x 512
 tokens (every op's output a new tensor) 5-7% slower. Inside `reused_heap()` blocks up to 64 MB
-come from the heap and stay there; leaving it restores glibc's default thresholds. Elsewhere
-(macOS, musl) it does nothing.
+come from the heap and stay there. Leaving it hands the kept free memory back (`malloc_trim`)
+and leaves thresholds where glibc's own adjustment takes them after large frees: setting any
+threshold switches that adjustment off for good, so restoring the 128 KB start value would
+page-fault every later block over 128 KB (tensor statistics after such an exit ran 3.6x slower: 23.7 against 6.4 ns a value).
+Elsewhere (macOS, musl) it does nothing.
 """
 
 from __future__ import annotations
@@ -23,32 +26,35 @@ if TYPE_CHECKING:
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_GLIBC_DEFAULT = 128 * 1024
+_GLIBC_ADJUSTED_MAX = 32 << 20  # the highest mmap threshold glibc's own adjustment sets
 _KEEP_BLOCKS_UP_TO = 64 << 20
 _KEEP_FREE_UP_TO = 256 << 20
 
 
-def _mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (the one with mallopt and malloc_trim), else None."""
     name = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name).mallopt if name else None
+        libc = ctypes.CDLL(name) if name else None
+        return libc if libc is not None and libc.mallopt and libc.malloc_trim else None
     except (OSError, AttributeError):
         return None
 
 
 @contextmanager
 def reused_heap() -> Iterator[None]:
-    mallopt = _mallopt()
-    if mallopt is None:
+    libc = _glibc()
+    if libc is None:
         yield
         return
-    mallopt(_M_MMAP_THRESHOLD, _KEEP_BLOCKS_UP_TO)
-    mallopt(_M_TRIM_THRESHOLD, _KEEP_FREE_UP_TO)
+    libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_BLOCKS_UP_TO)
+    libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_FREE_UP_TO)
     try:
         yield
     finally:
-        mallopt(_M_MMAP_THRESHOLD, _GLIBC_DEFAULT)
-        mallopt(_M_TRIM_THRESHOLD, _GLIBC_DEFAULT)
+        libc.mallopt(_M_MMAP_THRESHOLD, _GLIBC_ADJUSTED_MAX)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * _GLIBC_ADJUSTED_MAX)  # glibc keeps 2x the above
+        libc.malloc_trim(0)
 
 
 class ReusedBuffers:

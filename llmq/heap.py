@@ -6,10 +6,10 @@ tensor page-faults in fresh zeroed memory: elementwise work on 1M-element chunks
 slower than on memory already mapped, and a CPU forward pass of a decoder layer over 4 x 512
 tokens (every op's output a new tensor) 5-7% slower. Inside `reused_heap()` blocks up to 64 MB
 come from the heap and stay there. Leaving it hands the kept free memory back (`malloc_trim`)
-and leaves thresholds where glibc's own adjustment takes them after large frees: setting any
-threshold switches that adjustment off for good, so restoring the 128 KB start value would
-page-fault every later block over 128 KB (tensor statistics after such an exit ran 3.6x slower: 23.7 against 6.4 ns a value).
-Elsewhere (macOS, musl) it does nothing.
+and leaves the thresholds where glibc's own adjustment takes them after large frees: setting
+any threshold switches that adjustment off for good, so restoring the 128 KB start value would
+page-fault every later block over 128 KB (tensor statistics after such an exit ran 3.6x
+slower: 23.7 against 6.4 ns a value). Elsewhere (macOS, musl) it does nothing.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ def _glibc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
-        return libc if libc is not None and libc.mallopt and libc.malloc_trim else None
-    except (OSError, AttributeError):
+    except OSError:
         return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
 @contextmanager
@@ -77,15 +77,11 @@ class ReusedBuffers:
         """An uninitialized tensor of `shape` with `like`'s dtype and device, from `slot`."""
         numel = math.prod(shape)
         held = self._slots.get(slot)
-        if (
-            held is None
-            or held.numel() < numel
-            or (held.dtype, held.device)
-            != (
-                like.dtype,
-                like.device,
-            )
-        ):
+        if held is None or not _can_serve(held, numel, like):
             self._slots.pop(slot, None)  # freed before its larger successor is allocated
             held = self._slots[slot] = like.new_empty(numel)
         return held[:numel].view(*shape)
+
+
+def _can_serve(held: Tensor, numel: int, like: Tensor) -> bool:
+    return held.numel() >= numel and (held.dtype, held.device) == (like.dtype, like.device)

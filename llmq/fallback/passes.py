@@ -15,7 +15,8 @@ from numba import njit
 
 _BLOCK = 4096  # values handled per inner loop: 16 KB of float32, in the L1 cache
 _HALF = 16  # a float32's upper 16 bits are its bucket (the value truncated to bfloat16)
-_SUMS = {"reassoc", "nsz"}  # lets LLVM vectorise the float64 sums (not NaN-safe min/max)
+_SUMS = {"reassoc", "nsz"}
+_MAX_BUCKETS = 4  # the quartiles' order statistics lie in at most four buckets  # lets LLVM vectorise the float64 sums (not NaN-safe min/max)
 
 
 def float32_summary(values: numpy.ndarray, upper_counts: numpy.ndarray) -> tuple:
@@ -31,7 +32,7 @@ def float32_summary(values: numpy.ndarray, upper_counts: numpy.ndarray) -> tuple
 
 def float32_refine(
     values: numpy.ndarray,
-    wanted: numpy.ndarray,
+    buckets: list[int],
     members: numpy.ndarray,
     tail_bounds: tuple[float, float],
     int_grid: tuple[float, float, float, float] | None,
@@ -39,17 +40,20 @@ def float32_refine(
     """One pass over float32 `values`: (count outside `tail_bounds` = (low, high), squared
     integer-quantization error, number of members).
 
-    wanted: uint8[65536], nonzero for the upper-16-bit patterns whose values are wanted; they
-        are written to `members` (at least as long as those buckets' counts), in order.
+    buckets: one to four upper-16-bit patterns whose values are wanted; they are written to
+        `members` (at least as long as those buckets' counts), in order.
     int_grid: (scale, zero point, lowest code, highest code) of per-tensor integer
         quantization, or None for no error (returned as 0.0). The error follows `quantize`'s
         rule in float32: code = clamp(round_half_even(x / scale + zero)), restored as
         (code - zero) * scale."""
+    if not 1 <= len(buckets) <= _MAX_BUCKETS:
+        raise ValueError(f"1 to {_MAX_BUCKETS} buckets, not {len(buckets)}")
+    keys = numpy.array([*buckets, *buckets[:1] * (_MAX_BUCKETS - len(buckets))], numpy.uint32)
     low, high = (numpy.float32(bound) for bound in tail_bounds)
     with_error = int_grid is not None
     scale, zero, lowest, highest = (numpy.float32(v) for v in (int_grid or (1.0, 0.0, 0.0, 0.0)))
     return _float32_refine(
-        values, wanted, members, low, high, with_error, scale, zero, lowest, highest
+        values, keys, members, low, high, with_error, scale, zero, lowest, highest
     )
 
 
@@ -141,16 +145,19 @@ def _upper_histogram(bits, even, odd):  # pragma: no cover - compiled
 
 @njit(nogil=True, cache=True)
 def _float32_refine(
-    values, wanted, members, low, high, with_error, scale, zero, lowest, highest
+    values, keys, members, low, high, with_error, scale, zero, lowest, highest
 ):  # pragma: no cover - compiled
     bits = values.view(numpy.uint32)
+    hits = numpy.zeros(_BLOCK, numpy.uint8)
     tail, error, found = 0, 0.0, 0
     for start in range(0, values.size, _BLOCK):
         block = values[start : start + _BLOCK]
         tail += _count_outside(block, low, high)
         if with_error:
             error += _int_error(block, scale, zero, lowest, highest)
-        found = _collect(block, bits[start : start + _BLOCK], wanted, members, found)
+        block_hits = hits[: block.size]
+        _mark_buckets(bits[start : start + _BLOCK], keys, block_hits)
+        found = _collect(block, block_hits, members, found)
     return tail, error, found
 
 
@@ -175,9 +182,26 @@ def _int_error(block, scale, zero, lowest, highest):  # pragma: no cover - compi
 
 
 @njit(nogil=True, cache=True)
-def _collect(block, bits, wanted, members, found):  # pragma: no cover - compiled
-    for i in range(block.size):
-        if wanted[bits[i] >> _HALF]:
+def _mark_buckets(bits, keys, hits):  # pragma: no cover - compiled
+    """hits[i] = 1 where value i lies in one of the four buckets (vectorised compares)."""
+    k0, k1, k2, k3 = keys[0], keys[1], keys[2], keys[3]
+    for i in range(bits.size):
+        key = bits[i] >> _HALF
+        hits[i] = (key == k0) | (key == k1) | (key == k2) | (key == k3)
+
+
+@njit(nogil=True, cache=True)
+def _collect(block, hits, members, found):  # pragma: no cover - compiled
+    """Append the hit values to `members`; hits are rare, so eight flags are tested at once."""
+    words = hits[: hits.size // 8 * 8].view(numpy.uint64)
+    for word in range(words.size):
+        if words[word]:
+            for i in range(8 * word, 8 * word + 8):
+                if hits[i]:
+                    members[found] = block[i]
+                    found += 1
+    for i in range(words.size * 8, block.size):
+        if hits[i]:
             members[found] = block[i]
             found += 1
     return found
@@ -206,8 +230,12 @@ def _patterns_at_ranks(counts, ranks):  # pragma: no cover - compiled
     for step in range(counts.size):
         pattern = counts.size - 1 - step if step < half else step - half
         count = counts[pattern]
+        if count == 0:  # most patterns: skipped without touching the ranks
+            continue
         while wanted < ranks.size and ranks[wanted] < seen + count:
             patterns[wanted], below[wanted] = pattern, seen
             wanted += 1
         seen += count
+        if wanted == ranks.size:
+            break
     return patterns, below

@@ -257,6 +257,13 @@ def _threads_per_worker(workers: int) -> Any:
         torch.set_num_threads(before)
 
 
+_BATCH_BYTES = 16 << 20
+"""Small tensors of one file are scanned through one open handle: opening a file costs ~0.4 ms,
+a few percent of scanning 16 MB. The handle's mapped pages are released when it closes, so a
+worker holds one big tensor or at most 16 MB of small ones."""
+_READ_ERRORS = (OSError, RuntimeError, ValueError)
+
+
 def _run(
     inventory: _Inventory, args: QuantArgs, options: ScanOptions, progress: Progress
 ) -> list[TensorScan]:
@@ -270,32 +277,68 @@ def _run(
         reused_heap(),
         ThreadPoolExecutor(max_workers=options.workers) as pool,
     ):
-        futures = {pool.submit(_scan_one, job, args, options): job for job in inventory.jobs}
+        batches = _batches(inventory.jobs)
+        futures = {pool.submit(_scan_batch, batch, args, options): batch for batch in batches}
         for future in as_completed(futures):
-            job = futures[future]
-            try:
-                scans.append(future.result())
-            except (OSError, RuntimeError, ValueError) as exc:
-                inventory.failed.setdefault(job.relative, f"cannot read {job.name}: {exc}")
-            advance(job.nbytes)
+            for job, outcome in future.result():
+                if isinstance(outcome, TensorScan):
+                    scans.append(outcome)
+                else:
+                    inventory.failed.setdefault(job.relative, f"cannot read {job.name}: {outcome}")
+            advance(sum(job.nbytes for job in futures[future]))
     scans.sort(key=lambda s: (s.file, s.name))
     return scans
 
 
-def _scan_one(job: _Job, args: QuantArgs, options: ScanOptions) -> TensorScan:
+def _batches(jobs: list[_Job]) -> list[list[_Job]]:
+    """`jobs` (largest first) grouped by file into batches of at most _BATCH_BYTES (a larger
+    tensor alone), largest batch first so that workers finish together."""
+    batches: list[tuple[list[_Job], int]] = []
+    filling: dict[Path, int] = {}  # file -> index of its batch still being filled
+    for job in jobs:
+        at = filling.get(job.file)
+        if at is None or batches[at][1] + job.nbytes > _BATCH_BYTES:
+            at = filling[job.file] = len(batches)
+            batches.append(([], 0))
+        members, size = batches[at]
+        members.append(job)
+        batches[at] = (members, size + job.nbytes)
+    return [members for members, _ in sorted(batches, key=lambda batch: -batch[1])]
+
+
+def _scan_batch(
+    batch: list[_Job], args: QuantArgs, options: ScanOptions
+) -> list[tuple[_Job, TensorScan | Exception]]:
+    """Each job's scan, or the error that stopped it (one file: opened once)."""
     from safetensors import safe_open
 
+    try:
+        with safe_open(str(batch[0].file), framework="pt") as handle:
+            return [(job, _scan_or_error(handle, job, args, options)) for job in batch]
+    except _READ_ERRORS as exc:
+        return [(job, exc) for job in batch]
+
+
+def _scan_or_error(
+    handle: Any, job: _Job, args: QuantArgs, options: ScanOptions
+) -> TensorScan | Exception:
+    try:
+        return _scan_one(handle, job, args, options)
+    except _READ_ERRORS as exc:
+        return exc
+
+
+def _scan_one(handle: Any, job: _Job, args: QuantArgs, options: ScanOptions) -> TensorScan:
     from llmq.fallback.stats import tensor_stats
 
     weights = None
     if options.input_weights is not None and job.name.endswith(".weight"):
         weights = options.input_weights.get(job.name.removesuffix(".weight"))
-    with safe_open(str(job.file), framework="pt") as handle:
-        tensor = handle.get_tensor(job.name)
-        sampled = options.sample is not None and tensor.numel() > options.sample
-        if sampled:
-            tensor = sample_rows(tensor, int(options.sample or 0), seed=job.name)
-        stats = tensor_stats(tensor, args, input_weights=weights)
+    tensor = handle.get_tensor(job.name)
+    sampled = options.sample is not None and tensor.numel() > options.sample
+    if sampled:
+        tensor = sample_rows(tensor, int(options.sample or 0), seed=job.name)
+    stats = tensor_stats(tensor, args, input_weights=weights)
     return TensorScan(job.name, job.relative, job.dtype, list(job.shape), stats, sampled)
 
 

@@ -1,10 +1,10 @@
 """`fallback-scan`: every weight tensor of every .safetensors file under a folder, scored for how
 badly it survives quantization, with no model class, no calibration data and no GPU.
 
-Tensors are read one at a time from the memory-mapped files (`safetensors.safe_open`) and
-reduced in chunks (`llmq.fallback.stats`), so a worker holds one tensor's pages plus a few MB.
-Workers are threads: torch releases the GIL inside every operation, and threads share the
-page cache and start instantly.
+Tensors are read in place from the memory-mapped files (`safetensors.safe_open`) and reduced
+by compiled passes in cache-sized blocks (`llmq.fallback.stats`), so a worker holds one big
+tensor's pages (or 16 MB of small ones) plus a few MB. Workers are threads: the compiled passes
+and torch release the GIL, and threads share the page cache and start instantly.
 """
 
 from __future__ import annotations

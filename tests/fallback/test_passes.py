@@ -11,8 +11,9 @@ from llmq.config import QuantArgs
 from llmq.fallback import passes
 from llmq.quant.primitives import choose_qparams, int_range, scale_codes, to_code_grid_
 
-# around the passes' 4096-value blocks and their two interleaved histograms (odd lengths)
-SIZES = [1, 2, 4095, 4096, 4097, 3 * 4096 + 1, 100_001]
+# around the passes' 4096-value blocks and their two interleaved histograms (odd lengths, and
+# past the size from which the second histogram is used)
+SIZES = [1, 2, 4095, 4096, 4097, 3 * 4096 + 1, 100_001, (1 << 19) + 3]
 
 
 def gaussian(size: int, seed: int = 0) -> numpy.ndarray:
@@ -97,7 +98,7 @@ def test_refine_rounds_half_to_even_as_quantize_does() -> None:
 
 
 @pytest.mark.parametrize("patterns_dtype", [numpy.uint16, numpy.uint8])
-@pytest.mark.parametrize("size", [1, 4097, 100_001])
+@pytest.mark.parametrize("size", [1, 4097, 100_001, (1 << 19) + 3])
 def test_pattern_histogram_matches_bincount(patterns_dtype: type, size: int) -> None:
     bits = numpy.iinfo(patterns_dtype).bits
     patterns = numpy.random.default_rng(size).integers(0, 1 << bits, size).astype(patterns_dtype)

@@ -13,6 +13,7 @@ import pytest
 # "default" and "reused": 20 blocks of 40 MB (over glibc's 32 MB cap for its own threshold
 # adjustment) outside and inside reused_heap. "after": 20 blocks of 4 MB once reused_heap is
 # left, and the resident MB that leaving it handed back (5 freed 40 MB blocks, kept inside).
+# "nested": 20 blocks of 40 MB inside reused_heap after a nested reused_heap was left.
 _WORKLOAD = """
 import ctypes, ctypes.util, resource, sys
 from contextlib import nullcontext
@@ -42,6 +43,11 @@ if sys.argv[1] == "after":
             libc.free(block)
         kept = resident_mb()
     print(faults_of_blocks(4 << 20), kept - resident_mb())
+elif sys.argv[1] == "nested":
+    with reused_heap():
+        with reused_heap():
+            pass
+        print(faults_of_blocks(40 << 20))
 else:
     with reused_heap() if sys.argv[1] == "reused" else nullcontext():
         print(faults_of_blocks(40 << 20))
@@ -74,6 +80,11 @@ def test_leaving_hands_memory_back_and_keeps_later_blocks_unfaulted() -> None:
     # (a threshold put back to 128 KB mapped and faulted in each one: 20 x 1024 pages)
     assert faults < 2 * (4 << 20) // resource.getpagesize()
     assert released_mb >= 150  # most of the 200 MB of kept free blocks
+
+
+@glibc_only
+def test_a_nested_exit_keeps_the_outer_settings() -> None:
+    assert _workload("nested")[0] < 2 * (40 << 20) // resource.getpagesize()
 
 
 def test_reused_buffers_hand_out_one_slot_memory_again() -> None:

@@ -15,10 +15,10 @@ from numba import njit
 
 _BLOCK = 4096  # values handled per inner loop: 16 KB of float32, in the L1 cache
 _HALF = 16  # a float32's upper 16 bits are its bucket (the value truncated to bfloat16)
-_SUMS = {"reassoc", "nsz"}
+_SUMS = {"reassoc", "nsz"}  # lets LLVM vectorise the float64 sums (not NaN-safe min/max)
 _MAX_BUCKETS = 4  # the quartiles' order statistics lie in at most four buckets
 _INTERLEAVE_FROM = 1 << 19  # values from which a second histogram pays for its zeroing
-_GROUP = 64  # patterns summed at once when looking for a rank  # lets LLVM vectorise the float64 sums (not NaN-safe min/max)
+_GROUP = 64  # patterns summed at once when looking for a rank
 
 
 def float32_summary(values: numpy.ndarray, upper_counts: numpy.ndarray) -> tuple:
@@ -75,8 +75,7 @@ def patterns_at_ranks(
 
 def _key_value(key: int) -> float:
     """The float32 whose order key (see `_order_key`) is `key`."""
-    key = numpy.int32(key)
-    pattern = numpy.array([key ^ ((key >> 31) & 0x7FFFFFFF)], dtype=numpy.int32)
+    pattern = numpy.array([_order_key(numpy.int32(key))], dtype=numpy.int32)  # its own inverse
     return float(pattern.view(numpy.float32)[0])
 
 
@@ -90,6 +89,7 @@ def _order_key(bits):  # pragma: no cover - compiled
 @njit(nogil=True, cache=True, fastmath=_SUMS)
 def _float32_summary(values, upper_counts):  # pragma: no cover - compiled
     bits = values.view(numpy.int32)
+    unsigned_bits = values.view(numpy.uint32)
     low_key, high_key = numpy.int32(0x7FFFFFFF), numpy.int32(-0x80000000)
     total = squares = 0.0
     lower_used = False
@@ -101,7 +101,7 @@ def _float32_summary(values, upper_counts):  # pragma: no cover - compiled
         total += block_total
         squares += block_squares
         lower_used = lower_used or _any_lower_half(block_bits)
-        _upper_histogram(block_bits, upper_counts, odd)
+        _count_pairs(unsigned_bits[start : start + _BLOCK], _HALF, upper_counts, odd)
     if interleaved:
         upper_counts += odd
     return low_key, high_key, total, squares, lower_used
@@ -143,13 +143,14 @@ def _any_lower_half(bits):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _upper_histogram(bits, even, odd):  # pragma: no cover - compiled
-    pairs = bits.size // 2
+def _count_pairs(patterns, shift, even, odd):  # pragma: no cover - compiled
+    """Count each unsigned pattern >> `shift`: even-numbered values in `even`, odd in `odd`."""
+    pairs = patterns.size // 2
     for i in range(pairs):
-        even[numpy.uint32(bits[2 * i]) >> _HALF] += 1
-        odd[numpy.uint32(bits[2 * i + 1]) >> _HALF] += 1
-    if bits.size % 2:
-        even[numpy.uint32(bits[bits.size - 1]) >> _HALF] += 1
+        even[patterns[2 * i] >> shift] += 1
+        odd[patterns[2 * i + 1] >> shift] += 1
+    if patterns.size % 2:
+        even[patterns[patterns.size - 1] >> shift] += 1
 
 
 @njit(nogil=True, cache=True)
@@ -219,12 +220,7 @@ def _collect(block, hits, members, found):  # pragma: no cover - compiled
 @njit(nogil=True, cache=True)
 def _pattern_histogram(patterns, counts):  # pragma: no cover - compiled
     odd, interleaved = _odd_histogram(patterns.size, counts)
-    pairs = patterns.size // 2
-    for i in range(pairs):
-        counts[patterns[2 * i]] += 1
-        odd[patterns[2 * i + 1]] += 1
-    if patterns.size % 2:
-        counts[patterns[patterns.size - 1]] += 1
+    _count_pairs(patterns, 0, counts, odd)
     if interleaved:
         counts += odd
 

@@ -183,8 +183,10 @@ def _histogram_stats(
         total=float(present @ multiplicity),
         squares=float((present * present) @ multiplicity),
     )
-    finite_counts = numpy.zeros_like(counts)
-    finite_counts[occupied[finite]] = occupied_counts[finite]
+    finite_counts = counts
+    if nan + inf:
+        finite_counts = numpy.zeros_like(counts)
+        finite_counts[occupied[finite]] = occupied_counts[finite]
     ranks = _quantile_ranks(moments.count)
     patterns, _ = _at_ranks(finite_counts, ranks)
     at_rank = {k: float(values[pattern]) for k, pattern in zip(ranks, patterns, strict=True)}

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from llmq.calib.attention import blocked_causal_applies, causal_attention
+from llmq.calib.norm import fuse_rms_norms
 from llmq.config import QuantArgs
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
@@ -131,7 +132,7 @@ class LayerStream:
     def _materialize(self, module_name: str, prefix: str) -> nn.Module:
         module = copy.deepcopy(self._skeleton.get_submodule(module_name))
         module.load_state_dict(self._read_state(prefix), strict=True, assign=True)
-        return module.eval()
+        return fuse_rms_norms(module.eval())
 
     def load_layer(self, index: int) -> nn.Module:
         """Decoder layer `index`, materialized on the stream's device in its compute dtype."""

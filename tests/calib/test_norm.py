@@ -1,0 +1,67 @@
+"""The fused RMSNorm gives the same bits as each family's own RMSNorm, and the layer passes use it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from llmq.calib.norm import FUSED_RMS_NORMS, fuse_rms_norms, fused_rms_norm
+from llmq.calib.stream import LayerStream
+from llmq.io.checkpoint import open_checkpoint
+from llmq.io.family import FAMILY_LAYOUT
+
+
+def _family_norm_classes() -> dict[str, type[nn.Module]]:
+    """Every RMSNorm class a model of each supported family is built with (on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    classes = {}
+    for model_type in FAMILY_LAYOUT:
+        config = AutoConfig.for_model(model_type, num_hidden_layers=1, vocab_size=64)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                classes[type(module).__name__] = type(module)
+    return classes
+
+
+NORM_CLASSES = _family_norm_classes()
+
+
+def test_every_family_norm_is_fused() -> None:
+    assert set(NORM_CLASSES) == FUSED_RMS_NORMS
+
+
+@pytest.mark.parametrize("name", sorted(NORM_CLASSES))
+@pytest.mark.parametrize("width", [64, 576, 4096])
+def test_fused_norm_matches_the_module_bit_for_bit(name: str, width: int) -> None:
+    generator = torch.Generator().manual_seed(width)
+    norm = NORM_CLASSES[name](width, eps=1e-6)
+    norm.weight.data = torch.randn(width, generator=generator)
+    for magnitude in (1e-3, 1.0, 1e3):
+        hidden = torch.randn(3, 37, width, generator=generator) * magnitude
+        assert torch.equal(fused_rms_norm(norm, hidden), norm(hidden))
+
+
+def test_other_dtypes_keep_the_module_forward() -> None:
+    norm = NORM_CLASSES["LlamaRMSNorm"](64).to(torch.bfloat16)
+    norm.weight.data = torch.linspace(-2, 2, 64, dtype=torch.bfloat16)
+    hidden = torch.randn(5, 64).to(torch.bfloat16)
+    assert torch.equal(fused_rms_norm(norm, hidden), norm(hidden))
+
+
+def test_stream_layers_use_the_fused_norm_with_unchanged_outputs(tiny_llama: Path) -> None:
+    stream = LayerStream(open_checkpoint(tiny_llama), device="cpu", batch_size=2)
+    layer = stream.load_layer(0)
+    norms = [m for m in layer.modules() if type(m).__name__ in FUSED_RMS_NORMS]
+    assert norms and all("forward" in vars(norm) for norm in norms)
+    hidden = torch.randn(3, 24, stream.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    fused = stream.run_layer(layer, hidden)
+    for norm in norms:
+        del norm.forward  # back to the class's own forward
+    assert torch.equal(stream.run_layer(layer, hidden), fused)
+    assert fuse_rms_norms(layer) is layer and all("forward" in vars(norm) for norm in norms)

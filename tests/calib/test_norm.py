@@ -59,7 +59,8 @@ def test_stream_layers_use_the_fused_norm_with_unchanged_outputs(tiny_llama: Pat
     layer = stream.load_layer(0)
     norms = [m for m in layer.modules() if type(m).__name__ in FUSED_RMS_NORMS]
     assert norms and all("forward" in vars(norm) for norm in norms)
-    hidden = torch.randn(3, 24, stream.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 24, stream.config.hidden_size, generator=generator)
     fused = stream.run_layer(layer, hidden)
     for norm in norms:
         del norm.forward  # back to the class's own forward

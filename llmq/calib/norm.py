@@ -3,9 +3,8 @@
 transformers' RMSNorm (Llama, Mistral, Qwen2, Qwen3) upcasts, squares, averages, multiplies by
 the reciprocal square root and by the weight: four passes over the activations, each a new
 tensor. `torch.nn.functional.rms_norm` does it in one pass and, in float32, gives the same bits
-(the same mean, rsqrt and products; tests/calib/test_norm.py checks it for each class). On two
-CPU cores, 4 x 512 tokens x 576: 0.5 ms against 1.6 ms, some 0.15 s of a 7 s GPTQ layer. Other
-dtypes keep the module's own forward: there the fused op rounds differently.
+(tests/calib/test_norm.py checks each class at several widths and magnitudes). On two CPU cores, 4 x 512 tokens x 576: 0.5 ms against 1.6 ms; about 0.25 s of an 8 s GPTQ layer on the
+default model. Other dtypes keep the module's own forward: there the fused op rounds differently.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ def fuse_rms_norms(module: nn.Module) -> nn.Module:
 
 @cache
 def fused_class(norm_class: type[nn.Module]) -> type[nn.Module]:
-    """A subclass of `norm_class` whose forward runs `fused_rms_norm`."""
+    """A subclass of `norm_class` whose forward is `_fused_forward`."""
     return type(f"Fused{norm_class.__name__}", (norm_class,), {"forward": _fused_forward})
 
 

@@ -53,7 +53,8 @@ def test_fused_norm_matches_the_module_bit_for_bit(name: str, width: int) -> Non
 def test_other_dtypes_keep_the_module_forward() -> None:
     norm = NORM_CLASSES["LlamaRMSNorm"](64).to(torch.bfloat16)
     norm.weight.data = torch.linspace(-2, 2, 64, dtype=torch.bfloat16)
-    hidden = torch.randn(5, 64).to(torch.bfloat16)
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    # the fused op would differ here (up to 0.016): bfloat16 rounds between its steps
     assert torch.equal(fuse_rms_norms(copy.deepcopy(norm))(hidden), norm(hidden))
 
 

@@ -3,7 +3,8 @@
 transformers' RMSNorm (Llama, Mistral, Qwen2, Qwen3) upcasts, squares, averages, multiplies by
 the reciprocal square root and by the weight: four passes over the activations, each a new
 tensor. `torch.nn.functional.rms_norm` does it in one pass and, in float32, gives the same bits
-(tests/calib/test_norm.py checks each class at several widths and magnitudes). On two CPU cores, 4 x 512 tokens x 576: 0.5 ms against 1.6 ms; about 0.25 s of an 8 s GPTQ layer on the
+(tests/calib/test_norm.py checks each class at several widths and magnitudes). On two CPU
+cores, 4 x 512 tokens x 576: 0.5 ms against 1.6 ms; about 0.25 s of an 8 s GPTQ layer on the
 default model. Other dtypes keep the module's own forward: there the fused op rounds differently.
 """
 

@@ -19,19 +19,19 @@ FUSED_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "
 
 
 def fuse_rms_norms(module: nn.Module) -> nn.Module:
-    """Turn every RMSNorm of `module` (of FUSED_RMS_NORMS) into its `fused_class`.
+    """Turn every RMSNorm of `module` (of FUSED_RMS_NORMS) into its `_fused_class`.
 
     The instances change class rather than get a forward attribute: a forward bound to its
     own module is a reference cycle, and a layer in one is freed (its mapped pages let go) only
     when the garbage collector next runs, not when the pipeline drops it."""
     for norm in module.modules():
         if type(norm).__name__ in FUSED_RMS_NORMS:
-            norm.__class__ = fused_class(type(norm))
+            norm.__class__ = _fused_class(type(norm))
     return module
 
 
 @cache
-def fused_class(norm_class: type[nn.Module]) -> type[nn.Module]:
+def _fused_class(norm_class: type[nn.Module]) -> type[nn.Module]:
     """A subclass of `norm_class` whose forward is `_fused_forward`."""
     return type(f"Fused{norm_class.__name__}", (norm_class,), {"forward": _fused_forward})
 
@@ -40,5 +40,5 @@ def _fused_forward(norm: nn.Module, hidden: Tensor) -> Tensor:
     """`norm(hidden)`, in one pass when both are float32, else by the original class."""
     weight = norm.weight
     if hidden.dtype != float32 or weight.dtype != float32:
-        return type(norm).__mro__[1].forward(norm, hidden)
+        return super(type(norm), norm).forward(hidden)
     return nn.functional.rms_norm(hidden, weight.shape, weight, norm.variance_epsilon)

@@ -58,19 +58,21 @@ def test_other_dtypes_keep_the_module_forward() -> None:
     assert torch.equal(fuse_rms_norms(copy.deepcopy(norm))(hidden), norm(hidden))
 
 
+def _all_fused(norms: list[nn.Module]) -> bool:
+    return all(type(norm).__name__.startswith("Fused") for norm in norms)
+
+
 def test_stream_layers_use_the_fused_norm_with_unchanged_outputs(tiny_llama: Path) -> None:
     stream = LayerStream(open_checkpoint(tiny_llama), device="cpu", batch_size=2)
     layer = stream.load_layer(0)
     norms = [
         m for m in layer.modules() if type(m).__name__.removeprefix("Fused") in FUSED_RMS_NORMS
     ]
-    assert norms and all(type(norm).__name__.startswith("Fused") for norm in norms)
+    assert norms and _all_fused(norms)
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 24, stream.config.hidden_size, generator=generator)
     fused = stream.run_layer(layer, hidden)
     for norm in norms:
         norm.__class__ = type(norm).__mro__[1]  # back to the class's own forward
     assert torch.equal(stream.run_layer(layer, hidden), fused)
-    assert fuse_rms_norms(layer) is layer and all(
-        type(n).__name__.startswith("Fused") for n in norms
-    )
+    assert fuse_rms_norms(layer) is layer and _all_fused(norms)

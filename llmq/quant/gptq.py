@@ -21,12 +21,14 @@ from torch import Tensor
 
 from llmq.config import QuantArgs
 from llmq.errors import NumericalError
+from llmq.quant.gptq_columns import compiled_loop_applies, quantize_columns
 from llmq.quant.primitives import (
     ACCUM_DTYPE,
     FP8_DTYPE,
     QuantizedWeight,
     as_groups,
     choose_qparams,
+    int_range,
     to_code_grid_,
 )
 
@@ -116,27 +118,51 @@ def _quantize_block(
     """
     residuals = torch.empty_like(block)
     codes = torch.empty(block.shape, dtype=torch.float64, device=block.device)
-    shifted, dequantized = torch.empty_like(codes[0]), torch.empty_like(block[0])
+    compiled = compiled_loop_applies(block, params.args.type == "int")
     segment = params.group if params.lazy else len(block)
     for first in range(0, len(block), segment):
         params.start_group(
             int(order[start + first]), w_block=block.T, block_start=start, position=start + first
         )
         scale, zero, dequant_scale = params.columns(order[start + first : start + first + segment])
-        for j in range(len(scale)):
-            i = first + j
-            code = codes[i]
-            torch.div(block[i], scale[j], out=code)  # float64, as RTN computes codes
-            params.round_codes_(code, None if zero is None else zero[j])
-            if zero is not None:
-                code = torch.sub(code, zero[j], out=shifted)
-            # the product of a code and a scale is exact in float64: rounding it to the working
-            # dtype gives what that dtype's own product gives (`scale_codes`)
-            torch.mul(code, dequant_scale[j], out=dequantized)
-            torch.sub(block[i], dequantized, out=residuals[i])
-            block[i + 1 :].addr_(spread[i, i + 1 :], residuals[i], alpha=-1)
+        if compiled:
+            code_range = int_range(params.args.num_bits)
+            quantize_columns(
+                block, spread, first, scale, zero, dequant_scale, code_range, codes, residuals
+            )
+        else:
+            _quantize_columns(
+                block, spread, first, (scale, zero, dequant_scale), params, codes, residuals
+            )
     params.codes[:, order[start : start + len(block)]] = codes.T.to(params.codes.dtype)
     return residuals
+
+
+def _quantize_columns(
+    block: Tensor,
+    spread: Tensor,
+    first: int,
+    qparams: tuple[Tensor, Tensor | None, Tensor],
+    params: _QParams,
+    codes: Tensor,
+    residuals: Tensor,
+) -> None:
+    """The column loop of `_quantize_block` in torch ops (GPUs, FP8 codes); on the CPU,
+    `quantize_columns` does the same steps compiled."""
+    scale, zero, dequant_scale = qparams
+    shifted, dequantized = torch.empty_like(codes[0]), torch.empty_like(block[0])
+    for j in range(len(scale)):
+        i = first + j
+        code = codes[i]
+        torch.div(block[i], scale[j], out=code)  # float64, as RTN computes codes
+        params.round_codes_(code, None if zero is None else zero[j])
+        if zero is not None:
+            code = torch.sub(code, zero[j], out=shifted)
+        # the product of a code and a scale is exact in float64: rounding it to the working
+        # dtype gives what that dtype's own product gives (`scale_codes`)
+        torch.mul(code, dequant_scale[j], out=dequantized)
+        torch.sub(block[i], dequantized, out=residuals[i])
+        block[i + 1 :].addr_(spread[i, i + 1 :], residuals[i], alpha=-1)
 
 
 def _code_dtype(args: QuantArgs) -> torch.dtype:
@@ -231,8 +257,8 @@ class _QParams:
         zero point in float64 (the dtype codes are computed in) and the scale as the working
         dtype holds it (for dequantization)."""
         groups = torch.div(columns, self.group, rounding_mode="floor").to(self.scale.device)
-        scale = self.scale[:, groups].T
-        zero = None if self.zero is None else self.zero[:, groups].T.to(torch.float64)
+        scale = self.scale.T[groups]  # contiguous rows: a column's scales are one row
+        zero = None if self.zero is None else self.zero.T[groups].to(torch.float64)
         return scale.to(torch.float64), zero, scale.to(self.work).to(torch.float64)
 
     def round_codes_(self, scaled: Tensor, zero: Tensor | None) -> None:

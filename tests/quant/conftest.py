@@ -1,11 +1,15 @@
-"""Real activations: layer 0 of the default model on a few pydoc calibration windows."""
+"""Real activations: layer 0 of the default model on a few pydoc calibration windows; GPTQ run
+with a chosen column loop."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch import Tensor
+
+from llmq.quant import gptq
 
 REAL_LINEARS = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
 
@@ -44,3 +48,19 @@ def real_hessians(real_observed: tuple[dict[str, Tensor], ...]) -> dict[str, Ten
 @pytest.fixture(scope="session")
 def real_mean_abs(real_observed: tuple[dict[str, Tensor], ...]) -> dict[str, Tensor]:
     return real_observed[2]
+
+
+def run_gptq(
+    monkeypatch: pytest.MonkeyPatch, loop: str, *args: Any, **kwargs: Any
+) -> gptq.GPTQResult:
+    """gptq_quantize_weight with the column loop named: "compiled" (checked to be the one that
+    ran) or "torch"."""
+    calls = []
+    compiled = gptq.quantize_columns
+    with monkeypatch.context() as patch:
+        patch.setattr(gptq, "quantize_columns", lambda *a: calls.append(1) or compiled(*a))
+        if loop == "torch":
+            patch.setattr(gptq, "compiled_loop_applies", lambda *_: False)
+        result = gptq.gptq_quantize_weight(*args, **kwargs)
+    assert bool(calls) == (loop == "compiled")
+    return result

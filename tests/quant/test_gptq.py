@@ -12,6 +12,7 @@ from llmq.quant.awq import output_error
 from llmq.quant.gptq import gptq_quantize_weight
 from llmq.quant.primitives import int_range, quantize_weight
 from llmq.quant.rtn import rtn_quantize_weight
+from tests.quant.conftest import run_gptq
 
 INT4_G32 = QuantArgs(num_bits=4, strategy="group", group_size=32)
 INT4_G32_ASYM = QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False)
@@ -66,11 +67,15 @@ def _correlated_problem(seed: int = 0) -> tuple[Tensor, Tensor]:
     "args", [INT4_G32, INT4_G32_ASYM, INT8_CHANNEL, INT4_CHANNEL_ASYM], ids=lambda a: a.label
 )
 @pytest.mark.parametrize("actorder", ["static", "none"])
-def test_codes_match_float64_reference(args: QuantArgs, actorder: str) -> None:
+@pytest.mark.parametrize("loop", ["compiled", "torch"])
+def test_codes_match_float64_reference(
+    monkeypatch: pytest.MonkeyPatch, args: QuantArgs, actorder: str, loop: str
+) -> None:
     w, h = _correlated_problem()
-    got = gptq_quantize_weight(
-        w, h, args, block_size=32, actorder=actorder, scale_dtype=torch.float64
-    )
+    got = run_gptq(
+        monkeypatch, loop, w, h, args, block_size=32, actorder=actorder,
+        scale_dtype=torch.float64,
+    )  # fmt: skip
     expected = reference_gptq(w, h, args, actorder=actorder, damp=0.01)
     assert torch.equal(got.weight.codes.long(), expected)
     assert got.dampening_frac == 0.01

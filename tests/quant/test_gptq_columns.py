@@ -1,0 +1,48 @@
+"""GPTQ's compiled column loop against the torch loop it stands in for on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from llmq.config import QuantArgs
+from llmq.quant import gptq
+from tests.quant.conftest import run_gptq
+
+INT4_G64 = QuantArgs(num_bits=4, strategy="group", group_size=64)
+INT4_G64_ASYM = QuantArgs(num_bits=4, strategy="group", group_size=64, symmetric=False)
+INT8_CHANNEL = QuantArgs(num_bits=8, strategy="channel")
+
+
+@pytest.mark.parametrize("args", [INT4_G64, INT4_G64_ASYM, INT8_CHANNEL], ids=lambda a: a.label)
+@pytest.mark.parametrize("actorder", ["static", "none"])
+def test_same_bits_as_the_torch_loop_on_real_weights(
+    monkeypatch: pytest.MonkeyPatch,
+    real_weights: dict[str, Tensor],
+    real_hessians: dict[str, Tensor],
+    args: QuantArgs,
+    actorder: str,
+) -> None:
+    """Codes, scales, zero points and losses are bit-identical: each step rounds as torch's
+    does (float64 codes, one rounding to float32, a fused multiply-add per update)."""
+    for name in ("self_attn.q_proj", "mlp.down_proj"):  # both input widths
+        weight, h = real_weights[name], real_hessians[name]
+        torch_loop, compiled = (
+            run_gptq(monkeypatch, loop, weight, h, args, actorder=actorder)
+            for loop in ("torch", "compiled")
+        )
+        for attribute in ("codes", "scale", "zero_point"):
+            expected = getattr(torch_loop.weight, attribute)
+            got = getattr(compiled.weight, attribute)
+            assert (got is None) == (expected is None)
+            assert got is None or torch.equal(got, expected), (name, attribute)
+        assert torch.equal(compiled.row_loss, torch_loop.row_loss), name
+
+
+def test_fp8_codes_keep_the_torch_loop() -> None:
+    block = torch.zeros(4, 8)
+    assert gptq.compiled_loop_applies(block, integer_codes=True)
+    assert not gptq.compiled_loop_applies(block, integer_codes=False)
+    assert not gptq.compiled_loop_applies(block.T, integer_codes=True)  # not contiguous
+    assert not gptq.compiled_loop_applies(block.half(), integer_codes=True)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from llmq.config import QuantArgs
 from llmq.errors import NumericalError
-from llmq.quant.gptq_columns import compiled_loop_applies, quantize_columns
+from llmq.quant.compiled import compiled_loop_applies, quantize_columns
 from llmq.quant.primitives import (
     ACCUM_DTYPE,
     FP8_DTYPE,

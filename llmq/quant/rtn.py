@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from llmq.config import QuantArgs
-from llmq.quant.primitives import QuantizedWeight, as_groups, quantize_weight
+from llmq.quant.compiled import clip_deltas, compiled_loop_applies
+from llmq.quant.primitives import (
+    QuantizedWeight,
+    as_groups,
+    block_rows,
+    choose_qparams,
+    int_range,
+    quantize_weight,
+)
 
 # Shrink factors tried by the clipping search: 1.0 down to 0.5 in 20 steps, as in GPTQ's
 # `find_params(mse=True)` grid; the range shrinks toward zero.
@@ -52,13 +62,12 @@ def clip_ratios(
     ||Δw||² without a Hessian, Δw H_gg Δwᵀ (the group's share of the squared output error on
     the calibration inputs, cross-group terms left out as in AWQ's clip search) with one."""
     groups = as_groups(weight, args).to(torch.float32)
-    by_group = groups.transpose(0, 1)  # [groups, rows, n]: one product per diagonal block
     blocks = None if hessian is None else _diagonal_blocks(hessian.to(torch.float32), groups.shape)
+    rounding_error = _rounding_error(weight, groups, args, scale_dtype or weight.dtype)
     best_err = torch.full(groups.shape[:2], float("inf"), dtype=torch.float64)
     best_ratio = torch.ones(groups.shape[:2], dtype=torch.float64)
     for ratio in CLIP_GRID:
-        q = quantize_weight(weight, args, scale_dtype=scale_dtype, clip_ratio=ratio)
-        delta = as_groups(q.dequantize(), args).transpose(0, 1).sub_(by_group)
+        delta = rounding_error(ratio)
         if blocks is None:
             err = delta.double().pow(2).sum(dim=-1).T
         else:  # a batched product, then the row-wise dot: einsum's plan was 1.5x slower
@@ -67,6 +76,34 @@ def clip_ratios(
         best_err = torch.where(better, err, best_err)
         best_ratio = torch.where(better, ratio, best_ratio)
     return best_ratio
+
+
+def _rounding_error(
+    weight: Tensor, groups: Tensor, args: QuantArgs, scale_dtype: torch.dtype
+) -> Callable[[Tensor], Tensor]:
+    """ratio -> dequantize(quantize_weight(weight, clip_ratio=ratio)) - weight, float32, as
+    [groups, rows, n] (one product per diagonal block of H); `groups` is weight as [rows,
+    groups, n] float32. On the CPU, integer codes take the compiled loop: one pass a ratio
+    into one reused buffer, with the same bits."""
+    if not compiled_loop_applies(groups, args.type == "int") or block_rows(args) != 1:
+        by_group = groups.transpose(0, 1)
+        return lambda ratio: (
+            as_groups(quantize_weight(weight, args, scale_dtype=scale_dtype, clip_ratio=ratio).dequantize(), args)
+            .transpose(0, 1)
+            .sub_(by_group)
+        )  # fmt: skip
+    low, high = groups.amin(dim=-1).to(torch.float64), groups.amax(dim=-1).to(torch.float64)
+    deltas = torch.empty(groups.transpose(0, 1).shape, dtype=torch.float32)
+
+    def compiled(ratio: Tensor) -> Tensor:
+        scale, zero = choose_qparams(low * ratio, high * ratio, args, scale_dtype=scale_dtype)
+        dequant_scale = scale.to(torch.float32).to(torch.float64)  # as `dequantize` reads it
+        zero = None if zero is None else zero.to(torch.float64)
+        code_range = int_range(args.num_bits)
+        clip_deltas(groups, scale.to(torch.float64), zero, dequant_scale, code_range, deltas)
+        return deltas
+
+    return compiled
 
 
 def _diagonal_blocks(hessian: Tensor, grouped_shape: torch.Size) -> Tensor:

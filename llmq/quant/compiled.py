@@ -1,17 +1,19 @@
-"""GPTQ's column loop compiled for the CPU (numba): the same arithmetic as the torch loop in
-`llmq.quant.gptq._quantize_block`, without an op dispatch per column.
+"""RTN's and GPTQ's per-value loops compiled for the CPU (numba): the same arithmetic as their
+torch ops, without a dispatch per op.
 
-On a CPU the torch loop's cost is its op count, not its arithmetic: six to seven ops a column,
-each a few microseconds of dispatch, so the 2,688 columns of a SmolLM2-135M layer (q/k/v, o,
-gate/up and down, each stacked with the linears sharing its input) took 0.5 s of an ~8 s GPTQ
-layer on two cores, against ~0.1 GFLOP of arithmetic. Compiled, rows are handled in tiles whose
-block columns stay in the L2 cache.
+On a CPU the torch versions cost their op count, not their arithmetic:
+- GPTQ's column loop (`llmq.quant.gptq._quantize_columns`) spends six to seven ops a column,
+  each a few microseconds, so the 2,688 columns of a SmolLM2-135M layer (q/k/v, o, gate/up and
+  down, each stacked with the linears sharing its input) took 0.5 s of an ~8 s GPTQ layer on
+  two cores, against ~0.1 GFLOP of arithmetic.
+- The clipping search (`llmq.quant.rtn.clip_ratios`) quantizes and dequantizes the whole
+  weight once per shrink factor, some ten whole-weight passes each.
 
-Each step rounds as the torch loop does: codes are computed in float64 (the division, the zero
+Each step rounds as the torch ops do: codes are computed in float64 (the division, the zero
 point added, rounded half to even, clamped), dequantized in float64 and rounded once to the
-working dtype, and a residual is spread with one fused multiply-add per weight (torch's CPU
-`addr_` fuses its vectorised part). The codes are those of the torch loop: tests/quant/
-test_gptq_columns.py checks them on real weights. Compiled on first use and cached on disk.
+working dtype, and GPTQ spreads a residual with one fused multiply-add per weight (torch's CPU
+`addr_` fuses its vectorised part). tests/quant/test_compiled.py checks that the results are
+bit-identical on real weights. Compiled on first use and cached on disk.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ from torch import Tensor
 _TILE = 256  # rows per tile: 128 block columns x 256 rows of float32 is 128 KB, in L2
 
 
-def compiled_loop_applies(block: Tensor, integer_codes: bool) -> bool:
-    """The compiled loop serves integer codes on the CPU in float32 or float64; FP8 codes (a
-    cast does the rounding) and other devices keep the torch loop."""
+def compiled_loop_applies(values: Tensor, integer_codes: bool) -> bool:
+    """The compiled loops serve integer codes of contiguous float32 or float64 values on the
+    CPU; FP8 codes (a cast does the rounding) and other devices keep the torch ops."""
     return (
         integer_codes
-        and block.device.type == "cpu"
-        and block.dtype in (torch.float32, torch.float64)
-        and block.is_contiguous()
+        and values.device.type == "cpu"
+        and values.dtype in (torch.float32, torch.float64)
+        and values.is_contiguous()
     )
 
 
@@ -61,6 +63,29 @@ def quantize_columns(
     _quantize_columns(
         block.numpy(), spread.numpy(), first, scale.numpy(), (zero if has_zero else scale).numpy(),
         has_zero, dequant_scale.numpy(), float(low), float(high), codes.numpy(), residuals.numpy(),
+    )  # fmt: skip
+
+
+def clip_deltas(
+    groups: Tensor,
+    scale: Tensor,
+    zero: Tensor | None,
+    dequant_scale: Tensor,
+    code_range: tuple[int, int],
+    deltas: Tensor,
+) -> None:
+    """deltas[g, r] = dequantize(quantize(groups[r, g])) - groups[r, g]: the rounding error of
+    each group under its own scale, written group-major for one batched product per group.
+
+    groups [rows, groups, n] float32; scale [rows, groups] float64 (the divisor of the codes),
+    dequant_scale [rows, groups] float64 (the scale as float32 holds it), zero [rows, groups]
+    float64 or None; deltas [groups, rows, n] float32.
+    """
+    has_zero = zero is not None
+    low, high = code_range
+    _clip_deltas(
+        groups.numpy(), scale.numpy(), (zero if has_zero else scale).numpy(), has_zero,
+        dequant_scale.numpy(), float(low), float(high), deltas.numpy(),
     )  # fmt: skip
 
 
@@ -98,3 +123,22 @@ def _spread_residual(block, spread, residuals, column, tile, end):  # pragma: no
         weight, target = -spread[column, later], block[later, tile:end]
         for r in range(target.size):
             target[r] = target[r] + weight * residual[r]
+
+
+@njit(nogil=True, cache=True)
+def _clip_deltas(
+    groups, scale, zero, has_zero, dequant_scale, low, high, deltas
+):  # pragma: no cover - compiled
+    rows, count, width = groups.shape
+    for r in range(rows):
+        for g in range(count):
+            divisor, multiplier = scale[r, g], dequant_scale[r, g]
+            for k in range(width):
+                value = groups[r, g, k]
+                code = value / divisor  # float64
+                if has_zero:
+                    code += zero[r, g]
+                code = min(max(numpy.rint(code), low), high)
+                if has_zero:
+                    code -= zero[r, g]
+                deltas[g, r, k] = numpy.float32(code * multiplier) - value

@@ -1,4 +1,5 @@
-"""GPTQ's compiled column loop against the torch loop it stands in for on the CPU."""
+"""The compiled CPU loops against the torch ops they stand in for: GPTQ's column loop and the
+clipping search's rounding errors."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from torch import Tensor
 
 from llmq.config import QuantArgs
-from llmq.quant import gptq
+from llmq.quant import gptq, rtn
 from tests.quant.conftest import run_gptq
 
 INT4_G64 = QuantArgs(num_bits=4, strategy="group", group_size=64)
@@ -46,3 +47,30 @@ def test_fp8_codes_keep_the_torch_loop() -> None:
     assert not gptq.compiled_loop_applies(block, integer_codes=False)
     assert not gptq.compiled_loop_applies(block.T, integer_codes=True)  # not contiguous
     assert not gptq.compiled_loop_applies(block.half(), integer_codes=True)
+
+
+@pytest.mark.parametrize("args", [INT4_G64, INT4_G64_ASYM, INT8_CHANNEL], ids=lambda a: a.label)
+@pytest.mark.parametrize("weighted", [True, False], ids=["output", "mse"])
+def test_clip_search_picks_the_same_ratios(
+    monkeypatch: pytest.MonkeyPatch,
+    real_weights: dict[str, Tensor],
+    real_hessians: dict[str, Tensor],
+    args: QuantArgs,
+    weighted: bool,
+) -> None:
+    """The compiled rounding errors are bit-identical, so every group's shrink factor is too
+    (a near tie between two factors would otherwise flip)."""
+    calls = []
+    compiled = rtn.clip_deltas
+    monkeypatch.setattr(rtn, "clip_deltas", lambda *a: calls.append(1) or compiled(*a))
+    for name in ("self_attn.q_proj", "mlp.down_proj"):
+        weight = real_weights[name]
+        hessian = real_hessians[name] if weighted else None
+        calls.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(rtn, "compiled_loop_applies", lambda *_: False)
+            expected = rtn.clip_ratios(weight, args, hessian=hessian)
+        assert not calls
+        got = rtn.clip_ratios(weight, args, hessian=hessian)
+        assert calls
+        assert torch.equal(got, expected), name

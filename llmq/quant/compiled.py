@@ -58,11 +58,9 @@ def quantize_columns(
     codes [columns, rows] float64 and residuals [columns, rows] (block's dtype): written for
         the segment's columns.
     """
-    has_zero = zero is not None
-    low, high = code_range
     _quantize_columns(
-        block.numpy(), spread.numpy(), first, scale.numpy(), (zero if has_zero else scale).numpy(),
-        has_zero, dequant_scale.numpy(), float(low), float(high), codes.numpy(), residuals.numpy(),
+        block.numpy(), spread.numpy(), first, scale.numpy(), *_zero_point(zero, scale),
+        dequant_scale.numpy(), *_code_bounds(code_range), codes.numpy(), residuals.numpy(),
     )  # fmt: skip
 
 
@@ -81,12 +79,21 @@ def clip_deltas(
     dequant_scale [rows, groups] float64 (the scale as float32 holds it), zero [rows, groups]
     float64 or None; deltas [groups, rows, n] float32.
     """
-    has_zero = zero is not None
-    low, high = code_range
     _clip_deltas(
-        groups.numpy(), scale.numpy(), (zero if has_zero else scale).numpy(), has_zero,
-        dequant_scale.numpy(), float(low), float(high), deltas.numpy(),
+        groups.numpy(), scale.numpy(), *_zero_point(zero, scale),
+        dequant_scale.numpy(), *_code_bounds(code_range), deltas.numpy(),
     )  # fmt: skip
+
+
+def _zero_point(zero: Tensor | None, scale: Tensor) -> tuple[numpy.ndarray, bool]:
+    """(zero points, whether there are any): a compiled function takes one array type, so a
+    symmetric scheme passes its scales in the zero points' place, never read."""
+    return (scale if zero is None else zero).numpy(), zero is not None
+
+
+def _code_bounds(code_range: tuple[int, int]) -> tuple[float, float]:
+    low, high = code_range
+    return float(low), float(high)
 
 
 @njit(nogil=True, cache=True)

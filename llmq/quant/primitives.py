@@ -179,6 +179,26 @@ def scale_codes(
     return values.mul_(scale.to(dtype))
 
 
+def group_ranges(groups: Tensor) -> tuple[Tensor, Tensor]:
+    """Each group's min and max [rows, groups] of `groups` [rows, groups, n], in float64."""
+    return groups.amin(dim=-1).to(torch.float64), groups.amax(dim=-1).to(torch.float64)
+
+
+def clipped_qparams(
+    ranges: tuple[Tensor, Tensor],
+    args: QuantArgs,
+    scale_dtype: torch.dtype,
+    clip_ratio: Tensor | float = 1.0,
+) -> tuple[Tensor, Tensor | None]:
+    """Scale and zero point ([blocks, groups]) of the group `ranges` shrunk by `clip_ratio`
+    (a number, or one ratio per group): RTN's and the clipping search's one rule."""
+    low, high = ranges
+    ratio = torch.as_tensor(clip_ratio, dtype=torch.float64, device=low.device)
+    min_vals = rows_per_block(low * ratio, args, torch.amin)
+    max_vals = rows_per_block(high * ratio, args, torch.amax)
+    return choose_qparams(min_vals, max_vals, args, scale_dtype=scale_dtype)
+
+
 def quantize_weight(
     weight: Tensor,
     args: QuantArgs,
@@ -195,10 +215,7 @@ def quantize_weight(
         raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
     scale_dtype = scale_dtype or (weight.dtype if weight.is_floating_point() else ACCUM_DTYPE)
     groups = as_groups(weight, args)
-    ratio = torch.as_tensor(clip_ratio, dtype=torch.float64, device=weight.device)
-    min_vals = rows_per_block(groups.amin(dim=-1).to(torch.float64) * ratio, args, torch.amin)
-    max_vals = rows_per_block(groups.amax(dim=-1).to(torch.float64) * ratio, args, torch.amax)
-    scale, zero = choose_qparams(min_vals, max_vals, args, scale_dtype=scale_dtype)
+    scale, zero = clipped_qparams(group_ranges(groups), args, scale_dtype, clip_ratio)
     row_scale = expand_block_scale(scale, args, weight.shape[0])
     codes = quantize_grouped(groups, row_scale, zero, args).reshape(weight.shape)
     return QuantizedWeight(

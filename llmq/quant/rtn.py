@@ -13,7 +13,8 @@ from llmq.quant.primitives import (
     QuantizedWeight,
     as_groups,
     block_rows,
-    choose_qparams,
+    clipped_qparams,
+    group_ranges,
     int_range,
     quantize_weight,
 )
@@ -92,11 +93,11 @@ def _rounding_error(
             .transpose(0, 1)
             .sub_(by_group)
         )  # fmt: skip
-    low, high = groups.amin(dim=-1).to(torch.float64), groups.amax(dim=-1).to(torch.float64)
+    ranges = group_ranges(groups)
     deltas = torch.empty(groups.transpose(0, 1).shape, dtype=torch.float32)
 
     def compiled(ratio: Tensor) -> Tensor:
-        scale, zero = choose_qparams(low * ratio, high * ratio, args, scale_dtype=scale_dtype)
+        scale, zero = clipped_qparams(ranges, args, scale_dtype, ratio)
         dequant_scale = scale.to(torch.float32).to(torch.float64)  # as `dequantize` reads it
         zero = None if zero is None else zero.to(torch.float64)
         code_range = int_range(args.num_bits)

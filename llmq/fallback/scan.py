@@ -35,6 +35,8 @@ from llmq.progress import NO_PROGRESS, Progress
 if TYPE_CHECKING:
     import torch
 
+    from llmq.fallback.stats import TensorStats
+
 SCAN_SCHEMES: dict[str, QuantArgs] = {
     "int8-tensor": QuantArgs(num_bits=8, strategy="tensor"),
     "fp8-tensor": QuantArgs(num_bits=8, type="float", strategy="tensor"),
@@ -313,37 +315,49 @@ def _batches(jobs: list[_Job]) -> list[list[_Job]]:
 def _scan_batch(
     batch: list[_Job], args: QuantArgs, options: ScanOptions
 ) -> list[tuple[_Job, TensorScan | Exception]]:
-    """Each job's scan, or the error that stopped it (one file: opened once)."""
+    """Each job's scan, or the error that stopped it (one file: opened once; the statistics of
+    the tensors read are computed together, see `batch_stats`)."""
     from safetensors import safe_open
+
+    from llmq.fallback.stats import batch_stats
 
     try:
         with safe_open(str(batch[0].file), framework="pt") as handle:
-            return [(job, _scan_or_error(handle, job, args, options)) for job in batch]
+            read = [(job, _read_or_error(handle, job, options)) for job in batch]
+            tensors = [(job, tensor) for job, tensor in read if not isinstance(tensor, Exception)]
+            stats = batch_stats(
+                [tensor for _, tensor in tensors],
+                args,
+                input_weights=[_input_weights(job, options) for job, _ in tensors],
+            )
     except _READ_ERRORS as exc:
         return [(job, exc) for job in batch]
+    scans = iter(_scan(job, tensor, s) for (job, tensor), s in zip(tensors, stats, strict=True))
+    return [
+        (job, outcome if isinstance(outcome, Exception) else next(scans)) for job, outcome in read
+    ]
 
 
-def _scan_or_error(
-    handle: Any, job: _Job, args: QuantArgs, options: ScanOptions
-) -> TensorScan | Exception:
+def _read_or_error(handle: Any, job: _Job, options: ScanOptions) -> torch.Tensor | Exception:
+    """The tensor to scan (rows sampled if asked), or the error that stopped its reading."""
     try:
-        return _scan_one(handle, job, args, options)
+        tensor = handle.get_tensor(job.name)
     except _READ_ERRORS as exc:
         return exc
+    if options.sample is not None and tensor.numel() > options.sample:
+        tensor = sample_rows(tensor, options.sample, seed=job.name)
+    return tensor
 
 
-def _scan_one(handle: Any, job: _Job, args: QuantArgs, options: ScanOptions) -> TensorScan:
-    from llmq.fallback.stats import tensor_stats
-
-    weights = None
-    if options.input_weights is not None and job.name.endswith(".weight"):
-        weights = options.input_weights.get(job.name.removesuffix(".weight"))
-    tensor = handle.get_tensor(job.name)
-    sampled = options.sample is not None and tensor.numel() > options.sample
-    if sampled:
-        tensor = sample_rows(tensor, int(options.sample or 0), seed=job.name)
-    stats = tensor_stats(tensor, args, input_weights=weights)
+def _scan(job: _Job, tensor: torch.Tensor, stats: TensorStats) -> TensorScan:
+    sampled = tensor.numel() < math.prod(job.shape)
     return TensorScan(job.name, job.relative, job.dtype, list(job.shape), stats, sampled)
+
+
+def _input_weights(job: _Job, options: ScanOptions) -> torch.Tensor | None:
+    if options.input_weights is None or not job.name.endswith(".weight"):
+        return None
+    return options.input_weights.get(job.name.removesuffix(".weight"))
 
 
 def sample_rows(tensor: torch.Tensor, sample: int, *, seed: str) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 import llmq.fallback.stats as stats_module
 from llmq.config import QuantArgs
-from llmq.fallback.stats import TensorStats, spread_ratio, tensor_stats
+from llmq.fallback.stats import TensorStats, batch_stats, spread_ratio, tensor_stats
 from llmq.quant.primitives import quantize_weight
 
 INT8_TENSOR = QuantArgs(num_bits=8, strategy="tensor")
@@ -178,3 +178,29 @@ def test_tails_counted_exactly_when_values_sit_at_the_threshold(dtype: torch.dty
     stats, expected = tensor_stats(weight, None), reference(weight, None)
     assert stats.tail_share == expected["tail_share"] > 0
     assert (stats.q1, stats.q3) == (expected["q1"], expected["q3"])
+
+
+@pytest.mark.parametrize("args", [INT8_TENSOR, INT8_TENSOR_ASYM, INT4_G64_ASYM, None])
+def test_batch_gives_each_tensor_its_own_statistics(args: QuantArgs | None) -> None:
+    """A batch mixes what the scan meets in one file: float32 weights (whose grids are chosen
+    together), a float32 tensor holding bfloat16 values, a tensor with NaN and Inf, bf16, and
+    input weights for one of them; each result must be the tensor's own, alone."""
+    with_nan = heavy_tailed(32, 64, torch.float32, seed=3)
+    with_nan[0, 0], with_nan[1, 1] = math.nan, math.inf
+    weights = [
+        heavy_tailed(64, 256, torch.float32, seed=1),
+        heavy_tailed(48, 128, torch.float32, seed=2) * 40,  # another scale: another grid
+        heavy_tailed(16, 64, torch.bfloat16, seed=4).to(torch.float32),
+        with_nan,
+        heavy_tailed(32, 64, torch.bfloat16, seed=5),
+        torch.linspace(-0.3, 0.7, 576),
+    ]
+    input_weights = [None, torch.rand(128, generator=torch.Generator().manual_seed(6)), *[None] * 4]
+    batch = batch_stats(weights, args, input_weights=input_weights)
+    alone = [tensor_stats(w, args, input_weights=iw) for w, iw in zip(weights, input_weights)]
+    assert batch == alone
+    for weight, stats in zip(weights, batch):
+        if weight.isfinite().all() and weight.ndim > 1:  # a 1-D tensor has no rows to group
+            assert_matches(stats, reference(weight, args), rel=1e-5)
+    assert (batch[3].nan, batch[3].inf, batch[3].nrmse) == (1, 1, None)
+    assert args is None or batch[1].weighted_nrmse is not None

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from llmq.config import QuantArgs
+from llmq.config import QuantArgs, group_width
 from llmq.errors import NumericalError
 from llmq.quant.compiled import compiled_loop_applies, quantize_columns
 from llmq.quant.primitives import (
@@ -27,7 +27,10 @@ from llmq.quant.primitives import (
     FP8_DTYPE,
     QuantizedWeight,
     as_groups,
-    choose_qparams,
+    block_rows,
+    clipped_qparams,
+    expand_block_scale,
+    group_ranges,
     int_range,
     to_code_grid_,
 )
@@ -171,9 +174,9 @@ def _code_dtype(args: QuantArgs) -> torch.dtype:
 
 def _aligned_block(block_size: int, args: QuantArgs) -> int:
     """A block holds whole groups, so a group's range is read from up-to-date weights."""
-    if args.strategy != "group":
+    group = group_width(args)
+    if group is None:
         return block_size
-    group = int(args.group_size or 1)
     return max(group, block_size - block_size % group)
 
 
@@ -204,9 +207,9 @@ def _inverse_hessian_factor(h: Tensor, dampening_frac: float) -> tuple[Tensor, f
 
 
 class _QParams:
-    """Scales and zero points of one weight, per column group: computed up front from the
-    original weights, or (lazy) from the updated weights when GPTQ reaches a group's first
-    column."""
+    """Scales and zero points of one weight, per row and column group (a block's scale is
+    repeated on each of its rows): computed up front from the original weights, or (lazy)
+    from the updated weights when GPTQ reaches a group's first column."""
 
     def __init__(
         self,
@@ -221,8 +224,8 @@ class _QParams:
         self.scale_dtype = scale_dtype
         self.work = weight.dtype  # GPTQ's working dtype: dequantized columns are rounded to it
         self.ratio = clip_ratio
-        self.group = int(args.group_size) if args.strategy == "group" else weight.shape[1]
-        self.lazy = lazy and args.strategy == "group"
+        self.group = int(group_width(args) or weight.shape[1])
+        self.lazy = lazy and self.group < weight.shape[1]
         rows, cols = weight.shape
         self.scale = torch.empty(rows, cols // self.group, dtype=scale_dtype, device=weight.device)
         self.zero = None if args.symmetric or args.type == "float" else self.scale.to(torch.int8)
@@ -231,15 +234,12 @@ class _QParams:
             self._set(slice(None), weight)
 
     def _set(self, groups: slice, weight: Tensor) -> None:
-        grouped = as_groups(weight, self.args)
-        ratio = 1.0 if self.ratio is None else self.ratio[:, groups].to(torch.float64)
-        scale, zero = choose_qparams(
-            grouped.amin(dim=-1).to(torch.float64) * ratio,
-            grouped.amax(dim=-1).to(torch.float64) * ratio,
-            self.args,
-            scale_dtype=self.scale_dtype,
-        )
-        self.scale[:, groups] = scale.expand(self.scale[:, groups].shape)
+        """The qparams of `groups` from `weight` (their columns), by `quantize_weight`'s rule."""
+        ranges = group_ranges(as_groups(weight, self.args))
+        ratio = 1.0 if self.ratio is None else self.ratio[:, groups]
+        scale, zero = clipped_qparams(ranges, self.args, self.scale_dtype, ratio)
+        rows = self.scale.shape[0]
+        self.scale[:, groups] = expand_block_scale(scale, self.args, rows).expand(rows, -1)
         if self.zero is not None and zero is not None:
             self.zero[:, groups] = zero
 
@@ -270,6 +270,8 @@ class _QParams:
 
     def stored(self) -> tuple[Tensor, Tensor | None]:
         """Scale and zero point in the layout `QuantizedWeight` stores."""
+        if self.args.strategy == "block":  # one row of scales per block (FP8: no zero point)
+            return self.scale[:: block_rows(self.args)], None
         if self.args.strategy != "tensor":
             return self.scale, self.zero
         zero = None if self.zero is None else self.zero[:1, :1].reshape(1)

@@ -197,9 +197,12 @@ def test_batch_gives_each_tensor_its_own_statistics(args: QuantArgs | None) -> N
     ]
     input_weights = [None, torch.rand(128, generator=torch.Generator().manual_seed(6)), *[None] * 4]
     batch = batch_stats(weights, args, input_weights=input_weights)
-    alone = [tensor_stats(w, args, input_weights=iw) for w, iw in zip(weights, input_weights)]
+    alone = [
+        tensor_stats(w, args, input_weights=iw)
+        for w, iw in zip(weights, input_weights, strict=True)
+    ]
     assert batch == alone
-    for weight, stats in zip(weights, batch):
+    for weight, stats in zip(weights, batch, strict=True):
         if weight.isfinite().all() and weight.ndim > 1:  # a 1-D tensor has no rows to group
             assert_matches(stats, reference(weight, args), rel=1e-5)
     assert (batch[3].nan, batch[3].inf, batch[3].nrmse) == (1, 1, None)

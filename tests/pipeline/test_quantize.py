@@ -199,10 +199,15 @@ def test_eval_applies_the_stored_kv_scales(tmp_path: Path, default_model: Path) 
 
 
 @pytest.mark.parametrize(
-    "scheme", ["w4a16", "w4a16-asym", "w8a16", "w8a8", "fp8", "fp8-tensor", "fp8-block"]
+    ("scheme", "method"),
+    [
+        *((s, "rtn") for s in ("w4a16", "w4a16-asym", "w8a16", "w8a8", "fp8", "fp8-tensor")),
+        ("fp8-block", "rtn"),
+        ("fp8-block", "gptq"),  # GPTQ keeps one scale per 128 x 128 block
+    ],
 )
 def test_compressed_tensors_decompressors_agree(
-    tmp_path: Path, tiny_llama: Path, scheme: str
+    tmp_path: Path, tiny_llama: Path, scheme: str, method: str
 ) -> None:
     """compressed-tensors' own decompressor for each format reads llmq's tensors bit-exactly
     (asymmetric included: transformers cannot reload packed zero points with
@@ -211,7 +216,7 @@ def test_compressed_tensors_decompressors_agree(
     from compressed_tensors.quantization import QuantizationScheme
 
     out = tmp_path / scheme
-    llmq.quantize(tiny_llama, out, scheme=scheme, **FAST)
+    llmq.quantize(tiny_llama, out, scheme=scheme, method=method, **FAST)
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     ours = llmq.load_dequantized(out).state_dict()
     tensors = load_file(out / "model-00002-of-00003.safetensors")

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from llmq.config import QuantArgs
+from llmq.config import QuantArgs, group_width
 from llmq.errors import NumericalError
 from llmq.quant.awq import output_error
 from llmq.quant.gptq import gptq_quantize_weight
-from llmq.quant.primitives import int_range, quantize_weight
+from llmq.quant.primitives import QuantizedWeight, expand_block_scale, int_range, quantize_weight
 from llmq.quant.rtn import rtn_quantize_weight
 from tests.quant.conftest import run_gptq
 
@@ -18,6 +18,7 @@ INT4_G32 = QuantArgs(num_bits=4, strategy="group", group_size=32)
 INT4_G32_ASYM = QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False)
 INT8_CHANNEL = QuantArgs(num_bits=8, strategy="channel")
 INT4_CHANNEL_ASYM = QuantArgs(num_bits=4, strategy="channel", symmetric=False)
+INT8_BLOCK = QuantArgs(num_bits=8, strategy="block", block_structure=(16, 32))
 
 
 def reference_gptq(w: Tensor, h: Tensor, args: QuantArgs, *, actorder: str, damp: float) -> Tensor:
@@ -27,25 +28,24 @@ def reference_gptq(w: Tensor, h: Tensor, args: QuantArgs, *, actorder: str, damp
     w, h = w.double().clone(), h.double().clone()
     cols = w.shape[1]
     h += damp * h.diagonal().mean() * torch.eye(cols, dtype=torch.float64)
-    group = args.group_size if args.strategy == "group" else cols
+    group = group_width(args) or cols
     order = (
         torch.argsort(h.diagonal(), descending=True, stable=True)
         if actorder == "static"
         else torch.arange(cols)
     )
     hinv = torch.linalg.cholesky(torch.linalg.inv(h[order][:, order]), upper=True)
-    original = quantize_weight(w, args, scale_dtype=torch.float64)
-    scale = original.scale.reshape(w.shape[0], -1)
-    zero = None if original.zero_point is None else original.zero_point.reshape(w.shape[0], -1)
+    scale, zero = _per_row(quantize_weight(w, args, scale_dtype=torch.float64), w.shape[0])
     codes = torch.zeros_like(w, dtype=torch.int64)
     qmin, qmax = int_range(args.num_bits)
     for pos, j in enumerate(order.tolist()):
         g = j // group
         if actorder == "none" and j % group == 0:
             fresh = quantize_weight(w[:, j : j + group], args, scale_dtype=torch.float64)
-            scale[:, g] = fresh.scale.reshape(-1)
+            fresh_scale, fresh_zero = _per_row(fresh, w.shape[0])
+            scale[:, g] = fresh_scale.reshape(-1)
             if zero is not None:
-                zero[:, g] = fresh.zero_point.reshape(-1)
+                zero[:, g] = fresh_zero.reshape(-1)
         z = 0 if zero is None else zero[:, g].double()
         code = torch.clamp(torch.round(w[:, j] / scale[:, g] + z), qmin, qmax)
         codes[:, j] = code.long()
@@ -53,6 +53,13 @@ def reference_gptq(w: Tensor, h: Tensor, args: QuantArgs, *, actorder: str, damp
         later = order[pos:]
         w[:, later] -= err[:, None] * hinv[pos, pos:][None, :]
     return codes
+
+
+def _per_row(q: QuantizedWeight, rows: int) -> tuple[Tensor, Tensor | None]:
+    """Stored scales and zero points [rows, groups] (a block's repeated on each of its rows)."""
+    scale = expand_block_scale(q.scale, q.args, rows).reshape(rows, -1)
+    zero = None if q.zero_point is None else q.zero_point.reshape(rows, -1)
+    return scale, zero
 
 
 def _correlated_problem(seed: int = 0) -> tuple[Tensor, Tensor]:
@@ -64,7 +71,9 @@ def _correlated_problem(seed: int = 0) -> tuple[Tensor, Tensor]:
 
 
 @pytest.mark.parametrize(
-    "args", [INT4_G32, INT4_G32_ASYM, INT8_CHANNEL, INT4_CHANNEL_ASYM], ids=lambda a: a.label
+    "args",
+    [INT4_G32, INT4_G32_ASYM, INT8_CHANNEL, INT4_CHANNEL_ASYM, INT8_BLOCK],
+    ids=lambda a: a.label,
 )
 @pytest.mark.parametrize("actorder", ["static", "none"])
 @pytest.mark.parametrize("loop", ["compiled", "torch"])
@@ -162,11 +171,21 @@ def test_hopeless_hessian_is_a_numerical_error() -> None:
         gptq_quantize_weight(w, -h, INT4_G32)
 
 
-def test_fp8_weights() -> None:
+@pytest.mark.parametrize(
+    "args",
+    [
+        QuantArgs(num_bits=8, type="float", strategy="channel"),
+        QuantArgs(num_bits=8, type="float", strategy="block", block_structure=(16, 32)),
+    ],
+    ids=lambda a: a.label,
+)
+def test_fp8_weights(args: QuantArgs) -> None:
     w, h = _correlated_problem(6)
-    args = QuantArgs(num_bits=8, type="float", strategy="channel")
+    w = w[:40]  # 2.5 row blocks: the last block is partial
     got = gptq_quantize_weight(w.float(), h.float(), args)
     assert got.weight.codes.dtype == torch.float8_e4m3fn
-    rtn = rtn_quantize_weight(w.float(), args).dequantize()
+    rtn = rtn_quantize_weight(w.float(), args)
+    # static act-order: scales from the original weights, stored as RTN stores them
+    assert torch.equal(got.weight.scale, rtn.scale)
     gptq_err = output_error(got.weight.dequantize() - w.float(), h)
-    assert gptq_err < output_error(rtn - w.float(), h)
+    assert gptq_err < output_error(rtn.dequantize() - w.float(), h)

@@ -43,6 +43,8 @@ class QuantArgs(BaseModel):
             is_valid_group_size(side) for side in self.block_structure
         ):
             raise ValueError(f"block_structure {self.block_structure}: powers of two >= 16")
+        if self.block_structure is not None and not self.symmetric:
+            raise ValueError("block scales are symmetric: a block has no zero point")
         if self.type == "float" and (self.num_bits != 8 or not self.symmetric):
             raise ValueError("float quantization is FP8 E4M3: num_bits 8, symmetric")
         return self

@@ -270,8 +270,8 @@ class _QParams:
 
     def stored(self) -> tuple[Tensor, Tensor | None]:
         """Scale and zero point in the layout `QuantizedWeight` stores."""
-        if self.args.strategy == "block":  # one row of scales per block (FP8: no zero point)
-            return self.scale[:: block_rows(self.args)], None
+        if self.args.strategy == "block":  # one row per block, as stored; symmetric
+            return self.scale[:: block_rows(self.args)].contiguous(), None
         if self.args.strategy != "tensor":
             return self.scale, self.zero
         zero = None if self.zero is None else self.zero[:1, :1].reshape(1)

@@ -19,6 +19,11 @@ _SUMS = {"reassoc", "nsz"}  # lets LLVM vectorise the float64 sums (not NaN-safe
 _MAX_BUCKETS = 4  # the quartiles' order statistics lie in at most four buckets
 _INTERLEAVE_FROM = 1 << 19  # values from which a second histogram pays for its zeroing
 _GROUP = 64  # patterns summed at once when looking for a rank
+# int32 constants: numba widens int32 arithmetic with a Python int to int64, which halves the
+# values per vector register (the order-key loop ran at 0.46 cycles a value, 0.15 in int32)
+_SIGN_SHIFT = numpy.int32(31)
+_MAGNITUDE = numpy.int32(0x7FFFFFFF)
+_LOWER_HALF = numpy.int32(0xFFFF)
 
 
 def float32_summary(values: numpy.ndarray, upper_counts: numpy.ndarray) -> tuple:
@@ -83,7 +88,7 @@ def _key_value(key: int) -> float:
 def _order_key(bits):  # pragma: no cover - compiled
     """float32 bit pattern (int32) -> an int32 that orders as the values do: integer min/max
     vectorise where float min/max do not (LLVM keeps them scalar for NaN's sake)."""
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return numpy.int32(bits ^ numpy.int32(numpy.int32(bits >> _SIGN_SHIFT) & _MAGNITUDE))
 
 
 @njit(nogil=True, cache=True, fastmath=_SUMS)
@@ -138,8 +143,8 @@ def _sums(block):  # pragma: no cover - compiled
 def _any_lower_half(bits):  # pragma: no cover - compiled
     seen = numpy.int32(0)
     for i in range(bits.size):
-        seen |= bits[i]
-    return (seen & 0xFFFF) != 0
+        seen = numpy.int32(seen | bits[i])
+    return numpy.int32(seen & _LOWER_HALF) != 0
 
 
 @njit(nogil=True, cache=True)
@@ -159,36 +164,37 @@ def _float32_refine(
 ):  # pragma: no cover - compiled
     bits = values.view(numpy.uint32)
     hits = numpy.zeros(_BLOCK, numpy.uint8)
+    differences = numpy.empty(_BLOCK, numpy.float32)
     tail, error, found = 0, 0.0, 0
     for start in range(0, values.size, _BLOCK):
         block = values[start : start + _BLOCK]
         tail += _count_outside(block, low, high)
         if with_error:
-            error += _int_error(block, scale, zero, lowest, highest)
+            block_differences = differences[: block.size]
+            _int_differences(block, scale, zero, lowest, highest, block_differences)
+            error += _sums(block_differences)[1]
         block_hits = hits[: block.size]
         _mark_buckets(bits[start : start + _BLOCK], keys, block_hits)
         found = _collect(block, block_hits, members, found)
     return tail, error, found
 
 
-@njit(nogil=True, cache=True, fastmath=_SUMS)
+@njit(nogil=True, cache=True)
 def _count_outside(block, low, high):  # pragma: no cover - compiled
-    outside = 0
+    outside = numpy.int32(0)  # a block's count fits; int64 would halve the values per register
     for i in range(block.size):
-        outside += (block[i] < low) | (block[i] > high)
+        outside = numpy.int32(outside + numpy.int32((block[i] < low) | (block[i] > high)))
     return outside
 
 
-@njit(nogil=True, cache=True, fastmath=_SUMS)
-def _int_error(block, scale, zero, lowest, highest):  # pragma: no cover - compiled
-    """Each step is one float32 operation, as torch does it: no fused multiply-add, a true
-    division (no reciprocal), round half to even."""
-    error = 0.0
+@njit(nogil=True, cache=True)
+def _int_differences(block, scale, zero, lowest, highest, differences):  # pragma: no cover
+    """Each value's restored value minus itself. Each step is one float32 operation, as torch
+    does it: no fused multiply-add, a true division (no reciprocal), round half to even. Apart
+    from the float64 sum so that the divisions run 8 to a register, not 4."""
     for i in range(block.size):
         code = min(max(numpy.rint(block[i] / scale + zero), lowest), highest)
-        difference = numpy.float64((code - zero) * scale - block[i])
-        error += difference * difference
-    return error
+        differences[i] = (code - zero) * scale - block[i]
 
 
 @njit(nogil=True, cache=True)

@@ -50,9 +50,9 @@ def float32_refine(
     buckets: one to four upper-16-bit patterns whose values are wanted; they are written to
         `members` (at least as long as those buckets' counts), in order.
     int_grid: (scale, zero point, lowest code, highest code) of per-tensor integer
-        quantization, or None for no error (returned as 0.0). The error follows `quantize`'s
-        rule in float32: code = clamp(round_half_even(x / scale + zero)), restored as
-        (code - zero) * scale."""
+        quantization, or None for no error (returned as 0.0). The codes are `quantize`'s:
+        clamp(round_half_even(x / scale + zero)) in float64, restored as (code - zero) * scale
+        in float32 (see `_int_differences`)."""
     if not 1 <= len(buckets) <= _MAX_BUCKETS:
         raise ValueError(f"1 to {_MAX_BUCKETS} buckets, not {len(buckets)}")
     keys = numpy.array([*buckets, *buckets[:1] * (_MAX_BUCKETS - len(buckets))], numpy.uint32)
@@ -164,19 +164,29 @@ def _float32_refine(
 ):  # pragma: no cover - compiled
     bits = values.view(numpy.uint32)
     hits = numpy.zeros(_BLOCK, numpy.uint8)
+    grid = (scale, zero, lowest, highest)
     differences = numpy.empty(_BLOCK, numpy.float32)
+    ties = numpy.zeros(_BLOCK, numpy.uint8)
+    indices = numpy.empty(_BLOCK, numpy.int32)  # of a block's hits or ties
     tail, error, found = 0, 0.0, 0
     for start in range(0, values.size, _BLOCK):
         block = values[start : start + _BLOCK]
         tail += _count_outside(block, low, high)
         if with_error:
-            block_differences = differences[: block.size]
-            _int_differences(block, scale, zero, lowest, highest, block_differences)
-            error += _sums(block_differences)[1]
+            error += _int_error(block, grid, differences, ties, indices)
         block_hits = hits[: block.size]
         _mark_buckets(bits[start : start + _BLOCK], keys, block_hits)
-        found = _collect(block, block_hits, members, found)
+        found = _collect(block, block_hits, members, found, indices)
     return tail, error, found
+
+
+@njit(nogil=True, cache=True)
+def _int_error(block, grid, differences, ties, indices):  # pragma: no cover - compiled
+    """The block's squared error under the integer `grid` (scratch: a block's room each)."""
+    differences, ties = differences[: block.size], ties[: block.size]
+    if _int_differences(block, grid, differences, ties):
+        _settle_ties(block, grid, differences, ties, indices)
+    return _sums(differences)[1]
 
 
 @njit(nogil=True, cache=True)
@@ -188,13 +198,38 @@ def _count_outside(block, low, high):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _int_differences(block, scale, zero, lowest, highest, differences):  # pragma: no cover
-    """Each value's restored value minus itself. Each step is one float32 operation, as torch
-    does it: no fused multiply-add, a true division (no reciprocal), round half to even. Apart
-    from the float64 sum so that the divisions run 8 to a register, not 4."""
+def _int_differences(block, grid, differences, ties):  # pragma: no cover - compiled
+    """Each value's restored value minus itself; marks in `ties` (and counts) the values that
+    fell exactly halfway between two codes. `quantize` divides in float64; the division here
+    is float32 (8 values to a register, where float64 takes 3x as long), and the two give the
+    same code except where the float32 quotient lands exactly on a half: rounding is monotonic
+    and every half below 256 is a float32, so a quotient strictly between two halves has the
+    float64 one between the same two. `_settle_ties` redoes the ties (about 1 value in 1,000
+    of the default model's weights). No fused multiply-add, a true division (no reciprocal),
+    round half to even."""
+    scale, zero, lowest, highest = grid
+    count = numpy.int32(0)
+    half = numpy.float32(0.5)
     for i in range(block.size):
-        code = min(max(numpy.rint(block[i] / scale + zero), lowest), highest)
+        scaled = block[i] / scale + zero
+        nearest = numpy.rint(scaled)
+        tie = abs(scaled - nearest) == half
+        ties[i] = tie
+        count = numpy.int32(count + numpy.int32(tie))
+        code = min(max(nearest, lowest), highest)
         differences[i] = (code - zero) * scale - block[i]
+    return count
+
+
+@njit(nogil=True, cache=True)
+def _settle_ties(block, grid, differences, ties, indices):  # pragma: no cover - compiled
+    """The marked values again, with `quantize`'s float64 division."""
+    scale, zero, lowest, highest = grid
+    for j in range(_flagged(ties, indices)):
+        i = indices[j]
+        exact = numpy.float64(block[i]) / numpy.float64(scale) + numpy.float64(zero)
+        code = min(max(numpy.rint(exact), numpy.float64(lowest)), numpy.float64(highest))
+        differences[i] = (numpy.float32(code) - zero) * scale - block[i]
 
 
 @njit(nogil=True, cache=True)
@@ -207,20 +242,31 @@ def _mark_buckets(bits, keys, hits):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _collect(block, hits, members, found):  # pragma: no cover - compiled
-    """Append the hit values to `members`; hits are rare, so eight flags are tested at once."""
-    words = hits[: hits.size // 8 * 8].view(numpy.uint64)
+def _collect(block, hits, members, found, indices):  # pragma: no cover - compiled
+    """Append the hit values to `members` (`indices`: room for a block's)."""
+    for j in range(_flagged(hits, indices)):
+        members[found] = block[indices[j]]
+        found += 1
+    return found
+
+
+@njit(nogil=True, cache=True)
+def _flagged(flags, indices):  # pragma: no cover - compiled
+    """Write the indices of the nonzero `flags` to `indices`, return how many; flags are rare,
+    so eight are tested at once."""
+    count = 0
+    words = flags[: flags.size // 8 * 8].view(numpy.uint64)
     for word in range(words.size):
         if words[word]:
             for i in range(8 * word, 8 * word + 8):
-                if hits[i]:
-                    members[found] = block[i]
-                    found += 1
-    for i in range(words.size * 8, block.size):
-        if hits[i]:
-            members[found] = block[i]
-            found += 1
-    return found
+                if flags[i]:
+                    indices[count] = i
+                    count += 1
+    for i in range(words.size * 8, flags.size):
+        if flags[i]:
+            indices[count] = i
+            count += 1
+    return count
 
 
 @njit(nogil=True, cache=True)

@@ -1,5 +1,5 @@
 """The compiled passes against numpy and torch references on the same values: float64 sums, sorts,
-bincounts and the backbone's own rounding rule (`to_code_grid_`, `scale_codes`)."""
+bincounts and the backbone's own quantizer (`quantize_grouped`, `scale_codes`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from llmq.config import QuantArgs
 from llmq.fallback import passes
-from llmq.quant.primitives import choose_qparams, int_range, scale_codes, to_code_grid_
+from llmq.quant.primitives import choose_qparams, int_range, quantize_grouped, scale_codes
 
 # around the passes' 4096-value blocks and their two interleaved histograms (odd lengths, and
 # past the size from which the second histogram is used)
@@ -74,8 +74,7 @@ def test_refine_matches_quantize_rule_tails_and_members(size: int, symmetric: bo
         tensor.min().view(1), tensor.max().view(1), args, scale_dtype=torch.float32
     )
     grid = (float(scale), 0.0 if zero is None else float(zero), *map(float, int_range(8)))
-    codes = to_code_grid_(tensor / scale, zero, args)
-    expected_error = float((scale_codes(codes, scale, zero) - tensor).double().square().sum())
+    expected_error = _quantize_error(tensor, scale, zero, args)
     occupied = numpy.unique(upper_halves(values))
     buckets = occupied[:: max(1, occupied.size // 4)][:4].tolist()  # up to four, spread out
     expected_members = values[numpy.isin(upper_halves(values), buckets)]
@@ -87,6 +86,40 @@ def test_refine_matches_quantize_rule_tails_and_members(size: int, symmetric: bo
     assert found == expected_members.size
     assert numpy.array_equal(members, expected_members)
     assert passes.float32_refine(values, buckets, members, (low, high), None)[1] == 0.0
+
+
+def _quantize_error(
+    values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, args: QuantArgs
+) -> float:
+    """Squared error of per-tensor quantization, by the backbone's own functions."""
+    codes = quantize_grouped(values.view(1, 1, -1), scale.view(1, 1), zero, args).view(-1)
+    return float((scale_codes(codes, scale, zero) - values).double().square().sum())
+
+
+def test_refine_codes_are_quantizes_where_float32_quotients_tie() -> None:
+    """`quantize` divides in float64. Values whose float32 quotient rounds onto a half while
+    their float64 one does not: with the odd code below the tie, float32 alone would round
+    them up (half to even), float64 rounds them down."""
+    scale = numpy.float32(0.0123)
+    ties = []
+    for code in range(1, 120, 2):  # odd: half to even rounds k + 0.5 up
+        middle = numpy.float32((code + 0.5) * numpy.float64(scale))
+        for step in range(-40, 41):
+            x = numpy.float32(middle + numpy.float32(step) * numpy.spacing(middle))
+            if x / scale == numpy.float32(code + 0.5) and numpy.float64(x) / numpy.float64(scale) < code + 0.5:  # fmt: skip
+                ties.append(x)
+    assert len(ties) > 20  # the case is not rare near every half
+    values = numpy.array(ties + [-v for v in ties] + [scale * 127], dtype=numpy.float32)
+    args = QuantArgs(num_bits=8, strategy="tensor")
+    tensor = torch.from_numpy(values)
+    torch_scale = torch.tensor(float(scale), dtype=torch.float32)
+    members = numpy.empty(values.size, dtype=numpy.float32)
+    grid = (float(scale), 0.0, *map(float, int_range(8)))
+    error = passes.float32_refine(values, [0], members, (-1.0, 1.0), grid)[1]
+    assert error == pytest.approx(_quantize_error(tensor, torch_scale, None, args), rel=1e-12)
+    float32_codes = numpy.rint(values / scale)  # what a float32 division alone would give
+    float32_error = float(((float32_codes * scale - values).astype(numpy.float64) ** 2).sum())
+    assert error != pytest.approx(float32_error, rel=1e-6)  # the test can tell the two apart
 
 
 def test_refine_rounds_half_to_even_as_quantize_does() -> None:

@@ -6,7 +6,8 @@ statistic, the mean, the standard deviation and the tail counts follow from the 
 so does the per-tensor quantization error (the error of a value depends on the value alone).
 A float32 is split in two: a histogram of its upper 16 bits finds the bucket that holds a wanted
 rank, and a second pass collects the values of that bucket alone. The passes over the values are
-compiled (`llmq.fallback.passes`); this module turns their counts into statistics.
+compiled (`llmq.fallback.passes`); this module turns their counts into statistics, for one
+tensor (`tensor_stats`) or a batch (`batch_stats`: the scan's, one file's tensors at a time).
 
 Quantiles interpolate linearly between the two nearest order statistics, as `torch.quantile`
 does. std is the population standard deviation (divided by n).

@@ -65,6 +65,17 @@ def float32_refine(
     )
 
 
+def select_in_buckets(
+    members: numpy.ndarray, buckets: list[int], positions: list[int]
+) -> list[float]:
+    """For each (bucket, position): the value at that 0-based position in sorted order among
+    the float32 `members` whose upper 16 bits are `bucket`."""
+    selected = _select_in_buckets(
+        members, numpy.asarray(buckets, numpy.uint32), numpy.asarray(positions, numpy.int64)
+    )
+    return selected.tolist()
+
+
 def pattern_histogram(patterns: numpy.ndarray, counts: numpy.ndarray) -> None:
     """Add the counts of each unsigned bit pattern (uint16 or uint8 `patterns`) to `counts`."""
     _pattern_histogram(patterns, counts)
@@ -317,3 +328,13 @@ def _group_total(counts, group):  # pragma: no cover - compiled
     last = _pattern_in_value_order(counts.size, group + _GROUP - 1)
     low, high = min(first, last), max(first, last)
     return counts[low : high + 1].sum()
+
+
+@njit(nogil=True, cache=True)
+def _select_in_buckets(members, buckets, positions):  # pragma: no cover - compiled
+    keys = members.view(numpy.uint32) >> _HALF
+    selected = numpy.empty(buckets.size, numpy.float64)
+    for j in range(buckets.size):
+        in_bucket = members[keys == buckets[j]]
+        selected[j] = numpy.partition(in_bucket, positions[j])[positions[j]]
+    return selected

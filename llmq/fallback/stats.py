@@ -382,13 +382,9 @@ def _refine_buckets(
     tail, error, _ = passes.float32_refine(
         first.flat.numpy(), buckets, members, tail_bounds, int_grid
     )
-    member_buckets = members.view(numpy.uint32) >> _BITS
-    at_rank = {}
-    places = zip(first.ranks, first.rank_buckets, first.below_buckets, strict=True)
-    for k, bucket, below in places:
-        in_bucket = members[member_buckets == bucket]
-        at_rank[k] = float(numpy.partition(in_bucket, k - below)[k - below])
-    return at_rank, tail, error
+    positions = [k - below for k, below in zip(first.ranks, first.below_buckets, strict=True)]
+    values = passes.select_in_buckets(members, first.rank_buckets, positions)
+    return dict(zip(first.ranks, values, strict=True)), tail, error
 
 
 # --- shared -------------------------------------------------------------------------------

@@ -152,3 +152,14 @@ def test_patterns_at_ranks_match_a_sort() -> None:
     found, below = passes.patterns_at_ranks(counts, ranks)
     assert found.tolist() == by_value[ranks].tolist()
     assert below.tolist() == [int(numpy.argmax(by_value == p)) for p in found]
+
+
+def test_select_in_buckets_matches_a_sort_of_each_bucket() -> None:
+    values = gaussian(20_000, seed=9)
+    halves = upper_halves(values)
+    buckets = [int(b) for b in numpy.unique(halves)[[3, 40, 41]]]
+    members = values[numpy.isin(halves, buckets)]
+    wanted = [(b, p) for b in buckets for p in (0, int((halves == b).sum()) - 1, int((halves == b).sum()) // 2)]  # fmt: skip
+    got = passes.select_in_buckets(members, [b for b, _ in wanted], [p for _, p in wanted])
+    expected = [float(numpy.sort(values[halves == b])[p]) for b, p in wanted]
+    assert got == expected

@@ -3,9 +3,9 @@ in blocks that stay in the L1 cache, and releases the GIL so that scan workers r
 
 Written as torch or numpy operations, a float32 scan took some 20 whole-tensor passes (about 6 ns
 a value on one core): the two compiled passes take about 1.5 ns, packing 8 float32 values a
-vector register wherever they can (int32 counters, float64 sums in loops of their own). Every function works on contiguous
-1-D numpy arrays (memory-mapped weights are read in place, never copied); `stats` keeps the
-statistics' logic and calls these for the loops. Compiled on first use and cached on disk
+vector register wherever they can (int32 counters, float64 sums in loops of their own). Every
+function works on contiguous 1-D numpy arrays (memory-mapped weights are read in place, never
+copied); `stats` keeps the statistics' logic and calls these for the loops. Compiled on first use and cached on disk
 (`cache=True`), so only the first scan on a machine pays the compile time (a few seconds).
 """
 

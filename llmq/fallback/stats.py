@@ -242,7 +242,7 @@ def _value_error(
 ) -> float:
     """Per-tensor quantization error from the distinct values: each value's error times its
     count. The codes come from the same primitives as `quantize`."""
-    scale, zero = _tensor_qparams(moments, args, dtype)
+    scale, zero = _tensor_qparams([moments], args, dtype)
     codes = quantize_grouped(values.view(1, 1, -1), scale.view(1, 1), _view11(zero), args)
     restored = scale_codes(codes, scale, zero).to(torch.float64).view(-1)  # as quantize reads back
     return float(((values - restored).square() * counts).sum())
@@ -346,12 +346,7 @@ def _int_grids(
     wanted = [first for first in firsts if first.per_tensor_int]
     if args is None or not wanted:
         return [None] * len(firsts)
-    scales, zeros = choose_qparams(
-        torch.tensor([first.moments.min for first in wanted]),
-        torch.tensor([first.moments.max for first in wanted]),
-        args,
-        scale_dtype=scale_dtype_for(torch.float32),
-    )
+    scales, zeros = _tensor_qparams([first.moments for first in wanted], args, torch.float32)
     zero_points = [0.0] * len(wanted) if zeros is None else zeros.tolist()
     lowest, highest = map(float, int_range(args.num_bits))
     grids = iter(zip(scales.tolist(), zero_points, strict=True))
@@ -391,13 +386,14 @@ def _refine_buckets(
 
 
 def _tensor_qparams(
-    moments: _Moments, args: QuantArgs, dtype: torch.dtype
+    moments: Sequence[_Moments], args: QuantArgs, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor | None]:
-    scale, zero = choose_qparams(
-        torch.tensor([moments.min]), torch.tensor([moments.max]), args,
+    """Per-tensor scales and zero points (one each) of tensors of `dtype` with these `moments`,
+    by `quantize`'s own `choose_qparams`, in one call."""
+    return choose_qparams(
+        torch.tensor([m.min for m in moments]), torch.tensor([m.max for m in moments]), args,
         scale_dtype=scale_dtype_for(dtype),
     )  # fmt: skip
-    return scale, zero
 
 
 def _view11(zero: Tensor | None) -> Tensor | None:
@@ -438,7 +434,7 @@ def _blocked_errors(
     rows = weight.reshape(-1, weight.shape[-1]) if weight.ndim >= 2 else weight.reshape(1, -1)
     scale_dtype = scale_dtype_for(weight.dtype)
     if args.strategy == "tensor":
-        scale, zero = _tensor_qparams(moments, args, weight.dtype)
+        scale, zero = _tensor_qparams([moments], args, weight.dtype)
     else:
         args = fit_group_size(args, rows.shape[1])
     total, column_error, column_norm = 0.0, 0.0, 0.0

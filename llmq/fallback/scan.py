@@ -1,9 +1,9 @@
 """`fallback-scan`: every weight tensor of every .safetensors file under a folder, scored for how
 badly it survives quantization, with no model class, no calibration data and no GPU.
 
-Tensors are read in place from the memory-mapped files (`safetensors.safe_open`) and reduced
-by compiled passes in cache-sized blocks (`llmq.fallback.stats`), so a worker holds one big
-tensor's pages (or 16 MB of small ones) plus a few MB. Workers are threads: the compiled passes
+Tensors are read in place from the memory-mapped files (`mapped_safetensors`, headers checked
+first) and reduced by compiled passes in cache-sized blocks (`llmq.fallback.stats`), so a worker
+holds one big tensor's pages (or 16 MB of small ones) plus a few MB. Workers are threads: the compiled passes
 and torch release the GIL, and threads share the page cache and start instantly.
 """
 
@@ -13,7 +13,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,7 +29,13 @@ from llmq.config import (
 )
 from llmq.errors import InputError
 from llmq.fallback.report import ScanReport, Skipped, TensorScan
-from llmq.io.checkpoint import DTYPE_BYTES, INDEX_FILE, read_index, read_safetensors_header
+from llmq.io.checkpoint import (
+    INDEX_FILE,
+    HeaderEntry,
+    mapped_safetensors,
+    read_index,
+    read_safetensors_header,
+)
 from llmq.progress import NO_PROGRESS, Progress
 
 if TYPE_CHECKING:
@@ -90,12 +96,11 @@ class _Job:
     name: str
     file: Path
     relative: str  # the file's path under the scanned folder, as reported
-    dtype: str
-    shape: tuple[int, ...]
+    entry: HeaderEntry
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+        return self.entry.nbytes
 
 
 @dataclass(slots=True)
@@ -209,15 +214,17 @@ def _inventory(
         except InputError as exc:
             inventory.failed[_relative(file, base)] = exc.message.removeprefix(f"{file}: ")
             continue
-        for name, (dtype, shape) in header.items():
+        for name, entry in header.items():
             if (include and not include.search(name)) or (exclude and exclude.search(name)):
                 continue
-            reason = _skip_reason(dtype, shape)
+            reason = _skip_reason(entry.dtype, entry.shape)
             relative = _relative(file, base)
             if reason:
-                inventory.skipped.append(Skipped(name, relative, dtype, list(shape), reason))
+                inventory.skipped.append(
+                    Skipped(name, relative, entry.dtype, list(entry.shape), reason)
+                )
             else:
-                inventory.jobs.append(_Job(name, file, relative, dtype, shape))
+                inventory.jobs.append(_Job(name, file, relative, entry))
     inventory.jobs.sort(key=lambda job: -job.nbytes)  # largest first: workers finish together
     return inventory
 
@@ -315,33 +322,44 @@ def _batches(jobs: list[_Job]) -> list[list[_Job]]:
 def _scan_batch(
     batch: list[_Job], args: QuantArgs, options: ScanOptions
 ) -> list[tuple[_Job, TensorScan | Exception]]:
-    """Each job's scan, or the error that stopped it (one file: opened once; the statistics of
+    """Each job's scan, or the error that stopped it (one file: mapped once; the statistics of
     the tensors read are computed together, see `batch_stats`)."""
-    from safetensors import safe_open
-
-    from llmq.fallback.stats import batch_stats
-
     try:
-        with safe_open(str(batch[0].file), framework="pt") as handle:
-            read = [(job, _read_or_error(handle, job, options)) for job in batch]
-            tensors = [(job, tensor) for job, tensor in read if not isinstance(tensor, Exception)]
-            stats = batch_stats(
-                [tensor for _, tensor in tensors],
-                args,
-                input_weights=[_input_weights(job, options) for job, _ in tensors],
-            )
+        with mapped_safetensors(batch[0].file) as read:
+            return _scan_mapped(batch, read, args, options)
     except _READ_ERRORS as exc:
         return [(job, exc) for job in batch]
+
+
+def _scan_mapped(
+    batch: list[_Job],
+    read: Callable[[HeaderEntry], torch.Tensor],
+    args: QuantArgs,
+    options: ScanOptions,
+) -> list[tuple[_Job, TensorScan | Exception]]:
+    """`_scan_batch` within the mapping; returns no tensor, so that the mapping can close."""
+    from llmq.fallback.stats import batch_stats
+
+    outcomes = [(job, _read_or_error(read, job, options)) for job in batch]
+    tensors = [(job, tensor) for job, tensor in outcomes if not isinstance(tensor, Exception)]
+    stats = batch_stats(
+        [tensor for _, tensor in tensors],
+        args,
+        input_weights=[_input_weights(job, options) for job, _ in tensors],
+    )
     scans = iter(_scan(job, tensor, s) for (job, tensor), s in zip(tensors, stats, strict=True))
     return [
-        (job, outcome if isinstance(outcome, Exception) else next(scans)) for job, outcome in read
+        (job, outcome if isinstance(outcome, Exception) else next(scans))
+        for job, outcome in outcomes
     ]
 
 
-def _read_or_error(handle: Any, job: _Job, options: ScanOptions) -> torch.Tensor | Exception:
+def _read_or_error(
+    read: Callable[[HeaderEntry], torch.Tensor], job: _Job, options: ScanOptions
+) -> torch.Tensor | Exception:
     """The tensor to scan (rows sampled if asked), or the error that stopped its reading."""
     try:
-        tensor = handle.get_tensor(job.name)
+        tensor = read(job.entry)
     except _READ_ERRORS as exc:
         return exc
     if options.sample is not None and tensor.numel() > options.sample:
@@ -350,8 +368,10 @@ def _read_or_error(handle: Any, job: _Job, options: ScanOptions) -> torch.Tensor
 
 
 def _scan(job: _Job, tensor: torch.Tensor, stats: TensorStats) -> TensorScan:
-    sampled = tensor.numel() < math.prod(job.shape)
-    return TensorScan(job.name, job.relative, job.dtype, list(job.shape), stats, sampled)
+    sampled = tensor.numel() < math.prod(job.entry.shape)
+    return TensorScan(
+        job.name, job.relative, job.entry.dtype, list(job.entry.shape), stats, sampled
+    )
 
 
 def _input_weights(job: _Job, options: ScanOptions) -> torch.Tensor | None:

@@ -8,8 +8,10 @@ Tensors are read later, one at a time, from the memory-mapped shards.
 from __future__ import annotations
 
 import json
+import mmap
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +41,16 @@ def torch_dtype(dtype: str) -> torch.dtype:
         "F8_E5M2": torch.float8_e5m2, "U16": torch.uint16, "U32": torch.uint32,
         "U64": torch.uint64,
     }[dtype]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderEntry:
+    """A tensor's entry in a safetensors header, checked against the file."""
+
+    dtype: str  # safetensors dtype string, e.g. "F32", "BF16", "I32"
+    shape: tuple[int, ...]
+    start: int  # where its bytes begin in the file
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +140,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     layout = layout_for(config.get("model_type"))
     tensors: dict[str, TensorInfo] = {}
     for shard in _shard_files(folder):
-        for name, (dtype, shape) in read_safetensors_header(shard).items():
-            tensors[name] = TensorInfo(shard=shard, dtype=dtype, shape=shape)
+        for name, entry in read_safetensors_header(shard).items():
+            tensors[name] = TensorInfo(shard=shard, dtype=entry.dtype, shape=entry.shape)
     _check_index_matches(folder, tensors)
     return Checkpoint(path=folder, config=config, layout=layout, tensors=tensors)
 
@@ -186,8 +198,8 @@ def _check_index_matches(folder: Path, tensors: dict[str, TensorInfo]) -> None:
             raise InputError(f"{index_path}: tensor {name!r} is not in {shard}")
 
 
-def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Parse and check one safetensors header: name -> (dtype, shape).
+def read_safetensors_header(path: Path) -> dict[str, HeaderEntry]:
+    """Parse and check one safetensors header: name -> its entry.
 
     Catches truncated and corrupt files up front: a header length beyond the file, a header that is
     not JSON, and tensor offsets outside the data section or disagreeing with dtype x shape.
@@ -213,16 +225,16 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
         raise InputError(f"{path}: corrupt safetensors file (header is not valid JSON)") from None
     if not isinstance(header, dict):
         raise InputError(f"{path}: corrupt safetensors file (header is not an object)")
-    data_size = size - 8 - header_len
-    entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+    data_start = 8 + header_len
+    entries: dict[str, HeaderEntry] = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        entries[name] = _check_entry(path, name, entry, data_size)
+        entries[name] = _check_entry(path, name, entry, data_start, size - data_start)
     return entries
 
 
-def _check_entry(path: Path, name: str, entry: Any, data_size: int) -> tuple[str, tuple[int, ...]]:
+def _check_entry(path: Path, name: str, entry: Any, data_start: int, data_size: int) -> HeaderEntry:
     try:
         dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
     except (KeyError, TypeError, ValueError):
@@ -239,4 +251,31 @@ def _check_entry(path: Path, name: str, entry: Any, data_size: int) -> tuple[str
             f"{data_size}-byte data section or not matching {dtype}{list(shape)}",
             hint="the file is truncated or corrupt; re-download or re-convert it",
         )
-    return dtype, shape
+    return HeaderEntry(dtype, shape, data_start + begin, end - begin)
+
+
+@contextmanager
+def mapped_safetensors(path: Path) -> Iterator[Callable[[HeaderEntry], torch.Tensor]]:
+    """Read tensors of one safetensors file in place, as `safe_open` does: yields a function from
+    a checked header entry (`read_safetensors_header`) to a tensor viewing a private mapping of
+    the file (copy-on-write: a write never reaches the file).
+
+    The mapping is released on exit by `mmap.close`, which unmaps with the GIL released. A
+    `safe_open` mapping is released by torch freeing its storage, holding the GIL: in a
+    two-thread fallback scan the other thread then waited (about 10% of the scan's time)."""
+    with path.open("rb") as file:
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        yield lambda entry: _mapped_tensor(mapping, entry)
+    finally:
+        # a tensor that outlives the block (say, in a traceback) unmaps when it is freed
+        with suppress(BufferError):
+            mapping.close()
+
+
+def _mapped_tensor(mapping: mmap.mmap, entry: HeaderEntry) -> torch.Tensor:
+    import numpy
+    import torch
+
+    data = numpy.frombuffer(mapping, numpy.uint8, count=entry.nbytes, offset=entry.start)
+    return torch.from_numpy(data).view(torch_dtype(entry.dtype)).reshape(entry.shape)

@@ -86,3 +86,35 @@ def test_shard_listed_in_index_but_missing(tmp_path: Path, tiny_llama_sharded: P
     victim.unlink()
     with pytest.raises(InputError, match=r"listed in model\.safetensors\.index\.json but missing"):
         open_checkpoint(model)
+
+
+def test_mapped_tensors_equal_safetensors_reads_and_never_write_the_file(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from llmq.io.checkpoint import mapped_safetensors, read_safetensors_header
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "f32": torch.randn(3, 5, generator=generator),
+        "bf16": torch.randn(7, generator=generator).to(torch.bfloat16),
+        "f16": torch.randn(2, 3, 4, generator=generator).to(torch.float16),
+        "fp8": torch.randn(9, generator=generator).to(torch.float8_e4m3fn),
+        "i32": torch.arange(6, dtype=torch.int32).reshape(2, 3),
+        "u8": torch.arange(5, dtype=torch.uint8),
+        "empty": torch.zeros(0, 4),
+    }
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, str(path))
+    before = path.read_bytes()
+    entries = read_safetensors_header(path)
+    with mapped_safetensors(path) as read, safe_open(str(path), framework="pt") as reference:
+        for name, entry in entries.items():
+            mapped = read(entry)
+            assert mapped.dtype == tensors[name].dtype and mapped.shape == tensors[name].shape
+            assert torch.equal(
+                mapped.view(torch.uint8), reference.get_tensor(name).view(torch.uint8)
+            )
+        read(entries["f32"]).fill_(0.0)  # a private copy of the page: the file keeps its bytes
+        kept = read(entries["i32"])
+    assert path.read_bytes() == before
+    assert torch.equal(kept, tensors["i32"])  # outlives the block: the mapping stays until freed

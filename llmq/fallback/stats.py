@@ -151,6 +151,15 @@ def batch_stats(
     return [results[index] for index in range(len(weights))]
 
 
+def load_passes() -> None:
+    """Load every compiled pass now: a process's first compiled call starts LLVM (~0.4 s), and
+    each pass then loads from numba's disk cache (~10 ms). One tiny tensor of each path."""
+    for dtype in (torch.float32, torch.bfloat16):
+        tensor_stats(
+            torch.linspace(-1.0, 1.0, 8).to(dtype), QuantArgs(num_bits=8, strategy="tensor")
+        )
+
+
 def _matching_input_weights(weight: Tensor, input_weights: Tensor | None) -> Tensor | None:
     """`input_weights`, or None when they are not this tensor's inputs (a 1-D tensor, another
     width)."""

@@ -140,11 +140,13 @@ def batch_stats(
         if weight.element_size() <= 2:
             results[index] = _small_float_stats(weight, args, channel_weights)
             continue
-        outcome = _float32_first_pass(weight, args, channel_weights)
-        if isinstance(outcome, TensorStats):
-            results[index] = outcome
+        summary = _float32_summary(weight.reshape(-1))
+        if summary.bfloat16_valued:  # a bf16 checkpoint saved as fp32: the histogram is exact
+            results[index] = _histogram_stats(
+                weight, summary.upper, torch.bfloat16, args, channel_weights
+            )
         else:
-            pending.append((index, outcome))
+            pending.append((index, _float32_first_pass(weight, summary, args, channel_weights)))
     grids = _int_grids([first for _, first in pending], args)
     for (index, first), grid in zip(pending, grids, strict=True):
         results[index] = _float32_second_pass(first, grid)
@@ -301,17 +303,17 @@ class _Float32Pass:
 
 
 def _float32_first_pass(
-    weight: Tensor, args: QuantArgs | None, input_weights: Tensor | None
-) -> TensorStats | _Float32Pass:
+    weight: Tensor, summary: _Float32Summary, args: QuantArgs | None, input_weights: Tensor | None
+) -> _Float32Pass:
+    """What the second pass needs, from the first pass's `summary` of `weight`'s values (made
+    again over the finite values alone when some are not)."""
     flat = weight.reshape(-1)
-    moments, upper, lower_halves_used = _float32_summary(flat)
-    if not lower_halves_used:  # every value is a bfloat16 (a bf16 checkpoint saved as fp32)
-        return _histogram_stats(weight, upper, torch.bfloat16, args, input_weights)
     nan = inf = 0
-    if not math.isfinite(moments.squares):
+    if not math.isfinite(summary.moments.squares):
         nan, inf = int(flat.isnan().sum()), int(flat.isinf().sum())
         flat = flat[flat.isfinite()]  # a copy, in this rare case only
-        moments, upper, _ = _float32_summary(flat)
+        summary = _float32_summary(flat)
+    moments, upper = summary.moments, summary.upper
     ranks = _quantile_ranks(moments.count)
     # a float32's upper half is a bfloat16: bfloat16's pattern order is the buckets' order
     rank_buckets, below_buckets = _at_ranks(upper, ranks) if flat.numel() else ([], [])
@@ -335,15 +337,24 @@ def _float32_second_pass(
     return _finish(first.weight.numel(), first.moments, first.nan, first.inf, q1, q3, tail, errors)
 
 
-def _float32_summary(flat: Tensor) -> tuple[_Moments, numpy.ndarray, bool]:
-    """min, max, sum and sum of squares (float64), the histogram of the upper 16 bits, and
-    whether any lower 16 bits are set. The sum of squares is not finite when a value is
-    not (min and max then mean nothing)."""
+@dataclass(frozen=True, slots=True)
+class _Float32Summary:
+    """The first pass over float32 values: their moments (min and max mean nothing, and the sum
+    of squares is not finite, when a value is not finite), the histogram of their upper 16
+    bits, and whether every value is a bfloat16 (no lower 16 bits set)."""
+
+    moments: _Moments
+    upper: numpy.ndarray
+    bfloat16_valued: bool
+
+
+def _float32_summary(flat: Tensor) -> _Float32Summary:
     upper = numpy.zeros(1 << _BITS, dtype=numpy.int64)
     low, high, total, squares, lower_halves_used = passes.float32_summary(flat.numpy(), upper)
     if not flat.numel():
         low = high = 0.0
-    return _Moments(flat.numel(), low, high, total, squares), upper, lower_halves_used
+    moments = _Moments(flat.numel(), low, high, total, squares)
+    return _Float32Summary(moments, upper, bfloat16_valued=not lower_halves_used)
 
 
 def _int_grids(

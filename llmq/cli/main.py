@@ -13,6 +13,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # "rich" read [x²] and [in, in] in help texts as style tags
 )
 app.command("quantize")(quantize.quantize)
 app.command("calibrate")(calibrate.calibrate)

@@ -32,6 +32,16 @@ def run(*args: str):
 
 
 @pytest.mark.parametrize(
+    ("command", "fragment"),
+    [("calibrate", "[in, in] float32"), ("fallback-scan", "E[xⱼ²]"), ("fallback-scan", "E[x²]")],
+)
+def test_help_shows_bracketed_text(command: str, fragment: str) -> None:
+    """Rich markup read `[x²]` and `[in, in]` as style tags and dropped them from --help."""
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0 and fragment in result.output
+
+
+@pytest.mark.parametrize(
     ("extra", "fragment"),
     [
         (["--group-size", "100"], "power of two"),

@@ -12,6 +12,7 @@ from rich.table import Table
 from llmq.cli.console import (
     cli_errors,
     err_console,
+    labelled,
     out_console,
     print_json,
     progress_bars,
@@ -101,7 +102,7 @@ def _to_dict(report: Any) -> dict[str, Any]:
 
 def render(report: Any) -> None:
     if report.note:
-        err_console.print(f"[yellow]note:[/] {report.note}")
+        err_console.print(labelled("note:", "yellow", report.note))
     if report.load_seconds is not None:
         out_console.print(f"loaded onto the kernels in {report.load_seconds:.2f} s")
     table = Table(title=f"layer shapes on {report.device} ({report.kernels} kernels)")

@@ -23,11 +23,25 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.progress import Progress as RichBars
+from rich.text import Text
 
 from llmq.errors import InputError, LlmqError
 
-out_console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+# No markup: printed text holds paths, tensor names and messages, where Rich would read `[x]`
+# as a style tag and drop it; styled words are built with `labelled`.
+out_console = Console(highlight=False, markup=False)
+err_console = Console(stderr=True, highlight=False, markup=False)
+
+
+def labelled(label: str, style: str, text: str = "") -> Text:
+    """`label` in `style`, then `text` as it is."""
+    return Text.assemble((label, style), f" {text}" if text else "")
+
+
+def print_error(message: str, hint: str | None = None) -> None:
+    err_console.print(labelled("error:", "bold red", message), soft_wrap=True)
+    if hint:
+        err_console.print(Text("  ") + labelled("hint:", "bold", hint), soft_wrap=True)
 
 
 def quiet_libraries() -> None:
@@ -52,7 +66,7 @@ class RichProgress:
     def __init__(self, *, enabled: bool) -> None:
         self.bars = RichBars(
             SpinnerColumn(),
-            TextColumn("{task.description}"),
+            TextColumn("{task.description}", markup=False),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
@@ -86,12 +100,10 @@ def cli_errors() -> Iterator[None]:
     try:
         yield
     except LlmqError as exc:
-        err_console.print(f"[bold red]error:[/] {exc.message}", soft_wrap=True)
-        if exc.hint:
-            err_console.print(f"  [bold]hint:[/] {exc.hint}", soft_wrap=True)
+        print_error(exc.message, exc.hint)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
-        err_console.print("[bold red]interrupted[/]")
+        err_console.print(labelled("interrupted", "bold red"))
         raise typer.Exit(130) from None
 
 

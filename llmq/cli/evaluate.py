@@ -10,6 +10,7 @@ from rich.table import Table
 
 from llmq.cli.console import (
     cli_errors,
+    labelled,
     out_console,
     parse_fraction,
     print_json,
@@ -106,12 +107,12 @@ def render(results: list[Any]) -> None:
     if results[0].baseline is not None:
         base = results[0].baseline
         rows.append((_name(base.model), f"{base.perplexity:.3f}", "baseline", "", base.quantized))
+    verdicts = {None: "", True: labelled("PASS", "green"), False: labelled("FAIL", "bold red")}
     for result in results:
         increase = "-" if result.increase is None else f"{result.increase:+.2%}"
-        verdict = {None: "", True: "[green]PASS[/]", False: "[bold red]FAIL[/]"}[result.passed]
         rows.append(
-            (_name(result.model.model), f"{result.model.perplexity:.3f}", increase, verdict,
-             result.model.quantized)
+            (_name(result.model.model), f"{result.model.perplexity:.3f}", increase,
+             verdicts[result.passed], result.model.quantized)
         )  # fmt: skip
     for name, ppl, increase, verdict, simulated in rows:
         table.add_row(name, ppl, increase, *([verdict] if gated else []), simulated)

@@ -11,8 +11,8 @@ from rich.table import Table
 
 from llmq.cli.console import (
     cli_errors,
-    err_console,
     out_console,
+    print_error,
     print_json,
     progress_bars,
     quiet_libraries,
@@ -132,7 +132,7 @@ def fallback_scan(
     else:
         render(result, top)
     for file, error in sorted(result.failed.items()):
-        err_console.print(f"[bold red]error:[/] {file}: {error}", soft_wrap=True)
+        print_error(f"{file}: {error}")
     if result.failed:
         raise typer.Exit(2)
     if fail_on_flagged and result.flagged:

@@ -31,6 +31,17 @@ def run(*args: str):
     return runner.invoke(app, list(args))
 
 
+def test_paths_with_brackets_are_printed_as_given(tmp_path: Path) -> None:
+    """Rich markup read `[red]` in a path as a style and dropped it from the error line."""
+    folder = tmp_path / "run[red]"
+    folder.mkdir()
+    (folder / "bad[x].safetensors").write_bytes(b"garbage")
+    assert_bad_input(run("fallback-scan", str(tmp_path)), "run[red]/bad[x].safetensors: truncated")
+    assert_bad_input(
+        run("quantize", str(folder / "m[old]"), "--out", str(tmp_path / "o")), "m[old]"
+    )
+
+
 @pytest.mark.parametrize(
     ("command", "fragment"),
     [("calibrate", "[in, in] float32"), ("fallback-scan", "E[xⱼ²]"), ("fallback-scan", "E[x²]")],

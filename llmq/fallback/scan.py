@@ -3,8 +3,8 @@ badly it survives quantization, with no model class, no calibration data and no 
 
 Tensors are read in place from the memory-mapped files (`mapped_safetensors`, headers checked
 first) and reduced by compiled passes in cache-sized blocks (`llmq.fallback.stats`), so a worker
-holds one big tensor's pages (or 16 MB of small ones) plus a few MB. Workers are threads: the compiled passes
-and torch release the GIL, and threads share the page cache and start instantly.
+holds one big tensor's pages (or 16 MB of small ones) plus a few MB. Workers are threads: the
+compiled passes and torch release the GIL, and threads share the page cache and start instantly.
 """
 
 from __future__ import annotations

@@ -298,8 +298,13 @@ class _Float32Pass:
 
     @property
     def per_tensor_int(self) -> bool:
-        """Whether the second pass computes the per-tensor integer error."""
-        return self.args is not None and self.args.type == "int" and self.args.strategy == "tensor"
+        """Whether the second pass computes the per-tensor integer error: with input weights,
+        `_quantization_errors` needs each column's error and reads the data again instead."""
+        args = self.args
+        return (
+            args is not None and args.type == "int" and args.strategy == "tensor"
+            and self.input_weights is None
+        )  # fmt: skip
 
 
 def _float32_first_pass(

@@ -228,6 +228,7 @@ def _inventory(
             else:
                 inventory.jobs.append(_Job(name, file, relative, entry))
     inventory.jobs.sort(key=lambda job: -job.nbytes)  # largest first: workers finish together
+    inventory.skipped.sort(key=lambda s: reading_order(s.file, s.name))
     return inventory
 
 
@@ -277,6 +278,7 @@ _BATCH_BYTES = 16 << 20
 a few percent of scanning 16 MB. The handle's mapped pages are released when it closes, so a
 worker holds one big tensor or at most 16 MB of small ones."""
 _READ_ERRORS = (OSError, RuntimeError, ValueError)
+_DIGITS = re.compile(r"([0-9]+)")
 
 
 def _run(
@@ -301,8 +303,20 @@ def _run(
                 else:
                     inventory.failed.setdefault(job.relative, f"cannot read {job.name}: {outcome}")
             advance(sum(job.nbytes for job in futures[future]))
-    scans.sort(key=lambda s: (s.file, s.name))
+    scans.sort(key=lambda s: reading_order(s.file, s.name))
     return scans
+
+
+def reading_order(*texts: str) -> tuple[list[str | int] | str, ...]:
+    """Sort key that reads numbers as numbers: layers.2 before layers.10 (a plain string sort
+    lists layers 0, 1, 10, 11, ..., 19, 2, 20, which is hard to scan by eye). Splitting on the
+    numbers puts them at the odd places, so parts at the same place compare like with like.
+    The texts themselves come last, so that "layer07" and "layer7" still have one order."""
+    numbered = (
+        [int(part) if place % 2 else part for place, part in enumerate(_DIGITS.split(text))]
+        for text in texts
+    )
+    return (*numbered, *texts)
 
 
 def _batches(jobs: list[_Job]) -> list[list[_Job]]:

@@ -168,6 +168,17 @@ def test_nan_and_inf_tensors_are_flagged_not_fatal(tmp_path: Path) -> None:
     assert scan.flagged and "1 NaN, 1 Inf" in scan.reasons[0]
 
 
+def test_tensors_are_listed_with_layer_numbers_in_numeric_order(tmp_path: Path) -> None:
+    layers = [10, 2, 1, 0, 11]
+    weights = {f"model.layers.{i}.mlp.up_proj.weight": gaussian(8, 64, i) for i in layers}
+    packed = {f"model.layers.{i}.mlp.up_proj.weight_packed": torch.zeros(8, 8, dtype=torch.int32) for i in layers}  # fmt: skip
+    save_file({**weights, **packed}, str(tmp_path / "m.safetensors"))
+    report = llmq.fallback_scan(tmp_path, workers=2)
+    order = [f"model.layers.{i}.mlp.up_proj" for i in sorted(layers)]
+    assert [t.name for t in report.tensors] == [f"{name}.weight" for name in order]
+    assert [s.name for s in report.skipped] == [f"{name}.weight_packed" for name in order]
+
+
 def test_layer_kinds() -> None:
     assert [tensor_kind(n) for n in (
         "model.layers.3.self_attn.q_proj.weight", "model.layers.3.mlp.down_proj.weight",

@@ -7,7 +7,14 @@ from typing import Annotated
 
 import typer
 
-from llmq.cli.console import cli_errors, out_console, print_json, progress_bars, quiet_libraries
+from llmq.cli.console import (
+    cli_errors,
+    counted,
+    out_console,
+    print_json,
+    progress_bars,
+    quiet_libraries,
+)
 from llmq.cli.options import CalibText, Device, JsonFlag, ModelArg, Seed
 from llmq.texts import DEFAULT_CALIBRATION_TEXT
 
@@ -44,7 +51,7 @@ def calibrate(
         print_json(result.to_dict())
     else:
         out_console.print(
-            f"wrote {result.out}: statistics of {result.linears} linears from "
+            f"wrote {result.out}: statistics of {counted(result.linears, 'linear')} from "
             f"{result.calibration['tokens']} tokens of {result.calibration['text']} "
             f"(seed {seed}) in {result.seconds:.1f} s"
         )

@@ -33,6 +33,11 @@ out_console = Console(highlight=False, markup=False)
 err_console = Console(stderr=True, highlight=False, markup=False)
 
 
+def counted(count: int, noun: str) -> str:
+    """ "1 tensor", "2 tensors": `count` and `noun`, plural unless the count is one."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def labelled(label: str, style: str, text: str = "") -> Text:
     """`label` in `style`, then `text` as it is."""
     return Text.assemble((label, style), f" {text}" if text else "")

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from llmq.cli.console import (
     cli_errors,
+    counted,
     labelled,
     out_console,
     parse_fraction,
@@ -118,7 +119,7 @@ def render(results: list[Any]) -> None:
         table.add_row(name, ppl, increase, *([verdict] if gated else []), simulated)
     out_console.print(table)
     out_console.print(
-        f"protocol: {p['metric']}, text {p['text']}, {p['windows']} windows x {p['seq_len']} tokens "
+        f"protocol: {p['metric']}, text {p['text']}, {counted(p['windows'], 'window')} x {p['seq_len']} tokens "
         f"(stride {p['stride']}), BOS {'yes' if p['bos'] else 'no'}, {p['dtype']}, "
         f"{p['tokens_scored']} tokens scored"
     )

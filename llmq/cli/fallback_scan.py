@@ -11,6 +11,7 @@ from rich.table import Table
 
 from llmq.cli.console import (
     cli_errors,
+    counted,
     out_console,
     print_error,
     print_json,
@@ -168,7 +169,7 @@ def _write_outputs(result: Any, outputs: dict[str, Path | None], top: int) -> No
 def render(result: Any, top: int) -> None:
     score = "NRMSE" if result.share_threshold is None else "output error share, then NRMSE"
     table = Table(
-        title=f"worst {min(top, len(result.tensors))} tensors by {score} ({result.args.label})"
+        title=f"worst {counted(min(top, len(result.tensors)), 'tensor')} by {score} ({result.args.label})"
     )
     table.add_column("tensor", overflow="fold")
     for column in ("shape", "score", "ratio", "absmax", ">6 std", "flagged"):
@@ -193,11 +194,11 @@ def render(result: Any, top: int) -> None:
     for scan in result.flagged:
         out_console.print(f"flagged {scan.name}: {'; '.join(scan.reasons)}", soft_wrap=True)
     for reason, count in sorted(Counter(s.reason for s in result.skipped).items()):
-        out_console.print(f"skipped {count} tensors: {reason}")
+        out_console.print(f"skipped {counted(count, 'tensor')}: {reason}")
     gigabytes = result.bytes_scanned / 1e9
     out_console.print(
-        f"scanned {len(result.tensors)} tensors ({gigabytes:.2f} GB) in {result.seconds:.1f} s "
-        f"({gigabytes / max(result.seconds, 1e-9):.2f} GB/s, {result.workers} workers"
+        f"scanned {counted(len(result.tensors), 'tensor')} ({gigabytes:.2f} GB) in {result.seconds:.1f} s "
+        f"({gigabytes / max(result.seconds, 1e-9):.2f} GB/s, {counted(result.workers, 'worker')}"
         f"{', sampled' if result.sample else ', exact'}); flagged {len(result.flagged)}: "
         f"{result.rule}"
     )

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from llmq.cli.console import (
     cli_errors,
+    counted,
     err_console,
     out_console,
     print_json,
@@ -228,21 +229,22 @@ def render(result: Any) -> None:
         used_text = "per-channel" if used is None else f"{used}"
         out_console.print(
             f"group size (block width) {requested} does not divide in_features {in_features}: "
-            f"{count} linears use {used_text} (own config group)"
+            f"{counted(count, 'linear')} use {used_text} (own config group)"
         )
     _print_scaling(result.layers)
     if result.fallback:
         kept = result.fallback["kept"]
         out_console.print(
             f"fallback ({result.fallback['report']}, {result.fallback['scheme']}): kept "
-            f"{len(kept)} flagged linears in full precision{': ' if kept else ''}" + ", ".join(kept)
+            f"{counted(len(kept), 'flagged linear')} in full precision{': ' if kept else ''}"
+            + ", ".join(kept)
         )
     if result.resumed_layers:
-        out_console.print(f"resumed after {result.resumed_layers} finished layers")
+        out_console.print(f"resumed after {counted(result.resumed_layers, 'finished layer')}")
     sizes = result.size_bytes
     out_console.print(
         f"wrote {result.out_dir} ({sizes['output'] / 1e6:.1f} MB, source {sizes['source'] / 1e6:.1f} MB) "
-        f"in {result.seconds:.1f} s; kept in full precision: {len(result.ignored)} linears"
+        f"in {result.seconds:.1f} s; kept in full precision: {counted(len(result.ignored), 'linear')}"
     )
 
 
@@ -256,7 +258,7 @@ def _print_scaling(layers: list[Any]) -> None:
     alphas = Counter(r.alpha for r in scaled)
     reductions = sorted(r.error_reduction for r in reports)
     out_console.print(
-        f"equivalence scaling: {len(scaled)} of {len(reports)} norm/linear pairings scaled "
+        f"equivalence scaling: {len(scaled)} of {counted(len(reports), 'norm/linear pairing')} scaled "
         f"(alpha: {', '.join(f'{a:g} x{n}' for a, n in sorted(alphas.items()))}); median "
         f"output error reduction {reductions[len(reductions) // 2]:.1%}"
     )

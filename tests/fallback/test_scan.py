@@ -196,6 +196,7 @@ def test_cli_reports_and_exit_codes(checkpoint: Path, tmp_path: Path) -> None:
     clean = runner.invoke(app, ["fallback-scan", str(checkpoint), *options])
     assert clean.exit_code == 0, clean.output
     assert "model.layers.0.mlp.down_proj.weight" in clean.output
+    assert "skipped 1 tensor: integer tensor (I32)" in clean.output  # one packed tensor, singular
     data = json.loads(files["--report"].read_text())
     assert (data["schema"], data["version"]) == ("llmq.fallback-scan", 1)
     assert data["flagged"] == ["model.layers.0.mlp.down_proj.weight"]

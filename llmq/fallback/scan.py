@@ -32,6 +32,8 @@ from llmq.fallback.report import ScanReport, Skipped, TensorScan
 from llmq.io.checkpoint import (
     INDEX_FILE,
     HeaderEntry,
+    absent_shard,
+    broken_link,
     mapped_safetensors,
     read_index,
     read_safetensors_header,
@@ -193,7 +195,7 @@ def safetensors_files(root: Path) -> list[Path]:
         if root.suffix != ".safetensors":
             raise InputError(f"{root}: not a .safetensors file")
         return [root]
-    files = sorted(p for p in root.rglob("*.safetensors") if p.is_file())
+    files = sorted(p for p in root.rglob("*.safetensors") if p.is_file() or broken_link(p))
     if not files:
         raise InputError(
             f"{root}: no .safetensors files in this folder or below",
@@ -238,9 +240,9 @@ def _check_index(index: Path, base: Path, inventory: _Inventory) -> None:
     except (InputError, OSError) as exc:
         inventory.failed[_relative(index, base)] = str(exc).removeprefix(f"{index}: ")
         return
-    for shard in sorted(shards):
-        if not (index.parent / shard).is_file():
-            inventory.failed[_relative(index.parent / shard, base)] = f"listed in {INDEX_FILE} but missing"  # fmt: skip
+    for path in sorted(index.parent / shard for shard in shards):
+        if not path.is_file():
+            inventory.failed[_relative(path, base)] = absent_shard(path)
 
 
 def _relative(file: Path, base: Path) -> str:

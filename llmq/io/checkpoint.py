@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -167,7 +168,7 @@ def _shard_files(folder: Path) -> list[Path]:
         shards = sorted({folder / shard for shard in read_index(index_path).values()})
         for shard in shards:
             if not shard.is_file():
-                raise InputError(f"{shard}: listed in {INDEX_FILE} but missing")
+                raise InputError(f"{shard}: {absent_shard(shard)}")
         return shards
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
@@ -198,6 +199,24 @@ def _check_index_matches(folder: Path, tensors: dict[str, TensorInfo]) -> None:
             raise InputError(f"{index_path}: tensor {name!r} is not in {shard}")
 
 
+def broken_link(path: Path) -> str | None:
+    """The words `a broken symbolic link to TARGET` when `path` is a link whose target is gone
+    (an interrupted hub download leaves them in a cache snapshot), else None: such a file
+    deserves an error of its own, where `is_file()` and "missing" would hide what happened."""
+    if path.is_symlink() and not path.exists():
+        return f"a broken symbolic link to {os.readlink(path)}"
+    return None
+
+
+def absent_shard(path: Path) -> str:
+    """What is wrong with a shard that the index lists and the folder does not hold."""
+    return f"listed in {INDEX_FILE} but {broken_link(path) or 'missing'}"
+
+
+def _read_failure(path: Path, exc: OSError) -> str:
+    return broken_link(path) or f"cannot read ({exc.strerror})"
+
+
 def read_safetensors_header(path: Path) -> dict[str, HeaderEntry]:
     """Parse and check one safetensors header: name -> its entry.
 
@@ -218,7 +237,7 @@ def read_safetensors_header(path: Path) -> dict[str, HeaderEntry]:
                 )
             raw = f.read(header_len)
     except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+        raise InputError(f"{path}: {_read_failure(path, exc)}") from None
     try:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):

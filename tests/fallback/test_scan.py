@@ -115,14 +115,17 @@ def test_corrupt_files_are_reported_and_the_rest_scanned(checkpoint: Path, tmp_p
     }
     for name, data in broken.items():
         (checkpoint / name).write_bytes(data)
+    (checkpoint / "dangling.safetensors").symlink_to(tmp_path / "blob-never-downloaded")
     (checkpoint / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"x": "model-00003-of-00003.safetensors"}})
     )
     (checkpoint / "extra" / "model.safetensors.index.json").write_text("[1, 2]")
     report = llmq.fallback_scan(checkpoint)
     assert set(report.failed) == {
-        *broken, "model-00003-of-00003.safetensors", str(Path("extra") / "model.safetensors.index.json")
+        *broken, "dangling.safetensors", "model-00003-of-00003.safetensors",
+        str(Path("extra") / "model.safetensors.index.json"),
     }  # fmt: skip
+    assert report.failed["dangling.safetensors"] == f"a broken symbolic link to {tmp_path / 'blob-never-downloaded'}"  # fmt: skip
     assert "exceeds file size" in report.failed["huge-header.safetensors"]
     assert "not valid JSON" in report.failed["not-json.safetensors"]
     assert "outside the" in report.failed["offsets.safetensors"]

@@ -88,6 +88,25 @@ def test_shard_listed_in_index_but_missing(tmp_path: Path, tiny_llama_sharded: P
         open_checkpoint(model)
 
 
+def test_broken_links_are_named(tmp_path: Path, tiny_llama: Path, tiny_llama_sharded: Path) -> None:
+    """A hub cache snapshot whose blob download was interrupted: the link says where it points."""
+    single = copy_model(tiny_llama, tmp_path / "single")
+    (single / "model.safetensors").unlink()
+    (single / "model.safetensors").symlink_to(tmp_path / "blobs" / "gone")
+    with pytest.raises(
+        InputError, match=r"model\.safetensors: a broken symbolic link to .*blobs/gone$"
+    ):
+        open_checkpoint(single)
+    sharded = copy_model(tiny_llama_sharded, tmp_path / "sharded")
+    victim = sorted(sharded.glob("*.safetensors"))[-1]
+    victim.unlink()
+    victim.symlink_to(tmp_path / "blobs" / "gone")
+    with pytest.raises(
+        InputError, match=r"listed in model\.safetensors\.index\.json but a broken symbolic link"
+    ):
+        open_checkpoint(sharded)
+
+
 def test_mapped_tensors_equal_safetensors_reads_and_never_write_the_file(tmp_path: Path) -> None:
     from safetensors import safe_open
 

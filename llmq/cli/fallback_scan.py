@@ -64,10 +64,14 @@ def fallback_scan(
     ] = SCAN_SHARE_THRESHOLD,
     top: Annotated[int, typer.Option(help="Rows of the worst-NRMSE table (and --markdown).")] = 20,
     include: Annotated[
-        str | None, typer.Option(help="Scan only tensors whose name matches this regex.")
+        str | None,
+        typer.Option(
+            help="Scan only tensors whose name matches this regex (searched anywhere in the name). Filters that leave no tensor are an error (exit 2), so a typo cannot pass a --fail-on-flagged gate."
+        ),
     ] = None,
     exclude: Annotated[
-        str | None, typer.Option(help="Skip tensors whose name matches this regex.")
+        str | None,
+        typer.Option(help="Skip tensors whose name matches this regex (searched anywhere)."),
     ] = None,
     workers: Annotated[
         int, typer.Option(help="Tensors scanned in parallel (threads), each with its own chunk.")

@@ -117,8 +117,9 @@ def fallback_scan(
 ) -> ScanReport:
     """Scan every .safetensors file under `path` (a folder, searched recursively, or one file).
 
-    Raises InputError for a missing path, bad options or no .safetensors at all; files that
-    cannot be read are listed in `report.failed` and the others are still scanned."""
+    Raises InputError for a missing path, bad options, no .safetensors at all, or --include /
+    --exclude leaving no tensor; files that cannot be read are listed in `report.failed` and
+    the others are still scanned."""
     root = Path(path)
     args = options.args or scan_args(options.scheme)
     nrmse_threshold = options.nrmse_threshold
@@ -212,12 +213,14 @@ def _inventory(
     base = root if root.is_dir() else root.parent
     for index in sorted(base.rglob(INDEX_FILE)) if root.is_dir() else []:
         _check_index(index, base, inventory)
+    names: list[str] = []  # every tensor of the readable files, to check the filters
     for file in safetensors_files(root):
         try:
             header = read_safetensors_header(file)
         except InputError as exc:
             inventory.failed[_relative(file, base)] = exc.message.removeprefix(f"{file}: ")
             continue
+        names.extend(header)
         for name, entry in header.items():
             if (include and not include.search(name)) or (exclude and exclude.search(name)):
                 continue
@@ -229,9 +232,27 @@ def _inventory(
                 )
             else:
                 inventory.jobs.append(_Job(name, file, relative, entry))
+    _check_filters_matched(names, inventory, include, exclude)
     inventory.jobs.sort(key=lambda job: -job.nbytes)  # largest first: workers finish together
     inventory.skipped.sort(key=lambda s: reading_order(s.file, s.name))
     return inventory
+
+
+def _check_filters_matched(
+    names: list[str],
+    inventory: _Inventory,
+    include: re.Pattern[str] | None,
+    exclude: re.Pattern[str] | None,
+) -> None:
+    """A filter that leaves no tensor is a mistake (a typo, a wrong naming scheme), not a clean
+    scan: `--fail-on-flagged` would pass a CI gate that looked at nothing."""
+    if not names or inventory.jobs or inventory.skipped:
+        return
+    given = [f"{option} {pattern.pattern!r}" for option, pattern in (("--include", include), ("--exclude", exclude)) if pattern]  # fmt: skip
+    raise InputError(
+        f"{' '.join(given)}: none of the {len(names)} tensors is left to scan",
+        hint=f"patterns are regular expressions searched in names such as {min(names, key=reading_order)!r}",
+    )
 
 
 def _check_index(index: Path, base: Path, inventory: _Inventory) -> None:

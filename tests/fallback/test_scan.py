@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -99,6 +100,25 @@ def test_include_exclude_and_nrmse_metric_choice(checkpoint: Path) -> None:
     report = llmq.fallback_scan(checkpoint, include=r"layers\.0\.", exclude="norm", scheme="w4a16")
     assert {t.kind for t in report.tensors} == {"q", "down"}
     assert report.args.num_bits == 4 and report.nrmse_threshold == 0.2
+
+
+@pytest.mark.parametrize(
+    ("filters", "fragment"),
+    [
+        ({"include": "mpl"}, "--include 'mpl': none of the 6 tensors is left"),
+        ({"include": "mlp", "exclude": "weight"}, "--include 'mlp' --exclude 'weight': none"),
+    ],
+)
+def test_filters_that_leave_nothing_are_bad_input(
+    checkpoint: Path, filters: dict, fragment: str
+) -> None:
+    """A typo in --include must not turn a --fail-on-flagged gate into a scan of nothing."""
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        llmq.fallback_scan(checkpoint, **filters)
+    only_packed = llmq.fallback_scan(checkpoint, include="weight_packed")  # matched, then skipped
+    assert not only_packed.tensors and len(only_packed.skipped) == 1
+    result = runner.invoke(app, ["fallback-scan", str(checkpoint), "--include", "mpl", "--fail-on-flagged"])  # fmt: skip
+    assert_bad_input(result, "none of the 6 tensors is left to scan")
 
 
 def test_corrupt_files_are_reported_and_the_rest_scanned(checkpoint: Path, tmp_path: Path) -> None:

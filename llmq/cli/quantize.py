@@ -60,7 +60,7 @@ def quantize(
     ignore: Annotated[
         list[str] | None,
         typer.Option(
-            help="Linears to keep in full precision: a name or suffix (mlp.down_proj) or a `re:` pattern; repeatable. lm_head is always kept."
+            help="Linears to keep in full precision: a name or suffix (mlp.down_proj) or a `re:` regular expression matched from the start of the name (`re:.*layers\\.0\\.`); repeatable. A pattern that matches no linear is an error (exit 2). lm_head is always kept."
         ),
     ] = None,
     clip: Annotated[

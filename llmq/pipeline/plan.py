@@ -62,8 +62,11 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe) -> Plan:
             f"{ckpt.path}: already quantized ({ckpt.quantization_config.get('format')})",
             hint="quantize the original float checkpoint",
         )
-    _check_ignore_patterns(recipe.ignore)
     layout = ckpt.layout
+    _check_ignore_patterns(
+        recipe.ignore,
+        [layout.lm_head, *(n for i in range(ckpt.num_layers) for n in layout.linear_names(i))],
+    )
     layers: list[list[LinearPlan]] = []
     ignored = [layout.lm_head]
     adjustments: list[GroupSizeAdjustment] = []
@@ -81,7 +84,9 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe) -> Plan:
     return Plan(layers=layers, ignored=ignored, adjustments=adjustments)
 
 
-def _check_ignore_patterns(patterns: tuple[str, ...]) -> None:
+def _check_ignore_patterns(patterns: tuple[str, ...], linears: list[str]) -> None:
+    """Each pattern must compile and keep some linear: a typo would otherwise quantize the
+    linear it meant to keep, and the run would only show it in the output's ignore list."""
     for pattern in patterns:
         if pattern.startswith("re:"):
             try:
@@ -90,6 +95,12 @@ def _check_ignore_patterns(patterns: tuple[str, ...]) -> None:
                 raise InputError(
                     f"--ignore {pattern!r}: invalid regular expression ({exc})"
                 ) from None
+        if not any(matches_any((pattern,), name) for name in linears):
+            raise InputError(
+                f"--ignore {pattern!r}: matches none of this model's {len(linears)} linears",
+                hint=f"names look like {linears[-1]!r}; a plain pattern is a whole name or the "
+                "part after a dot, a `re:` one a regular expression matched from the start",
+            )
 
 
 def _plan_linear(

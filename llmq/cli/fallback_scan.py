@@ -171,6 +171,23 @@ def _write_outputs(result: Any, outputs: dict[str, Path | None], top: int) -> No
 
 
 def render(result: Any, top: int) -> None:
+    if result.tensors:  # all skipped or failed: their lines below say why
+        _render_tables(result, top)
+    for scan in result.flagged:
+        out_console.print(f"flagged {scan.name}: {'; '.join(scan.reasons)}", soft_wrap=True)
+    for reason, count in sorted(Counter(s.reason for s in result.skipped).items()):
+        out_console.print(f"skipped {counted(count, 'tensor')}: {reason}")
+    gigabytes = result.bytes_scanned / 1e9
+    out_console.print(
+        f"scanned {counted(len(result.tensors), 'tensor')} ({gigabytes:.2f} GB) in {result.seconds:.1f} s "
+        f"({gigabytes / max(result.seconds, 1e-9):.2f} GB/s, {counted(result.workers, 'worker')}"
+        f"{', sampled' if result.sample else ', exact'}); flagged {len(result.flagged)}: "
+        f"{result.rule}"
+    )
+
+
+def _render_tables(result: Any, top: int) -> None:
+    """The worst tensors by score, and the summary per layer type."""
     score = "NRMSE" if result.share_threshold is None else "output error share, then NRMSE"
     table = Table(
         title=f"worst {counted(min(top, len(result.tensors)), 'tensor')} by {score} ({result.args.label})"
@@ -195,17 +212,6 @@ def render(result: Any, top: int) -> None:
             _number(row["nrmse_max"]), _number(row["ratio_max"]),
         )  # fmt: skip
     out_console.print(summary)
-    for scan in result.flagged:
-        out_console.print(f"flagged {scan.name}: {'; '.join(scan.reasons)}", soft_wrap=True)
-    for reason, count in sorted(Counter(s.reason for s in result.skipped).items()):
-        out_console.print(f"skipped {counted(count, 'tensor')}: {reason}")
-    gigabytes = result.bytes_scanned / 1e9
-    out_console.print(
-        f"scanned {counted(len(result.tensors), 'tensor')} ({gigabytes:.2f} GB) in {result.seconds:.1f} s "
-        f"({gigabytes / max(result.seconds, 1e-9):.2f} GB/s, {counted(result.workers, 'worker')}"
-        f"{', sampled' if result.sample else ', exact'}); flagged {len(result.flagged)}: "
-        f"{result.rule}"
-    )
 
 
 def _number(value: float | None) -> str:

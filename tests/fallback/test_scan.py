@@ -117,6 +117,9 @@ def test_filters_that_leave_nothing_are_bad_input(
         llmq.fallback_scan(checkpoint, **filters)
     only_packed = llmq.fallback_scan(checkpoint, include="weight_packed")  # matched, then skipped
     assert not only_packed.tensors and len(only_packed.skipped) == 1
+    shown = runner.invoke(app, ["fallback-scan", str(checkpoint), "--include", "weight_packed"])
+    assert shown.exit_code == 0 and "skipped 1 tensor: integer tensor" in shown.output
+    assert "per layer type" not in shown.output  # no empty tables
     result = runner.invoke(app, ["fallback-scan", str(checkpoint), "--include", "mpl", "--fail-on-flagged"])  # fmt: skip
     assert_bad_input(result, "none of the 6 tensors is left to scan")
 

@@ -273,7 +273,7 @@ def _apply_fallback(
             f"({unknown[0]}.weight and {len(unknown) - 1} more)",
             hint=f"scan this checkpoint: llmq fallback-scan {ckpt.path} --report scan.json",
         )
-    linears = {name for i in range(ckpt.num_layers) for name in ckpt.layout.linear_names(i)}
+    linears = set(ckpt.decoder_linears)
     kept = [m for m in modules if m in linears]
     record = {
         "report": "auto" if str(fallback) == "auto" else str(fallback),

@@ -34,7 +34,7 @@ err_console = Console(stderr=True, highlight=False, markup=False)
 
 
 def counted(count: int, noun: str) -> str:
-    """ "1 tensor", "2 tensors": `count` and `noun`, plural unless the count is one."""
+    """`count` and `noun`, plural unless the count is one: 1 tensor, 2 tensors."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 

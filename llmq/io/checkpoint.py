@@ -78,6 +78,11 @@ class Checkpoint:
         return int(self.config["num_hidden_layers"])
 
     @property
+    def decoder_linears(self) -> list[str]:
+        """Every decoder layer's linear module names, layer by layer."""
+        return [name for i in range(self.num_layers) for name in self.layout.linear_names(i)]
+
+    @property
     def quantization_config(self) -> dict[str, Any] | None:
         return self.config.get("quantization_config")
 

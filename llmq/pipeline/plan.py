@@ -63,10 +63,7 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe) -> Plan:
             hint="quantize the original float checkpoint",
         )
     layout = ckpt.layout
-    _check_ignore_patterns(
-        recipe.ignore,
-        [layout.lm_head, *(n for i in range(ckpt.num_layers) for n in layout.linear_names(i))],
-    )
+    _check_ignore_patterns(recipe.ignore, [layout.lm_head, *ckpt.decoder_linears])
     layers: list[list[LinearPlan]] = []
     ignored = [layout.lm_head]
     adjustments: list[GroupSizeAdjustment] = []

@@ -294,7 +294,8 @@ class _Float32Pass:
     ranks: list[int]  # the quartiles' order statistics
     rank_buckets: list[int]  # the upper-16-bit bucket that holds each rank
     below_buckets: list[int]  # how many values lie below that bucket
-    members: int  # how many values those buckets hold
+    buckets: list[int]  # those buckets, each once, ascending: the second pass collects them
+    members: int  # how many values they hold
 
     @property
     def per_tensor_int(self) -> bool:
@@ -322,11 +323,11 @@ def _float32_first_pass(
     ranks = _quantile_ranks(moments.count)
     # a float32's upper half is a bfloat16: bfloat16's pattern order is the buckets' order
     rank_buckets, below_buckets = _at_ranks(upper, ranks) if flat.numel() else ([], [])
-    members = int(upper[sorted(set(rank_buckets))].sum())
+    buckets = sorted(set(rank_buckets))
     checked = None if nan + inf else args
     return _Float32Pass(
         weight, flat, checked, input_weights, moments, nan, inf, ranks, rank_buckets,
-        below_buckets, members,
+        below_buckets, buckets, int(upper[buckets].sum()),
     )  # fmt: skip
 
 
@@ -398,9 +399,8 @@ def _refine_buckets(
     if not first.flat.numel():
         return dict.fromkeys(first.ranks, 0.0), 0, 0.0
     members = numpy.empty(first.members, dtype=numpy.float32)
-    buckets = sorted(set(first.rank_buckets))
     tail, error, _ = passes.float32_refine(
-        first.flat.numpy(), buckets, members, tail_bounds, int_grid
+        first.flat.numpy(), first.buckets, members, tail_bounds, int_grid
     )
     positions = [k - below for k, below in zip(first.ranks, first.below_buckets, strict=True)]
     values = passes.select_in_buckets(members, first.rank_buckets, positions)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,7 @@ def quantize(
     overwrite: bool = False,
     resume: bool = False,
     resume_every_s: float = RESUME_EVERY_S,
+    space_check: bool = True,
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
     **options: Any,
@@ -187,12 +189,15 @@ def quantize(
     default the scheme's; with `calib_stats`, the output error share threshold, default 0.05);
     the linears it flags stay in full precision and join the checkpoint's `ignore` list.
     `resume_every_s`: seconds between the resume points an interrupted run continues from with
-    `resume=True` (0: after every layer). Returns a `QuantizeResult`.
+    `resume=True` (0: after every layer). One run at a time writes OUT (a second one raises
+    InputError naming the first); `space_check=False` skips the refusal, before any work, of an
+    output that will not fit on OUT's file system. Returns a `QuantizeResult`.
     """
     from llmq.calib.stats import CalibStats
-    from llmq.io.atomic import check_output_dir
+    from llmq.io.atomic import check_free_space, check_output_dir, claim_output, staging_path
     from llmq.pipeline.plan import plan_quantization
     from llmq.pipeline.quantize import run_quantization
+    from llmq.pipeline.state import keep_if_resumable
 
     recipe = recipe or make_recipe(**options)
     if not resume_every_s >= 0:
@@ -211,34 +216,55 @@ def quantize(
     plan = plan_quantization(ckpt, recipe)
     _check_pairings(ckpt, recipe)
     out = Path(out)
-    check_output_dir(out, overwrite=overwrite, sources=(ckpt.path,))
     stats = CalibStats.load(Path(calib_stats)) if calib_stats else None
-    ids = None
-    record: dict[str, Any] = {
-        "llmq_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source_model": str(model),
-        "recipe": recipe.model_dump(mode="json"),
-        "calibration": None,
-    }
+    staging = staging_path(out)
+    kept = partial(keep_if_resumable, staging, "rerun the same command with --resume to continue")
+    with claim_output(out, kept=kept):  # held until the output is published
+        check_output_dir(out, overwrite=overwrite, sources=(ckpt.path,))
+        if space_check:
+            check_free_space(out, _quantize_bytes(ckpt, plan, recipe, staging if resume else None))
+        record: dict[str, Any] = {
+            "llmq_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "source_model": str(model),
+            "recipe": recipe.model_dump(mode="json"),
+            "calibration": None,
+        }
+        ids = None
+        if recipe.calibration is not None:
+            cal = recipe.calibration
+            windows = _calibration_windows(ckpt.path, cal, progress)
+            ids = windows.input_ids
+            record["calibration"] = {
+                **cal.model_dump(),
+                "tokens": windows.num_tokens,
+                "bos": windows.add_bos,
+            }
+        if stats is not None:
+            record["calib_stats"] = {"file": str(calib_stats), **stats.metadata}
+        if fallback_record is not None:
+            record["fallback"] = fallback_record
+        return run_quantization(
+            ckpt, plan, recipe, out,
+            calibration_ids=ids, calib_stats=stats, resume=resume, progress=progress,
+            record=record, device=device, resume_every_s=resume_every_s,
+        )  # fmt: skip
+
+
+def _quantize_bytes(ckpt: Any, plan: Any, recipe: Recipe, resumed: Path | None) -> int:
+    """Disk a quantization run needs: the output, its resume points, less what the partial
+    output being resumed already holds."""
+    from llmq.io.atomic import folder_size
+    from llmq.pipeline.plan import output_bytes
+    from llmq.pipeline.state import resume_point_bytes
+
+    needed = output_bytes(ckpt, plan)
     if recipe.calibration is not None:
         cal = recipe.calibration
-        windows = _calibration_windows(ckpt.path, cal, progress)
-        ids = windows.input_ids
-        record["calibration"] = {
-            **cal.model_dump(),
-            "tokens": windows.num_tokens,
-            "bos": windows.add_bos,
-        }
-    if stats is not None:
-        record["calib_stats"] = {"file": str(calib_stats), **stats.metadata}
-    if fallback_record is not None:
-        record["fallback"] = fallback_record
-    return run_quantization(
-        ckpt, plan, recipe, out,
-        calibration_ids=ids, calib_stats=stats, resume=resume, progress=progress, record=record,
-        device=device, resume_every_s=resume_every_s,
-    )  # fmt: skip
+        needed += resume_point_bytes(cal.num_samples, cal.seq_len, ckpt.config["hidden_size"])
+    if resumed is not None:
+        needed -= folder_size(resumed)
+    return max(needed, 0)
 
 
 def _apply_fallback(
@@ -325,35 +351,42 @@ def calibrate(
     seed: int = 0,
     hessian: bool = False,
     overwrite: bool = False,
+    space_check: bool = True,
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
 ) -> CalibrateResult:
     """Collect per-linear input statistics (absmax, mean |x|, optionally XᵀX) into a
-    .safetensors file that `quantize(calib_stats=...)` reuses."""
+    .safetensors file that `quantize(calib_stats=...)` reuses. One run at a time writes OUT;
+    `space_check=False` skips the refusal of a file that will not fit."""
     from llmq.calib.collect import collect_stats
+    from llmq.calib.stats import saved_stats_bytes
+    from llmq.io.atomic import check_free_space, claim_output
 
     started = time.perf_counter()
     cal = build(CalibConfig, text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed)
     assert isinstance(cal, CalibConfig)
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise InputError(f"{out}: already exists", hint="choose another path or pass --overwrite")
     if out.suffix != ".safetensors":
         raise InputError(
             f"{out}: statistics are written as .safetensors", hint=f"use {out.stem}.safetensors"
         )
     ckpt = _open(model, progress)
-    windows = _calibration_windows(ckpt.path, cal, progress)
-    stats = collect_stats(
-        ckpt, windows.input_ids, hessian=hessian, progress=progress, device=device
-    )
-    stats.metadata = {
-        "model": str(model),
-        **cal.model_dump(),
-        "tokens": windows.num_tokens,
-        "hessian": hessian,
-    }
-    stats.save(out)
+    with claim_output(out):  # held until the file is written
+        if out.exists() and not overwrite:
+            raise InputError(f"{out}: already exists", hint="choose another path or pass --overwrite")  # fmt: skip
+        if space_check:
+            check_free_space(out, saved_stats_bytes(ckpt, hessian=hessian))
+        windows = _calibration_windows(ckpt.path, cal, progress)
+        stats = collect_stats(
+            ckpt, windows.input_ids, hessian=hessian, progress=progress, device=device
+        )
+        stats.metadata = {
+            "model": str(model),
+            **cal.model_dump(),
+            "tokens": windows.num_tokens,
+            "hessian": hessian,
+        }
+        stats.save(out)
     return CalibrateResult(
         out=out,
         model=str(model),

@@ -33,3 +33,8 @@ class GateFailed(LlmqError):
     """An accuracy gate was exceeded (exit code 1)."""
 
     exit_code = 1
+
+
+class OutputError(LlmqError):
+    """An output could not be written: no space, read-only, no permission, a path that cannot
+    be created (exit 2). The message names the path; the hint says what to try."""

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from llmq.calib.tokenizer import TextTokenizer
 from llmq.errors import InputError
+from llmq.io.cache import read_cached, write_cached
 from llmq.texts import BUILTIN_TEXTS, Split, builtin_documents
 
 _FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -93,18 +94,21 @@ def _token_stream(tokenizer: TextTokenizer, docs: list[str]) -> Tensor:
 
     text = "\n\n".join(docs)
     key = hashlib.sha256(tokenizer.fingerprint.encode() + b"\0" + text.encode()).hexdigest()
-    path = cache_dir() / "tokens" / f"{key[:32]}.pt"
-    if path.is_file():
-        try:
-            return torch.load(path, weights_only=True).to(torch.int64)
-        except (OSError, RuntimeError, EOFError):
-            path.unlink(missing_ok=True)
+    path = cache_dir() / "tokens" / f"{key[:32]}.i32"
+    cached = read_cached(path, _load_token_ids)
+    if cached is not None:
+        return cached
     ids = torch.tensor(tokenizer.encode(text), dtype=torch.int64)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    torch.save(ids.to(torch.int32), partial)
-    partial.replace(path)
+    write_cached(path, lambda partial: partial.write_bytes(ids.to(torch.int32).numpy().tobytes()))
     return ids
+
+
+def _load_token_ids(path: Path) -> Tensor:
+    """Token ids stored as raw int32; ValueError for a file that cannot hold them."""
+    data = path.read_bytes()
+    if not data or len(data) % 4:
+        raise ValueError(f"{len(data)} bytes is not a whole number of int32 token ids")
+    return torch.frombuffer(bytearray(data), dtype=torch.int32).to(torch.int64)
 
 
 def _with_bos(windows: Tensor, tokenizer: TextTokenizer) -> Tensor:

@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from llmq.errors import InputError
 from llmq.quant.primitives import ACCUM_DTYPE
+
+if TYPE_CHECKING:
+    from llmq.io.checkpoint import Checkpoint
 
 STATS_FORMAT = "llmq-calib-stats/1"
 SAMPLE_STRIDE = 32  # keep every 32nd token of each batch as a sample row...
@@ -185,3 +188,18 @@ class CalibStats:
         for alias, owner in json.loads(meta.get("aliases", "{}")).items():
             inputs[alias] = inputs[owner]
         return cls(inputs=inputs, metadata=json.loads(meta.get("metadata", "{}")))
+
+
+def saved_stats_bytes(ckpt: Checkpoint, *, hessian: bool) -> int:
+    """About the size of the file `CalibStats.save` writes for `ckpt`: per layer, one entry
+    per group of linears that read the same input (absmax and mean |x|, the [in, in] Hessian)."""
+    layout = ckpt.layout
+    total = 0
+    for index in range(ckpt.num_layers):
+        for group in layout.sequential:
+            info = ckpt.tensors.get(f"{layout.layer_prefix(index)}{group[0]}.weight")
+            if info is None:
+                continue
+            columns = info.shape[-1]
+            total += 2 * columns * 4 + (columns * columns * 4 if hessian else 0)
+    return total

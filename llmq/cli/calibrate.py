@@ -15,7 +15,7 @@ from llmq.cli.console import (
     progress_bars,
     quiet_libraries,
 )
-from llmq.cli.options import CalibText, Device, JsonFlag, ModelArg, Seed
+from llmq.cli.options import CalibText, Device, JsonFlag, ModelArg, Seed, SpaceCheck
 from llmq.texts import DEFAULT_CALIBRATION_TEXT
 
 
@@ -35,6 +35,7 @@ def calibrate(
         ),
     ] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing statistics file.")] = False,
+    space_check: SpaceCheck = True,
     device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:
@@ -45,7 +46,8 @@ def calibrate(
     with cli_errors(), progress_bars(json_out=json_out) as progress:
         result = api.calibrate(
             model, out, calib_text=calib_text, num_samples=num_samples, seq_len=seq_len,
-            seed=seed, hessian=hessian, overwrite=overwrite, progress=progress, device=device,
+            seed=seed, hessian=hessian, overwrite=overwrite, space_check=space_check,
+            progress=progress, device=device,
         )  # fmt: skip
     if json_out:
         print_json(result.to_dict())

@@ -7,6 +7,7 @@ become `error:` / `hint:` lines and exit codes: 1 a gate failed, 2 bad input or 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,10 +50,27 @@ def print_error(message: str, hint: str | None = None) -> None:
         err_console.print(Text("  ") + labelled("hint:", "bold", hint), soft_wrap=True)
 
 
+class _WarningLines(logging.Handler):
+    """The library's warnings (logging, never print) as `warning:` lines on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        err_console.print(labelled("warning:", "bold yellow", record.getMessage()), soft_wrap=True)
+
+
+def show_warnings() -> None:
+    """Route llmq's log warnings to `warning:` lines, once per process."""
+    logger = logging.getLogger("llmq")
+    if not any(isinstance(h, _WarningLines) for h in logger.handlers):
+        handler = _WarningLines(logging.WARNING)
+        logger.addHandler(handler)
+
+
 def quiet_libraries() -> None:
-    """No hub calls (llmq reads local folders) and no third-party progress bars or chatter.
+    """No hub calls (llmq reads local folders) and no third-party progress bars or chatter;
+    llmq's own warnings shown as `warning:` lines.
 
     Environment variables only: importing datasets here would cost a second on every command."""
+    show_warnings()
     for name, value in {
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
@@ -101,12 +119,19 @@ def progress_bars(*, json_out: bool) -> Iterator[RichProgress]:
 
 @contextmanager
 def cli_errors() -> Iterator[None]:
-    """Turn llmq errors into one `error:` line (plus `hint:`) and their exit code."""
+    """Turn llmq errors, and any I/O failure, into one `error:` line (plus `hint:`) and their
+    exit code: never a traceback."""
     try:
         yield
     except LlmqError as exc:
         print_error(exc.message, exc.hint)
         raise typer.Exit(exc.exit_code) from None
+    except OSError as exc:  # an I/O failure no command turned into an OutputError itself
+        from llmq.io.atomic import output_error
+
+        error = output_error(exc)
+        print_error(error.message, error.hint)
+        raise typer.Exit(error.exit_code) from None
     except KeyboardInterrupt:
         err_console.print(labelled("interrupted", "bold red"))
         raise typer.Exit(130) from None

@@ -117,21 +117,24 @@ def fallback_scan(
     """
     quiet_libraries()
     from llmq import api
+    from llmq.io.atomic import claim_outputs
 
     outputs = {"--report": report, "--csv": csv, "--markdown": markdown, "--plot": plot}
     with cli_errors():
         _check_outputs(outputs)
         if top < 1:
             raise InputError(f"--top {top}: must be >= 1")
-        with progress_bars(json_out=json_out) as progress:
-            result = api.fallback_scan(
-                path, scheme=scheme, group_size=group_size, nrmse_threshold=nrmse_threshold,
-                ratio_threshold=None if ratio_threshold == float("inf") else ratio_threshold,
-                include=include, exclude=exclude, workers=workers, sample=sample,
-                calib_stats=calib_stats, error_share_threshold=error_share_threshold,
-                progress=progress,
-            )  # fmt: skip
-        _write_outputs(result, outputs, top)
+        # One run at a time writes each report file, claimed before the scan starts.
+        with claim_outputs([p for p in outputs.values() if p is not None]):
+            with progress_bars(json_out=json_out) as progress:
+                result = api.fallback_scan(
+                    path, scheme=scheme, group_size=group_size, nrmse_threshold=nrmse_threshold,
+                    ratio_threshold=None if ratio_threshold == float("inf") else ratio_threshold,
+                    include=include, exclude=exclude, workers=workers, sample=sample,
+                    calib_stats=calib_stats, error_share_threshold=error_share_threshold,
+                    progress=progress,
+                )  # fmt: skip
+            _write_outputs(result, outputs, top)
     if json_out:
         print_json(result.to_dict())
     else:

@@ -9,7 +9,8 @@ from llmq.cli import bench, calibrate, evaluate, fallback_scan, generate, models
 app = typer.Typer(
     name="llmq",
     help="Make LLM checkpoints smaller and faster without losing their accuracy.\n\n"
-    "Exit codes: 0 ok, 1 an accuracy gate failed, 2 bad input or usage.",
+    "Exit codes: 0 ok, 1 an accuracy gate failed, 2 bad input or usage, or an output that "
+    "cannot be written.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

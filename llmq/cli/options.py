@@ -35,3 +35,11 @@ Kernels = Annotated[
         "triton (on the CPU only with TRITON_INTERPRET=1), or torch."
     ),
 ]
+SpaceCheck = Annotated[
+    bool,
+    typer.Option(
+        "--space-check/--no-space-check",
+        help="Before any work, refuse an output that will not fit in the free space of its file "
+        "system. --no-space-check skips this for file systems that report free space wrongly.",
+    ),
+]

@@ -18,7 +18,7 @@ from llmq.cli.console import (
     progress_bars,
     quiet_libraries,
 )
-from llmq.cli.options import CalibText, Device, JsonFlag, ModelArg, Seed
+from llmq.cli.options import CalibText, Device, JsonFlag, ModelArg, Seed, SpaceCheck
 from llmq.config import RESUME_EVERY_S, scheme_names
 from llmq.texts import DEFAULT_CALIBRATION_TEXT
 
@@ -161,6 +161,7 @@ def quantize(
             help="Seconds between resume points: the hidden states after a layer, saved for --resume (as large as the calibration activations: 2 GB a layer for a 70B model at 128 x 512 tokens). 0 saves after every layer; an interruption loses at most this much work."
         ),
     ] = RESUME_EVERY_S,
+    space_check: SpaceCheck = True,
     device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:
@@ -188,7 +189,7 @@ def quantize(
                     model, out, recipe=recipe, calib_stats=calib_stats, fallback=fallback,
                     fallback_threshold=fallback_threshold,
                     overwrite=overwrite, resume=resume, resume_every_s=resume_every,
-                    progress=progress, device=device,
+                    space_check=space_check, progress=progress, device=device,
                 )  # fmt: skip
             except KeyboardInterrupt:
                 err_console.print(f"partial output kept; continue with: --out {out} --resume")

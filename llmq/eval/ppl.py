@@ -21,6 +21,7 @@ from llmq.calib.stream import LayerStream, activation_quantization, kv_hook
 from llmq.config import QuantArgs
 from llmq.heap import reused_heap
 from llmq.io.atomic import write_json
+from llmq.io.cache import read_cached, write_cached
 from llmq.io.checkpoint import Checkpoint
 from llmq.pack.reader import QuantizedView
 from llmq.progress import NO_PROGRESS, Progress
@@ -110,12 +111,18 @@ def cached_perplexity(
     if cache is None:
         return perplexity(ckpt, windows, progress=progress, device=device)
     path = cache / f"{cache_key(ckpt, windows)}.json"
-    if path.is_file():
-        try:
-            return Perplexity(**{**json.loads(path.read_text()), "cached": True})
-        except (json.JSONDecodeError, TypeError):
-            path.unlink(missing_ok=True)
+    cached = read_cached(path, _load_perplexity)
+    if cached is not None:
+        return cached
     result = perplexity(ckpt, windows, progress=progress, device=device)
-    cache.mkdir(parents=True, exist_ok=True)
-    write_json(path, asdict(result))
+    write_cached(path, lambda partial: write_json(partial, asdict(result)))
+    return result
+
+
+def _load_perplexity(path: Path) -> Perplexity:
+    """A cached result; ValueError when the entry is not one (wrong fields or values)."""
+    data = {**json.loads(path.read_text()), "cached": True}
+    result = Perplexity(**data)
+    if not (isinstance(result.perplexity, float) and math.isfinite(result.perplexity)):
+        raise ValueError(f"perplexity {result.perplexity!r} is not a finite number")
     return result

@@ -1,25 +1,141 @@
-"""Outputs appear complete or not at all: write under a temporary name, rename when done.
+"""Outputs appear complete or not at all, written by one run at a time, or fail in one line.
 
-Nothing the user gave us is ever overwritten without `overwrite=True`; even then the old output
-is only removed after the new one is in place.
+Every output llmq writes (a checkpoint folder, a statistics file, a report) goes through here:
+
+- `claim_output`: one writer per output. An OS-level lock (`flock`) on `.NAME.llmq-lock` next to
+  the output, held from before the first check until after the output is published, so two runs
+  on one OUT never share a staging folder. The kernel releases it when the holder dies, so a
+  killed run never leaves a stale lock. The lock file sits beside the output, not inside the
+  staging folder, because the staging folder is renamed into place while the lock is held.
+- `partial_file` / `publish`: write under a temporary name, rename when complete. Nothing the user
+  gave us is overwritten without `overwrite=True`; even then the old output is only removed after
+  the new one is in place.
+- `check_free_space`: refuse before any work when the output cannot fit.
+- `output_error`: an `OSError` (no space, read-only, no permission, a parent that cannot be
+  created, a name too long) becomes one `OutputError` line naming the path and what to try.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import secrets
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from llmq.errors import InputError
+from llmq.errors import InputError, OutputError
+
+LOCK_SUFFIX = ".llmq-lock"
+PARTIAL_SUFFIX = ".partial"
+_HOLDER_READ_TRIES = 20  # a new holder writes its details right after locking: wait up to 0.2 s
 
 
 def staging_path(out: Path) -> Path:
     """The partial output of a run into `out`; kept after an interruption for --resume."""
     return out.parent / f".{out.name}.llmq-partial"
+
+
+def lock_path(out: Path) -> Path:
+    """The lock file that makes one run at a time the writer of `out`."""
+    return out.parent / f".{out.name}{LOCK_SUFFIX}"
+
+
+@dataclass(frozen=True, slots=True)
+class LockHolder:
+    """Who holds an output's lock, as it wrote itself into the lock file."""
+
+    pid: int
+    host: str
+    started: str  # UTC, ISO 8601
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}, started {self.started}"
+
+
+@contextmanager
+def claim_output(out: Path, *, kept: Callable[[], str | None] | None = None) -> Iterator[None]:
+    """Hold the one-writer lock of `out` for the block, or raise InputError at once naming the
+    run that holds it. Creates `out`'s parent folders. An OSError in the block (or while
+    claiming) becomes one OutputError line; `kept` then says what of the partial output survived
+    (see `output_error`)."""
+    out = Path(out)
+    path = lock_path(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd = _acquire(path, out)
+    except OSError as exc:
+        if exc.filename == str(path):  # name what the user gave, not our lock file
+            exc = OSError(exc.errno, exc.strerror, str(out))
+        raise output_error(exc, out) from None
+    try:
+        yield
+    except OSError as exc:
+        raise output_error(exc, out, kept=kept) from None
+    finally:
+        # Unlink while still holding the lock: a run that opened the old file sees, once it gets
+        # the lock, that the name no longer leads to its file and tries again (`_acquire`).
+        with suppress(OSError):  # a leftover lock file is harmless: the lock lives in the kernel
+            path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+@contextmanager
+def claim_outputs(paths: list[Path]) -> Iterator[None]:
+    """`claim_output` for each of several outputs of one run (a report in several formats)."""
+    with ExitStack() as stack:
+        for path in paths:
+            stack.enter_context(claim_output(path))
+        yield
+
+
+def _acquire(path: Path, out: Path) -> int:
+    import fcntl
+
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise InputError(
+                f"{out}: another llmq run is writing it "
+                f"({holder.describe() if holder else 'its details are not readable'})",
+                hint="wait for that run to finish, or stop it; a stopped run frees OUT at once "
+                "(its partial output stays for --resume)",
+            ) from None
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # the previous holder removed the file after we opened it: take the new one
+    holder = LockHolder(
+        os.getpid(), socket.gethostname(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    )
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(asdict(holder)).encode(), 0)
+    return fd
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _read_holder(fd: int) -> LockHolder | None:
+    for _ in range(_HOLDER_READ_TRIES):
+        try:
+            return LockHolder(**json.loads(os.pread(fd, 4096, 0)))
+        except (ValueError, TypeError):
+            time.sleep(0.01)
+    return None
 
 
 def check_output_dir(out: Path, *, overwrite: bool, sources: tuple[Path, ...] = ()) -> None:
@@ -36,8 +152,41 @@ def check_output_dir(out: Path, *, overwrite: bool, sources: tuple[Path, ...] = 
         raise InputError(f"{out.parent}: not a folder")
 
 
+def check_free_space(out: Path, needed: int) -> None:
+    """Refuse when `needed` bytes will not fit on the file system that holds `out`."""
+    folder = _existing_ancestor(out)
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise OutputError(
+            f"{out}: needs about {_size(needed)}, but {folder} has {_size(free)} free",
+            hint="free some space or choose another --out; --no-space-check skips this check "
+            "on file systems that report free space wrongly",
+        )
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+
+
+def folder_size(folder: Path) -> int:
+    """Bytes of the files directly in `folder` (0 when it does not exist)."""
+    if not folder.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
 def publish(staging: Path, out: Path) -> None:
-    """Move a complete staging folder to `out`; an existing `out` is replaced only afterwards."""
+    """Move a complete staging folder to `out`; an existing `out` is replaced only afterwards.
+    Leftover partial files of an interrupted earlier run are removed first."""
+    for leftover in staging.glob(f".*{PARTIAL_SUFFIX}"):
+        leftover.unlink()
     old = out.parent / f".{out.name}.llmq-old"
     if out.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -49,11 +198,16 @@ def publish(staging: Path, out: Path) -> None:
 @contextmanager
 def partial_file(path: Path) -> Iterator[Path]:
     """A temporary name next to `path` to write into; renamed to `path` when the block
-    succeeds, removed when it fails."""
-    partial = path.with_name(f".{path.name}.partial")
+    succeeds, removed when it fails. Each call gets its own name, so concurrent writers of one
+    cache file never write into each other's partial file (the last rename wins, whole)."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}{PARTIAL_SUFFIX}")
     try:
         yield partial
         partial.replace(path)
+    except OSError as exc:
+        if exc.filename != str(partial):
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from None  # the name the user knows
     finally:
         partial.unlink(missing_ok=True)
 
@@ -74,8 +228,55 @@ def write_text(path: Path, text: str) -> None:
 def save_safetensors(
     path: Path, tensors: dict[str, Any], metadata: dict[str, str] | None = None
 ) -> None:
-    """safetensors.save_file, atomically."""
+    """safetensors.save_file, atomically. Its I/O failures are raised as OSError with their
+    errno (safetensors reports them as SafetensorError text)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     with partial_file(path) as partial:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial), metadata=metadata)
+        try:
+            save_file(
+                {k: v.contiguous() for k, v in tensors.items()}, str(partial), metadata=metadata
+            )
+        except SafetensorError as exc:
+            raise _as_os_error(exc, partial) from None
+
+
+def _as_os_error(exc: Exception, path: Path) -> Exception:
+    """SafetensorError("... I/O error: No space left on device (os error 28)") -> OSError(28)."""
+    text = str(exc)
+    marker = "(os error "
+    if marker not in text:
+        return exc
+    code = int(text.rsplit(marker, 1)[1].split(")", 1)[0])
+    return OSError(code, os.strerror(code), str(path))
+
+
+# What to try, per errno, when writing an output failed.
+_IO_HINTS: dict[int, str] = {
+    errno.ENOSPC: "free some space on that file system (or choose another output location)",
+    errno.EDQUOT: "your disk quota is used up: free some space (or choose another output location)",
+    errno.EROFS: "the file system is read-only: choose another output location",
+    errno.EACCES: "you may not write there: choose a folder you can write, or fix its permissions",
+    errno.EPERM: "you may not write there: choose a folder you can write, or fix its permissions",
+    errno.ENOENT: "a folder on the way does not exist and cannot be created: check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: check the path",
+    errno.ENAMETOOLONG: "the path or a name in it is too long: choose a shorter path",
+    errno.EXDEV: "the staging folder is on another file system than the output, so the final "
+    "rename would not be atomic: choose an output that is not a mount point",
+    errno.EBUSY: "another program holds that path (a mount point, an open file): choose another",
+    errno.EIO: "the device reported an I/O error: check the disk",
+}
+
+
+def output_error(
+    exc: OSError, path: Path | None = None, *, kept: Callable[[], str | None] | None = None
+) -> OutputError:
+    """One line for a failed write: the path that failed (the error's own, else `path`), why,
+    and what to try. `kept` is called to say what of the partial output survived (for example
+    a --resume hint), if anything."""
+    where = exc.filename or path
+    reason = exc.strerror or str(exc)
+    message = f"{where}: {reason}" if where else reason
+    hints = [_IO_HINTS.get(exc.errno or -1), kept() if kept else None]
+    return OutputError(message, hint="; ".join(h for h in hints if h) or None)

@@ -31,6 +31,22 @@ DTYPE_BYTES = {
 }  # fmt: skip
 
 
+RECORD_FILE = "llmq.json"  # how llmq made a checkpoint
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
+
+
+def side_files(folder: Path) -> list[Path]:
+    """A checkpoint's files that a converted copy keeps as they are (tokenizer, generation
+    config, chat template, license...): everything but weights, config, index and llmq's record."""
+    return [
+        path
+        for path in sorted(folder.iterdir())
+        if path.is_file()
+        and not path.name.endswith(_WEIGHT_FILES)
+        and path.name not in ("config.json", "model.safetensors.index.json", RECORD_FILE)
+    ]
+
+
 def torch_dtype(dtype: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype string ("BF16" -> torch.bfloat16)."""
     import torch

@@ -3,13 +3,14 @@ config group, and what gets adjusted. Everything that can be wrong with the inpu
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from llmq.config import QuantArgs, Recipe, fit_group_size, group_width
 from llmq.errors import InputError
-from llmq.io.checkpoint import Checkpoint
+from llmq.io.checkpoint import Checkpoint, side_files, torch_dtype
 
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
 
@@ -171,3 +172,41 @@ def config_groups(plan: Plan) -> list[tuple[QuantArgs, QuantArgs | None, list[st
 def _suffix(name: str) -> str:
     """`self_attn.q_proj` from `model.layers.12.self_attn.q_proj`."""
     return re.sub(r"^.*?\.\d+\.", "", name)
+
+
+_ENTRY_BYTES = 256  # a tensor's header entry in its shard and its line in the index, at most
+
+
+def output_bytes(ckpt: Checkpoint, plan: Plan) -> int:
+    """An upper estimate of the checkpoint a plan writes (for the space check before any work):
+    packed codes, scales and zero points for the planned linears, every other tensor as it is
+    stored, headers, config and the side files."""
+    planned = {f"{linear.name}.weight": linear for linear in plan.linears}
+    # config.json with its quantization_config; per stored tensor (up to five for a quantized
+    # weight), its safetensors header and index entries
+    total = 64 * 1024 + len(ckpt.tensors) * 5 * _ENTRY_BYTES
+    for name, info in ckpt.tensors.items():
+        linear = planned.get(name)
+        if linear is not None:
+            total += _quantized_bytes(linear)
+        else:
+            total += math.prod(info.shape) * torch_dtype(info.dtype).itemsize
+    return total + sum(path.stat().st_size for path in side_files(ckpt.path))
+
+
+def _quantized_bytes(linear: LinearPlan) -> int:
+    """Codes packed into 32-bit words (or one byte each), scales in float32 (an upper bound
+    on the weight's own dtype), zero points as wide as the scales."""
+    args = linear.args
+    rows, columns = linear.out_features, linear.in_features
+    codes = rows * math.ceil(columns * args.num_bits / 32) * 4
+    if args.strategy == "group":
+        scales = rows * math.ceil(columns / int(args.group_size or columns))
+    elif args.strategy == "block" and args.block_structure is not None:
+        block_rows, block_columns = args.block_structure
+        scales = math.ceil(rows / block_rows) * math.ceil(columns / block_columns)
+    elif args.strategy == "channel":
+        scales = rows
+    else:
+        scales = 1
+    return codes + scales * 4 * (1 if args.symmetric else 2)

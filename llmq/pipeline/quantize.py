@@ -41,7 +41,7 @@ from llmq.config import RESUME_EVERY_S, Recipe
 from llmq.errors import InputError, NumericalError
 from llmq.heap import ReusedBuffers, reused_heap
 from llmq.io.atomic import publish, save_safetensors, staging_path, write_json
-from llmq.io.checkpoint import Checkpoint, torch_dtype
+from llmq.io.checkpoint import RECORD_FILE, Checkpoint, side_files, torch_dtype
 from llmq.pack.format import PackFormat, compress, quantization_config, scheme_format
 from llmq.pipeline.plan import LinearPlan, Plan, config_groups
 from llmq.pipeline.scaling import ScaleReport, apply_awq, apply_smoothquant
@@ -60,8 +60,6 @@ log = logging.getLogger(__name__)
 # default model's first layers, within 2.4% of the errors on 16 windows), and a fraction of the
 # activations' memory and of a pass (1/32 of one for the default 128 windows, one micro-batch).
 REPORT_WINDOWS = 4
-RECORD_FILE = "llmq.json"
-_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 
 
 @dataclass(frozen=True, slots=True)
@@ -750,11 +748,8 @@ def _finalize(
 
 def _copy_side_files(source: Path, staging: Path) -> None:
     """Tokenizer, generation config, chat template, license...: everything but weights and config."""
-    for path in source.iterdir():
-        if path.is_file() and not path.name.endswith(_WEIGHT_FILES) and path.name not in (
-            "config.json", "model.safetensors.index.json", RECORD_FILE,
-        ):  # fmt: skip
-            shutil.copy2(path, staging / path.name)
+    for path in side_files(source):
+        shutil.copy2(path, staging / path.name)
 
 
 def _weights_size(folder: Path) -> int:

@@ -10,6 +10,7 @@ identical to an uninterrupted run because each layer sees the same inputs.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,3 +84,18 @@ def load_state(staging: Path, fingerprint: dict[str, Any], every_s: float) -> Ru
             hint="rerun without --resume to start over",
         )
     return RunState(staging, fingerprint, saved["layers"], every_s)
+
+
+def resume_point_bytes(windows: int, seq_len: int, hidden_size: int) -> int:
+    """Disk a resume point needs at its peak: the hidden states (at most float32) twice, the
+    new one being written before the old one is replaced."""
+    return 2 * windows * seq_len * hidden_size * 4
+
+
+def keep_if_resumable(staging: Path, command_hint: str) -> str | None:
+    """After a failed run: keep the staging folder when it holds a resume point and say how to
+    continue; remove it when it holds nothing worth keeping."""
+    if (staging / STATE_FILE).is_file():
+        return f"the finished layers are kept in {staging}: {command_hint}"
+    shutil.rmtree(staging, ignore_errors=True)
+    return None

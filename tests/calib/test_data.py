@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from llmq.calib.data import calibration_windows, evaluation_windows, load_documents
 from llmq.calib.tokenizer import load_tokenizer
@@ -96,3 +97,15 @@ def test_tokenizers_that_add_bos_start_every_window_with_it(
     assert windows.add_bos and windows.input_ids[:, 0].tolist() == [1, 1]
     plain = evaluation_windows(load_tokenizer(default_model), "news", seq_len=16, max_windows=2)
     assert windows.input_ids[0, 1:].tolist() == plain.input_ids[0, :-1].tolist()
+
+
+def test_a_corrupt_token_cache_entry_is_rebuilt(
+    tmp_path: Path, tokenizer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("LLMQ_CACHE_DIR", str(tmp_path))
+    fresh = evaluation_windows(tokenizer, "news", seq_len=64, max_windows=4).input_ids
+    (entry,) = (tmp_path / "tokens").iterdir()
+    entry.write_bytes(entry.read_bytes()[:-3])  # truncated: not a whole number of ids
+    rebuilt = evaluation_windows(tokenizer, "news", seq_len=64, max_windows=4).input_ids
+    assert torch.equal(rebuilt, fresh) and "unreadable cache entry" in caplog.text
+    assert entry.stat().st_size % 4 == 0

@@ -43,3 +43,35 @@ def test_default_model_w8a16_and_fp8_accuracy(tmp_path: Path, default_model: Pat
     assert 0 <= results["w8a16"].increase < 0.01
     assert results["fp8"].increase < 0.05
     assert "A fp8 token" in results["fp8"].model.quantized
+
+
+def test_a_corrupt_perplexity_cache_entry_is_rebuilt(
+    tmp_path: Path, tiny_llama: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A half-written or damaged entry is ignored with a warning and written again, whole."""
+    from llmq.eval.ppl import cached_perplexity
+
+    ckpt = open_checkpoint(tiny_llama)
+    windows = evaluation_windows(load_tokenizer(tiny_llama), "news", seq_len=48, max_windows=2)
+    first = cached_perplexity(ckpt, windows, tmp_path)
+    (entry,) = tmp_path.iterdir()
+    for damage in ('{"model": "x", "perplex', '{"model": "x"}', "\x00\xff", ""):
+        entry.write_text(damage)
+        caplog.clear()
+        rebuilt = cached_perplexity(ckpt, windows, tmp_path)
+        assert not rebuilt.cached and rebuilt.perplexity == first.perplexity
+        assert "unreadable cache entry" in caplog.text
+        assert cached_perplexity(ckpt, windows, tmp_path).cached
+    assert [p.name for p in tmp_path.iterdir()] == [entry.name]  # no partial files left
+
+
+def test_an_unwritable_cache_is_a_warning(
+    tmp_path: Path, tiny_llama: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from llmq.eval.ppl import cached_perplexity
+
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache folder should be")
+    windows = evaluation_windows(load_tokenizer(tiny_llama), "news", seq_len=48, max_windows=1)
+    result = cached_perplexity(open_checkpoint(tiny_llama), windows, blocker / "ppl")
+    assert math.isfinite(result.perplexity) and "could not write the cache entry" in caplog.text

@@ -460,3 +460,21 @@ def test_skip_layer_check_writes_the_same_weights(tmp_path: Path, tiny_llama: Pa
 def test_default_clip_follows_scheme_and_method(scheme: str, method: str, clip: str) -> None:
     assert llmq.make_recipe(scheme=scheme, method=method).clip == clip
     assert llmq.make_recipe(scheme=scheme, method=method, clip="none").clip == "none"
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym", "w8a16", "w8a8", "fp8", "fp8-block"])
+def test_the_plan_knows_the_output_size(tmp_path: Path, tiny_llama: Path, scheme: str) -> None:
+    """The space check's estimate covers the checkpoint written, without asking for much more."""
+    from llmq.io.checkpoint import open_checkpoint
+    from llmq.pipeline.plan import output_bytes, plan_quantization
+
+    recipe = llmq.make_recipe(scheme=scheme, skip_layer_check=True)
+    (tiny_llama / "pytorch_model.bin").write_bytes(b"\0" * 2**20)  # a second copy, never copied
+    try:
+        estimate = output_bytes(open_checkpoint(tiny_llama), plan_quantization(open_checkpoint(tiny_llama), recipe))  # fmt: skip
+    finally:
+        (tiny_llama / "pytorch_model.bin").unlink()
+    out = tmp_path / "out"
+    llmq.quantize(tiny_llama, out, recipe=recipe)
+    written = sum(p.stat().st_size for p in out.iterdir() if p.name != "llmq.json")
+    assert written <= estimate <= 1.05 * written

@@ -176,6 +176,7 @@ def quantize(
     resume: bool = False,
     resume_every_s: float = RESUME_EVERY_S,
     space_check: bool = True,
+    require_loaders: tuple[str, ...] | list[str] = (),
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
     **options: Any,
@@ -191,7 +192,8 @@ def quantize(
     `resume_every_s`: seconds between the resume points an interrupted run continues from with
     `resume=True` (0: after every layer). One run at a time writes OUT (a second one raises
     InputError naming the first); `space_check=False` skips the refusal, before any work, of an
-    output that will not fit on OUT's file system. Returns a `QuantizeResult`.
+    output that will not fit on OUT's file system. `require_loaders` (transformers, vllm, llmq):
+    refuse, before any work, a scheme one of them cannot load. Returns a `QuantizeResult`.
     """
     from llmq.calib.stats import CalibStats
     from llmq.io.atomic import check_free_space, check_output_dir, claim_output, staging_path
@@ -200,6 +202,7 @@ def quantize(
     from llmq.pipeline.state import keep_if_resumable
 
     recipe = recipe or make_recipe(**options)
+    loaders = _check_loaders(recipe, require_loaders)
     if not resume_every_s >= 0:
         raise InputError(f"--resume-every {resume_every_s}: must be >= 0 seconds")
     ckpt = _open(model, progress)
@@ -229,6 +232,7 @@ def quantize(
             "source_model": str(model),
             "recipe": recipe.model_dump(mode="json"),
             "calibration": None,
+            "loaders": loaders,
         }
         ids = None
         if recipe.calibration is not None:
@@ -249,6 +253,28 @@ def quantize(
             calibration_ids=ids, calib_stats=stats, resume=resume, progress=progress,
             record=record, device=device, resume_every_s=resume_every_s,
         )  # fmt: skip
+
+
+def _check_loaders(recipe: Recipe, required: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """Which loaders read the recipe's format; InputError when a required one cannot."""
+    from llmq.pack.format import scheme_format
+    from llmq.pack.loaders import LOADERS, loader_support
+
+    support = loader_support(recipe.weight_args, scheme_format(recipe.scheme))
+    for name in required:
+        if name not in LOADERS:
+            raise InputError(
+                f"--require-loader {name!r}: not a loader",
+                hint=f"choose from: {', '.join(LOADERS)}",
+            )
+        why = next((s.why for s in support if s.loader == name and not s.reads), None)
+        if why is not None:
+            raise InputError(
+                f"--require-loader {name}: {name} cannot load --scheme "
+                f"{recipe.scheme.name.lower().replace('_', '-')} ({why})",
+                hint="use a symmetric scheme (w4a16, w8a16), which every loader reads",
+            )
+    return {s.loader: {"reads": s.reads, "why": s.why} for s in support}
 
 
 def _quantize_bytes(ckpt: Any, plan: Any, recipe: Recipe, resumed: Path | None) -> int:
@@ -482,6 +508,30 @@ def evaluate(
     return EvalResult(
         protocol=protocol, model=result, baseline=base, max_ppl_increase=max_ppl_increase
     )
+
+
+def verify(
+    path: str | Path,
+    *,
+    loaders: list[str] | None = None,
+    against: str | Path | None = None,
+    progress: Progress = NO_PROGRESS,
+    device: str | None = None,
+) -> Any:
+    """Load the checkpoint at PATH with each loader (default: every installed one of
+    transformers, vllm, llmq), run the prompts its `llmq.json` records and compare their
+    log-probabilities with the recorded reference, and its files with their recorded hashes.
+    `against`: also the distance of the original model. Returns a `VerifyResult`
+    (`.passed` False when a loader fails or a file changed)."""
+    from llmq.eval.verify import check_loaders, installed_loaders
+    from llmq.eval.verify import verify as run
+
+    names = check_loaders(list(loaders)) if loaders else installed_loaders()
+    folder = resolve_model(path, progress=progress)
+    if not folder.is_dir():
+        raise InputError(f"{path}: not a folder", hint="verify reads a checkpoint folder")
+    original = _open(against, progress) if against is not None else None
+    return run(folder, loaders=names, against=original, progress=progress, device=device)
 
 
 def load_dequantized(path: str | Path) -> Any:

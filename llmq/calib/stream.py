@@ -259,12 +259,25 @@ class LayerStream:
             for module in modules:
                 del module.forward
 
+    def _head(self) -> tuple[nn.Module, Tensor]:
+        """The final norm and the output projection's weight (the embedding's when tied)."""
+        norm = self._materialize(self.layout.final_norm, f"{self.layout.final_norm}.")
+        head_name = self.layout.embed if self.ckpt.tied_embeddings else self.layout.lm_head
+        return norm, self._read_weight(head_name)
+
+    @torch.inference_mode()
+    def log_probs(self, hidden: Tensor) -> Tensor:
+        """Next-token log-probabilities [samples, seq, vocab] in float32 from the last layer's
+        output, one sample at a time (logits are vocab-wide)."""
+        norm, head = self._head()
+        return torch.stack(
+            [torch.log_softmax((norm(row) @ head.T).float(), dim=-1) for row in hidden]
+        )
+
     @torch.inference_mode()
     def token_nll(self, hidden: Tensor, input_ids: Tensor) -> tuple[float, int]:
         """Sum of next-token negative log-likelihoods (float64) and the number of tokens scored."""
-        norm = self._materialize(self.layout.final_norm, f"{self.layout.final_norm}.")
-        head_name = self.layout.embed if self.ckpt.tied_embeddings else self.layout.lm_head
-        head = self._read_weight(head_name)
+        norm, head = self._head()
         total, count = 0.0, 0
         for row in range(hidden.shape[0]):  # one window at a time: logits are vocab-wide
             logits = norm(hidden[row, :-1]) @ head.T

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import typer
 
-from llmq.cli import bench, calibrate, evaluate, fallback_scan, generate, models, quantize
+from llmq.cli import (
+    bench,
+    calibrate,
+    evaluate,
+    fallback_scan,
+    generate,
+    models,
+    quantize,
+    verify,
+)
 
 app = typer.Typer(
     name="llmq",
@@ -23,6 +32,7 @@ app.command("fallback-scan")(fallback_scan.fallback_scan)
 app.command("generate")(generate.generate)
 app.command("bench")(bench.bench)
 app.command("models")(models.models)
+app.command("verify")(verify.verify)
 
 
 def main() -> None:

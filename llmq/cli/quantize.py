@@ -13,6 +13,7 @@ from llmq.cli.console import (
     cli_errors,
     counted,
     err_console,
+    labelled,
     out_console,
     print_json,
     progress_bars,
@@ -161,6 +162,12 @@ def quantize(
             help="Seconds between resume points: the hidden states after a layer, saved for --resume (as large as the calibration activations: 2 GB a layer for a 70B model at 128 x 512 tokens). 0 saves after every layer; an interruption loses at most this much work."
         ),
     ] = RESUME_EVERY_S,
+    require_loader: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Refuse, before any work, a scheme this loader cannot load: transformers, vllm or llmq; repeatable. Plain transformers cannot load asymmetric int4/int8 (w4a16-asym) today: its packed zero points. `llmq verify OUT` checks a written checkpoint."
+        ),
+    ] = None,
     space_check: SpaceCheck = True,
     device: Device = "auto",
     json_out: JsonFlag = False,
@@ -189,7 +196,8 @@ def quantize(
                     model, out, recipe=recipe, calib_stats=calib_stats, fallback=fallback,
                     fallback_threshold=fallback_threshold,
                     overwrite=overwrite, resume=resume, resume_every_s=resume_every,
-                    space_check=space_check, progress=progress, device=device,
+                    space_check=space_check, require_loaders=tuple(require_loader or ()),
+                    progress=progress, device=device,
                 )  # fmt: skip
             except KeyboardInterrupt:
                 err_console.print(f"partial output kept; continue with: --out {out} --resume")
@@ -242,11 +250,25 @@ def render(result: Any) -> None:
         )
     if result.resumed_layers:
         out_console.print(f"resumed after {counted(result.resumed_layers, 'finished layer')}")
+    _print_loaders(result)
     sizes = result.size_bytes
     out_console.print(
         f"wrote {result.out_dir} ({sizes['output'] / 1e6:.1f} MB, source {sizes['source'] / 1e6:.1f} MB) "
         f"in {result.seconds:.1f} s; kept in full precision: {counted(len(result.ignored), 'linear')}"
     )
+
+
+def _print_loaders(result: Any) -> None:
+    """Which loaders read the checkpoint, and for the others why not and what to use."""
+    readers = [name for name, support in result.loaders.items() if support["reads"]]
+    for name, support in result.loaders.items():
+        if not support["reads"]:
+            out_console.print(
+                labelled("note:", "bold yellow", f"plain {name} cannot load this checkpoint: "
+                f"{support['why']}; load it with {' or '.join(readers)} "
+                "(llmq.load_quantized), and check it with `llmq verify`"),
+                soft_wrap=True,
+            )  # fmt: skip
 
 
 def _print_scaling(layers: list[Any]) -> None:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from llmq.calib.data import TokenWindows
 from llmq.calib.stream import LayerStream, activation_quantization, kv_hook
@@ -64,21 +65,10 @@ def perplexity(
 ) -> Perplexity:
     started = time.perf_counter()
     view = QuantizedView(ckpt)
-    stream = LayerStream(ckpt, device=device, dtype=EVAL_DTYPE, state_loader=view.read_state)
-    hidden = stream.embed(windows.input_ids)
-    with (
-        progress.stage(f"perplexity {ckpt.path.name}", total=ckpt.num_layers) as advance,
-        reused_heap(),  # 10% faster on the default model: no page faults per op output
-    ):
-        for index in range(ckpt.num_layers):
-            layer = stream.load_layer(index)
-            prefix = stream.layout.layer_prefix(index)
-            inputs = view.activation_schemes(ckpt, prefix)
-            kv = view.kv_quantizer(ckpt, prefix + stream.layout.attention)
-            attention = layer.get_submodule(stream.layout.attention)
-            with activation_quantization(layer, inputs), kv_hook(attention, kv):
-                hidden = stream.run_layer(layer, hidden, in_place=True)
-            advance(1)
+    stream, hidden = run_checkpoint(
+        ckpt, view, windows.input_ids, progress=progress, device=device,
+        label=f"perplexity {ckpt.path.name}",
+    )  # fmt: skip
     nll, count = stream.token_nll(hidden, windows.input_ids)
     return Perplexity(
         model=str(ckpt.path),
@@ -88,6 +78,40 @@ def perplexity(
         quantized=describe_quantization(view),
         seconds=time.perf_counter() - started,
     )
+
+
+def run_checkpoint(
+    ckpt: Checkpoint,
+    view: QuantizedView,
+    input_ids: Tensor,
+    *,
+    progress: Progress = NO_PROGRESS,
+    device: str | None = None,
+    label: str = "layers",
+    simulate_activations: bool = True,
+) -> tuple[LayerStream, Tensor]:
+    """The last decoder layer's output on `input_ids` [samples, seq], one layer in memory at a
+    time, with the checkpoint's weights dequantized and its activations and KV cache quantized
+    as its format says (in float with `simulate_activations=False`: the weights alone); and the
+    stream, for the head."""
+    stream = LayerStream(ckpt, device=device, dtype=EVAL_DTYPE, state_loader=view.read_state)
+    hidden = stream.embed(input_ids)
+    with (
+        progress.stage(label, total=ckpt.num_layers) as advance,
+        reused_heap(),  # 10% faster on the default model: no page faults per op output
+    ):
+        for index in range(ckpt.num_layers):
+            layer = stream.load_layer(index)
+            prefix = stream.layout.layer_prefix(index)
+            inputs, kv = {}, None
+            if simulate_activations:
+                inputs = view.activation_schemes(ckpt, prefix)
+                kv = view.kv_quantizer(ckpt, prefix + stream.layout.attention)
+            attention = layer.get_submodule(stream.layout.attention)
+            with activation_quantization(layer, inputs), kv_hook(attention, kv):
+                hidden = stream.run_layer(layer, hidden, in_place=True)
+            advance(1)
+    return stream, hidden
 
 
 def cache_key(ckpt: Checkpoint, windows: TokenWindows) -> str:

@@ -99,6 +99,8 @@ class QuantizeResult:
     group_size_adjustments: list[dict[str, Any]]
     calibration: dict[str, Any] | None
     fallback: dict[str, Any] | None = None  # linears a fallback scan kept in full precision
+    # per loader (transformers, vllm, llmq): {"reads": bool, "why": str | None}
+    loaders: dict[str, Any] = field(default_factory=dict)
     resumed_layers: int = 0
     seconds: float = 0.0
     size_bytes: dict[str, int] = field(default_factory=dict)
@@ -153,7 +155,7 @@ def run_quantization(
             state.record(asdict(report), hidden)
             advance(1)
     del buffers
-    _finalize(ckpt, plan, recipe, staging, shards, record)
+    _finalize(ckpt, plan, recipe, staging, shards, record, device)
     publish(staging, out)
     return QuantizeResult(
         out_dir=out,
@@ -165,6 +167,7 @@ def run_quantization(
         group_size_adjustments=[asdict(a) for a in plan.adjustments],
         calibration=record.get("calibration"),
         fallback=record.get("fallback"),
+        loaders=record.get("loaders", {}),
         resumed_layers=resumed,
         seconds=time.perf_counter() - started,
         size_bytes={"source": _weights_size(ckpt.path), "output": _weights_size(out)},
@@ -720,8 +723,10 @@ def _finalize(
     staging: Path,
     shards: _ShardNames,
     record: dict[str, Any],
+    device: str | None,
 ) -> None:
-    from llmq.io.checkpoint import read_safetensors_header
+    from llmq.eval.logits import compute_reference, file_hashes
+    from llmq.io.checkpoint import open_checkpoint, read_safetensors_header
 
     weight_map: dict[str, str] = {}
     total_size = 0
@@ -740,8 +745,11 @@ def _finalize(
         kv_cache=recipe.kv_cache_args,
     )  # fmt: skip
     write_json(staging / "config.json", config)
-    write_json(staging / RECORD_FILE, record)
     _copy_side_files(ckpt.path, staging)
+    # What the written files compute, and their hashes, for `llmq verify`.
+    record["reference"] = compute_reference(open_checkpoint(staging), device=device).to_dict()
+    record["files"] = file_hashes(staging)
+    write_json(staging / RECORD_FILE, record)
     (staging / STATE_FILE).unlink(missing_ok=True)
     (staging / HIDDEN_FILE).unlink(missing_ok=True)
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LLMQ, Job, ppl_cells, run_jobs, save_report
+from common import LLMQ, Job, ppl_cells, preamble, run_jobs, save_report
 
 
 def jobs(samples: int, seq_len: int, seeds: list[int]) -> list[Job]:
@@ -63,10 +63,8 @@ def main() -> None:
 
 def markdown(report: dict) -> str:
     rows = report["rows"]
-    base = rows[0]["ppl"]
     lines = [
-        f"Protocol: {report['protocol']}. Calibration: {report['calibration']}. fp32 baseline: "
-        f"pydoc {base['pydoc']['base']:.3f}, Hamlet {base['shakespeare']['base']:.3f}.",
+        preamble(report),
         "",
         "| method, scheme g64 | ppl held-out pydoc | ppl Hamlet | wall s |",
         "|---|---|---|---|",

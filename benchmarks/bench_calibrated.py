@@ -34,6 +34,7 @@ from common import (
     ensure_peer,
     peer_comparison,
     ppl_cells,
+    preamble,
     run_jobs,
     save_report,
 )
@@ -99,10 +100,8 @@ def main() -> None:
 
 def markdown(report: dict) -> str:
     rows = report["rows"]
-    base = rows[0]["ppl"]
     lines = [
-        f"Protocol: {report['protocol']}. Calibration: {report['calibration']}. fp32 baseline: "
-        f"pydoc {base['pydoc']['base']:.3f}, Hamlet {base['shakespeare']['base']:.3f}.",
+        preamble(report),
         "",
         "| tool | method, scheme g64, calibration | ppl held-out pydoc | ppl Hamlet | wall s | peak RSS GB | gap to fp32 closed vs RTN W4A16 (pydoc / Hamlet) |",
         "|---|---|---|---|---|---|---|",

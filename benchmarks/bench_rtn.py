@@ -28,6 +28,7 @@ from common import (
     llmq_quantize_cmd,
     peer_quantize_cmd,
     ppl_cells,
+    preamble,
     run_measured,
     save_report,
 )
@@ -105,10 +106,8 @@ def main() -> None:
 
 def markdown(report: dict) -> str:
     rows = report["rows"]
-    base = rows[0]["ppl"]
     lines = [
-        f"Protocol: {report['protocol']}. fp32 baseline: pydoc {base['pydoc']['base']:.3f}, "
-        f"Hamlet {base['shakespeare']['base']:.3f}.",
+        preamble(report),
         "",
         "| tool | scheme | ppl held-out pydoc | ppl Hamlet | wall s (process, median) | peak RSS GB |",
         "|---|---|---|---|---|---|",

@@ -30,6 +30,7 @@ from common import (
     ensure_peer,
     peer_comparison,
     ppl_cells,
+    preamble,
     run_jobs,
     save_report,
 )
@@ -93,11 +94,8 @@ def main() -> None:
 
 def markdown(report: dict) -> str:
     rows = report["rows"]
-    base = rows[0]["ppl"]
     lines = [
-        f"Protocol: {report['protocol']}. Calibration (rows marked calibrated): "
-        f"{report['calibration']}. fp32 baseline: pydoc {base['pydoc']['base']:.3f}, "
-        f"Hamlet {base['shakespeare']['base']:.3f}.",
+        preamble(report, "Calibration (rows marked calibrated)"),
         "",
         "| tool | job | evaluated as | ppl held-out pydoc | ppl Hamlet | wall s | peak RSS GB |",
         "|---|---|---|---|---|---|---|",

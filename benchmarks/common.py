@@ -122,6 +122,17 @@ def save_report(
     print(markdown(report))
 
 
+def preamble(report: dict, calibration: str = "Calibration") -> str:
+    """The line above a results table: protocol, calibration (when the report has one) and the
+    fp32 baselines of the held-out texts."""
+    base = report["rows"][0]["ppl"]
+    calib = f" {calibration}: {report['calibration']}." if report.get("calibration") else ""
+    return (
+        f"Protocol: {report['protocol']}.{calib} fp32 baseline: pydoc {base['pydoc']['base']:.3f}, "
+        f"Hamlet {base['shakespeare']['base']:.3f}."
+    )
+
+
 def ppl_cells(row: dict) -> str:
     """'ppl (increase) | ppl (increase)' for the held-out texts of one result row."""
     return " | ".join(

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import llmq
 from llmq.errors import InputError, NumericalError
-from llmq.io.atomic import staging_path
+from llmq.io.atomic import lock_path, staging_path
 from llmq.pipeline.quantize import _check_finite
 from tests.conftest import make_tiny
 
@@ -424,6 +424,7 @@ def test_sigkill_mid_run_then_resume_is_identical(tmp_path: Path, default_model:
         time.sleep(0.02)
     assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
     assert not out.exists()
+    assert lock_path(out).exists()  # no cleanup ran; the kernel released the lock itself
     resumed = subprocess.run(
         [*cmd, "--resume", "--json"], capture_output=True, text=True, check=True
     )

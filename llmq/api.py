@@ -177,6 +177,7 @@ def quantize(
     resume_every_s: float = RESUME_EVERY_S,
     space_check: bool = True,
     require_loaders: tuple[str, ...] | list[str] = (),
+    reference: bool = True,
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
     **options: Any,
@@ -193,7 +194,9 @@ def quantize(
     `resume=True` (0: after every layer). One run at a time writes OUT (a second one raises
     InputError naming the first); `space_check=False` skips the refusal, before any work, of an
     output that will not fit on OUT's file system. `require_loaders` (transformers, vllm, llmq):
-    refuse, before any work, a scheme one of them cannot load. Returns a `QuantizeResult`.
+    refuse, before any work, a scheme one of them cannot load. `reference`: record in llmq.json
+    what the written files compute on a few prompts, for `verify` (one more pass over the
+    written layers; file hashes are recorded either way). Returns a `QuantizeResult`.
     """
     from llmq.calib.stats import CalibStats
     from llmq.io.atomic import check_free_space, check_output_dir, claim_output, staging_path
@@ -251,7 +254,7 @@ def quantize(
         return run_quantization(
             ckpt, plan, recipe, out,
             calibration_ids=ids, calib_stats=stats, resume=resume, progress=progress,
-            record=record, device=device, resume_every_s=resume_every_s,
+            record=record, device=device, resume_every_s=resume_every_s, reference=reference,
         )  # fmt: skip
 
 

@@ -169,6 +169,12 @@ def quantize(
         ),
     ] = None,
     space_check: SpaceCheck = True,
+    reference: Annotated[
+        bool,
+        typer.Option(
+            help="Record in llmq.json what the written files compute on three fixed prompts, for `llmq verify` (one more pass over the written layers, a few tokens each). --no-reference skips it; verify then computes it from the files. File hashes are recorded either way."
+        ),
+    ] = True,
     device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:
@@ -197,6 +203,7 @@ def quantize(
                     fallback_threshold=fallback_threshold,
                     overwrite=overwrite, resume=resume, resume_every_s=resume_every,
                     space_check=space_check, require_loaders=tuple(require_loader or ()),
+                    reference=reference,
                     progress=progress, device=device,
                 )  # fmt: skip
             except KeyboardInterrupt:

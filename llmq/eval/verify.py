@@ -121,17 +121,17 @@ def verify(
     if not ckpt.quantization_config:
         raise InputError(f"{folder}: not a quantized checkpoint (no quantization_config)", hint="verify checks the output of `llmq quantize` or another compressed-tensors tool")  # fmt: skip
     record = _read_record(folder)
-    reference = recorded_reference(record, folder)
     changed = None
+    if "files" in record:
+        with progress.stage("hashing files"):
+            changed = changed_files(folder, record["files"])
+    reference = recorded_reference(record, folder)
     if reference is None:
         with progress.stage("computing the reference with llmq's evaluator"):
             reference = compute_reference(ckpt, device=device)
         source = "computed now by llmq's evaluator (the checkpoint records none)"
     else:
         source = f"recorded at quantize time ({reference.computed_by})"
-        if "files" in record:
-            with progress.stage("hashing files"):
-                changed = changed_files(folder, record["files"])
     results = []
     for name in loaders:
         with progress.stage(f"loading with {name}"):

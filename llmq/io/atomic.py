@@ -108,8 +108,7 @@ def _acquire(path: Path, out: Path) -> int:
             raise InputError(
                 f"{out}: another llmq run is writing it "
                 f"({holder.describe() if holder else 'its details are not readable'})",
-                hint="wait for that run to finish, or stop it; a stopped run frees OUT at once "
-                "(its partial output stays for --resume)",
+                hint="wait for that run to finish, or stop it: a stopped run frees it at once",
             ) from None
         if _same_file(fd, path):
             break
@@ -117,8 +116,12 @@ def _acquire(path: Path, out: Path) -> int:
     holder = LockHolder(
         os.getpid(), socket.gethostname(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     )
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(asdict(holder)).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(asdict(holder)).encode(), 0)
+    except OSError:
+        os.close(fd)
+        raise
     return fd
 
 

@@ -228,3 +228,18 @@ def test_every_command_under_a_read_only_folder_fails_in_one_line(
         assert result.exit_code == 0, result.output
         assert "Traceback" not in result.output and "error:" not in result.output
     assert list(read_only.iterdir()) == []
+
+
+def test_a_name_too_long_and_a_file_in_the_path_fail_in_one_line(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for out, reason in (
+        (tmp_path / ("x" * 300), "File name too long"),
+        (blocker / "out", "Not a directory"),
+    ):
+        result = runner.invoke(app, ["quantize", str(tiny_llama), "--out", str(out), "--scheme", "w8a16"])  # fmt: skip
+        assert result.exit_code == 2
+        assert reason in one_error_line(result.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

@@ -139,7 +139,9 @@ def test_the_reference_is_what_the_written_files_compute(symmetric: Path) -> Non
 
 
 @pytest.mark.integration
-def test_one_group_scale_of_the_default_model_is_caught(tmp_path: Path, default_model: Path) -> None:
+def test_one_group_scale_of_the_default_model_is_caught(
+    tmp_path: Path, default_model: Path
+) -> None:
     """On a real model one group's scale of one linear (64 of 135M weights) moves the recorded
     log-probabilities by about 0.08, four times the tolerance."""
     out = tmp_path / "w4a16"
@@ -151,3 +153,12 @@ def test_one_group_scale_of_the_default_model_is_caught(tmp_path: Path, default_
     save_file(tensors, shard, metadata={"format": "pt"})
     result = llmq.verify(out, loaders=["transformers", "llmq"])
     assert verdicts(result) == {"transformers": "wrong logits", "llmq": "wrong logits"}
+
+
+def test_no_reference_still_records_file_hashes(tmp_path: Path, tiny_llama: Path) -> None:
+    out = tmp_path / "plain"
+    llmq.quantize(tiny_llama, out, scheme="w8a16", skip_layer_check=True, reference=False)
+    assert "reference" not in json.loads((out / "llmq.json").read_text())
+    result = llmq.verify(out, loaders=["llmq"])
+    assert result.passed and result.changed_files == []
+    assert result.reference.startswith("computed now")

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 import llmq
 from llmq.errors import InputError, NumericalError
 from llmq.io.atomic import lock_path, staging_path
-from llmq.pipeline.quantize import _check_finite
+from llmq.pipeline.linears import check_finite
 from tests.conftest import make_tiny
 
 FAST = {"num_samples": 2, "seq_len": 64}
@@ -367,8 +367,8 @@ def test_check_finite_finds_one_bad_value_anywhere(bad: float, where: int) -> No
     values = torch.randn(4, 64, 32)
     values.view(-1)[where] = bad
     with pytest.raises(NumericalError, match="NaN or Inf in the probe"):
-        _check_finite(values, "the probe")
-    _check_finite(torch.randn(4, 64, 32), "the probe")
+        check_finite(values, "the probe")
+    check_finite(torch.randn(4, 64, 32), "the probe")
 
 
 def test_existing_output_needs_overwrite(tmp_path: Path, tiny_llama: Path) -> None:

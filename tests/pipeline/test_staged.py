@@ -17,8 +17,10 @@ from llmq.calib.collect import run_observed
 from llmq.calib.stream import LayerStream
 from llmq.config import Recipe
 from llmq.io.checkpoint import open_checkpoint
+from llmq.pipeline.linears import REPORT_WINDOWS
 from llmq.pipeline.plan import plan_quantization
-from llmq.pipeline.quantize import REPORT_WINDOWS, _StagedLayer, _stages_in_layer
+from llmq.pipeline.quantize import _stages_in_layer
+from llmq.pipeline.staged import StagedLayer
 from llmq.progress import NO_PROGRESS
 from llmq.quant.methods import Method, MethodResult, get_method
 
@@ -42,7 +44,7 @@ class Recording:
     scope="module", params=[(), ("self_attn.q_proj", "mlp.down_proj")], ids=["all", "some-ignored"]
 )
 def staged_run(tiny_llama: Path, request: pytest.FixtureRequest):
-    """Layer 0 of the tiny model quantized W4A16 GPTQ by `_StagedLayer` on embedded tokens;
+    """Layer 0 of the tiny model quantized W4A16 GPTQ by `StagedLayer` on embedded tokens;
     with linears left in full precision too (a group's first linear, a block's output projection),
     as `--ignore` and `--fallback` leave them."""
     ckpt = open_checkpoint(tiny_llama)
@@ -62,7 +64,7 @@ def staged_run(tiny_llama: Path, request: pytest.FixtureRequest):
     layer = stream.load_layer(0)
     method = Recording(get_method(recipe))
     assert _stages_in_layer(recipe, method, None, local)
-    done = _StagedLayer(stream, layer, local, method, recipe, hidden, lambda: None).run()
+    done = StagedLayer(stream, layer, local, method, recipe, hidden, lambda: None).run()
     return stream, layer, inputs, done, method, local
 
 
@@ -121,7 +123,7 @@ def test_layers_sharing_buffers_give_what_fresh_buffers_give(tiny_llama: Path) -
         for index in (0, 1):
             prefix = stream.layout.layer_prefix(index)
             local = {lin.name[len(prefix) :]: lin for lin in plan.layers[index]}
-            done = _StagedLayer(
+            done = StagedLayer(
                 stream, stream.load_layer(index), local, get_method(recipe), recipe, hidden,
                 lambda: None, shared,
             ).run()  # fmt: skip
@@ -154,7 +156,7 @@ def test_rtn_with_output_clipping_runs_staged_without_comparing_with_itself(
         3, 16, stream.config.hidden_size, generator=torch.Generator().manual_seed(1)
     )
     layer = stream.load_layer(0)
-    done = _StagedLayer(stream, layer, local, method, recipe, inputs.clone(), lambda: None).run()
+    done = StagedLayer(stream, layer, local, method, recipe, inputs.clone(), lambda: None).run()
     assert done.rtn_error is None
     assert all(report.rtn_output_error is None for report in done.linears)
     torch.testing.assert_close(done.output, stream.run_layer(layer, inputs), rtol=1e-5, atol=1e-5)

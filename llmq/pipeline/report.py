@@ -1,0 +1,65 @@
+"""What a quantization run reports: per linear, per layer, and the whole result (what
+`--json` prints and `llmq.json` keeps of the layers)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmq.pipeline.scaling import ScaleReport
+
+
+@dataclass(frozen=True, slots=True)
+class LinearReport:
+    name: str
+    quant: str  # e.g. "int4 g64"
+    weight_nrmse: float  # ||W - deq(q(W))|| / ||W||
+    # ||(W - Q) X|| / ||W X|| on the calibration inputs, from their Hessian (methods that collect
+    # one); for AWQ-scaled linears, of the scaled weight on the scaled inputs.
+    output_error: float | None = None
+    rtn_output_error: float | None = None  # the same for plain RTN of the original weight
+    loss: float | None = None  # the method's own objective (GPTQ's loss)
+    dampening_frac: float | None = None  # GPTQ's dampening, raised when Cholesky failed
+    warning: str | None = None  # numerical trouble handled by a documented fallback
+
+
+@dataclass(frozen=True, slots=True)
+class LayerReport:
+    index: int
+    # ||Y_q - Y|| / ||Y|| on the first REPORT_WINDOWS calibration windows; None: no data
+    output_rel_rmse: float | None
+    seconds: float
+    linears: list[LinearReport]
+    # The same layer and inputs with plain RTN, on the same windows.
+    rtn_output_rel_rmse: float | None = None
+    scales: list[ScaleReport] = field(default_factory=list)  # AWQ's folds
+
+
+@dataclass(slots=True)
+class QuantizeResult:
+    out_dir: Path
+    model: str
+    scheme: str
+    method: str
+    layers: list[LayerReport]
+    ignored: list[str]
+    group_size_adjustments: list[dict[str, Any]]
+    calibration: dict[str, Any] | None
+    fallback: dict[str, Any] | None = None  # linears a fallback scan kept in full precision
+    # per loader (transformers, vllm, llmq): {"reads": bool, "why": str | None}
+    loaders: dict[str, Any] = field(default_factory=dict)
+    resumed_layers: int = 0
+    seconds: float = 0.0
+    size_bytes: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["out_dir"] = str(self.out_dir)
+        return data
+
+
+def layer_report(raw: dict[str, Any]) -> LayerReport:
+    linears = [LinearReport(**linear) for linear in raw["linears"]]
+    scales = [ScaleReport(**scale) for scale in raw.get("scales", [])]
+    return LayerReport(**{**raw, "linears": linears, "scales": scales})

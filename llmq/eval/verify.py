@@ -278,6 +278,14 @@ def _vllm(folder: Path, ckpt: Checkpoint, reference: Reference, device: str | No
     llm = LLM(model=str(folder), dtype="float32", enforce_eager=True)
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * TOP_K, prompt_logprobs=2 * TOP_K)  # fmt: skip
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in reference.input_ids], params)  # fmt: skip
+    return _as_run(distance_on_top(reference.prompts, vllm_top_values(reference, outputs)), reference)  # fmt: skip
+
+
+def vllm_top_values(reference: Reference, outputs: list[Any]) -> list[Tensor]:
+    """Per prompt, vLLM's log-probabilities of the reference's top tokens [positions, TOP_K],
+    from its `RequestOutput`s: `prompt_logprobs[p + 1]` is the distribution after position p
+    (entry 0 is None: nothing predicts the first token), the generated token's `logprobs[0]`
+    the one after the last position."""
     values = []
     for prompt, output in zip(reference.prompts, outputs, strict=True):
         positions = [*output.prompt_logprobs[1:], output.outputs[0].logprobs[0]]
@@ -286,7 +294,7 @@ def _vllm(folder: Path, ckpt: Checkpoint, reference: Reference, device: str | No
             floor = min(entry.logprob for entry in returned.values())
             rows.append([returned[i].logprob if i in returned else floor for i in top_ids])
         values.append(torch.tensor(rows))
-    return _as_run(distance_on_top(reference.prompts, values), reference)
+    return values
 
 
 _LOADERS: dict[str, Callable[[Path, Checkpoint, Reference, str | None], Comparison]] = {

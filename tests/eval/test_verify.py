@@ -162,3 +162,35 @@ def test_no_reference_still_records_file_hashes(tmp_path: Path, tiny_llama: Path
     result = llmq.verify(out, loaders=["llmq"])
     assert result.passed and result.changed_files == []
     assert result.reference.startswith("computed now")
+
+
+def test_vllm_outputs_are_read_at_the_right_positions(symmetric: Path) -> None:
+    """vLLM's outputs, built from the reference's own full log-probabilities in vLLM's layout
+    (prompt_logprobs shifted by one, the last position in the generated token's logprobs, the
+    top 16 only), compare at distance 0; shifted by one position they are wrong logits."""
+    from types import SimpleNamespace
+
+    from llmq.eval.logits import (
+        LOGPROB_TOLERANCE,
+        distance_on_top,
+        evaluator_log_probs,
+        recorded_reference,
+    )
+    from llmq.eval.verify import vllm_top_values
+    from llmq.io.checkpoint import open_checkpoint
+
+    reference = recorded_reference(json.loads((symmetric / "llmq.json").read_text()), symmetric)
+    full = evaluator_log_probs(open_checkpoint(symmetric), reference.input_ids)
+
+    def top(values: torch.Tensor) -> dict[int, SimpleNamespace]:
+        best = values.topk(16)
+        return {int(i): SimpleNamespace(logprob=float(v)) for v, i in zip(best.values, best.indices, strict=True)}  # fmt: skip
+
+    def output(values: torch.Tensor, shift: int = 0) -> SimpleNamespace:
+        rows = [top(row) for row in values.roll(shift, dims=0)]
+        return SimpleNamespace(prompt_logprobs=[None, *rows[:-1]], outputs=[SimpleNamespace(logprobs=[rows[-1]])])  # fmt: skip
+
+    aligned = vllm_top_values(reference, [output(v) for v in full])
+    assert distance_on_top(reference.prompts, aligned).max_abs < 1e-6
+    shifted = vllm_top_values(reference, [output(v, shift=1) for v in full])
+    assert distance_on_top(reference.prompts, shifted).max_abs > LOGPROB_TOLERANCE

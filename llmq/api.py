@@ -200,12 +200,14 @@ def quantize(
     """
     from llmq.calib.stats import CalibStats
     from llmq.io.atomic import check_free_space, check_output_dir, claim_output, staging_path
-    from llmq.pipeline.plan import plan_quantization
+    from llmq.pack.format import scheme_format
+    from llmq.pack.loaders import check_required_loaders
+    from llmq.pipeline.plan import disk_needed, plan_quantization
     from llmq.pipeline.quantize import run_quantization
     from llmq.pipeline.state import keep_if_resumable
 
     recipe = recipe or make_recipe(**options)
-    loaders = _check_loaders(recipe, require_loaders)
+    loaders = check_required_loaders(recipe.weight_args, scheme_format(recipe.scheme), require_loaders)  # fmt: skip
     if not resume_every_s >= 0:
         raise InputError(f"--resume-every {resume_every_s}: must be >= 0 seconds")
     ckpt = _open(model, progress)
@@ -228,7 +230,7 @@ def quantize(
     with claim_output(out, kept=kept):  # held until the output is published
         check_output_dir(out, overwrite=overwrite, sources=(ckpt.path,))
         if space_check:
-            check_free_space(out, _quantize_bytes(ckpt, plan, recipe, staging if resume else None))
+            check_free_space(out, disk_needed(ckpt, plan, recipe, staging if resume else None))
         record: dict[str, Any] = {
             "llmq_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -256,44 +258,6 @@ def quantize(
             calibration_ids=ids, calib_stats=stats, resume=resume, progress=progress,
             record=record, device=device, resume_every_s=resume_every_s, reference=reference,
         )  # fmt: skip
-
-
-def _check_loaders(recipe: Recipe, required: tuple[str, ...] | list[str]) -> dict[str, Any]:
-    """Which loaders read the recipe's format; InputError when a required one cannot."""
-    from llmq.pack.format import scheme_format
-    from llmq.pack.loaders import LOADERS, loader_support
-
-    support = loader_support(recipe.weight_args, scheme_format(recipe.scheme))
-    for name in required:
-        if name not in LOADERS:
-            raise InputError(
-                f"--require-loader {name!r}: not a loader",
-                hint=f"choose from: {', '.join(LOADERS)}",
-            )
-        why = next((s.why for s in support if s.loader == name and not s.reads), None)
-        if why is not None:
-            raise InputError(
-                f"--require-loader {name}: {name} cannot load --scheme "
-                f"{recipe.scheme.name.lower().replace('_', '-')} ({why})",
-                hint="use a symmetric scheme (w4a16, w8a16), which every loader reads",
-            )
-    return {s.loader: {"reads": s.reads, "why": s.why} for s in support}
-
-
-def _quantize_bytes(ckpt: Any, plan: Any, recipe: Recipe, resumed: Path | None) -> int:
-    """Disk a quantization run needs: the output, its resume points, less what the partial
-    output being resumed already holds."""
-    from llmq.io.atomic import folder_size
-    from llmq.pipeline.plan import output_bytes
-    from llmq.pipeline.state import resume_point_bytes
-
-    needed = output_bytes(ckpt, plan)
-    if recipe.calibration is not None:
-        cal = recipe.calibration
-        needed += resume_point_bytes(cal.num_samples, cal.seq_len, ckpt.config["hidden_size"])
-    if resumed is not None:
-        needed -= folder_size(resumed)
-    return max(needed, 0)
 
 
 def _apply_fallback(

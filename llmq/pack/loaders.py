@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from llmq.config import QuantArgs
+from llmq.errors import InputError
 from llmq.pack.format import PackFormat
 
 LOADERS = ("transformers", "vllm", "llmq")
@@ -52,6 +54,19 @@ def loader_support(weights: QuantArgs, fmt: PackFormat) -> list[LoaderSupport]:
     return [transformers, LoaderSupport("vllm", True), LoaderSupport("llmq", True)]
 
 
-def unreadable_by(weights: QuantArgs, fmt: PackFormat) -> dict[str, str]:
-    """Loaders that cannot read such a checkpoint, and why."""
-    return {s.loader: s.why or "" for s in loader_support(weights, fmt) if not s.reads}
+def check_required_loaders(
+    weights: QuantArgs, fmt: PackFormat, required: tuple[str, ...] | list[str]
+) -> dict[str, dict[str, Any]]:
+    """Per loader, whether it reads this format (what `llmq.json` records); InputError when a
+    `required` one cannot, before any work."""
+    support = loader_support(weights, fmt)
+    for name in required:
+        if name not in LOADERS:
+            raise InputError(f"--require-loader {name!r}: not a loader", hint=f"choose from: {', '.join(LOADERS)}")  # fmt: skip
+        why = next((s.why for s in support if s.loader == name and not s.reads), None)
+        if why is not None:
+            raise InputError(
+                f"--require-loader {name}: {name} cannot load {weights.label} weights ({why})",
+                hint="use a symmetric scheme (w4a16, w8a16), which every loader reads",
+            )
+    return {s.loader: {"reads": s.reads, "why": s.why} for s in support}

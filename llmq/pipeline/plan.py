@@ -7,10 +7,13 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from llmq.config import QuantArgs, Recipe, fit_group_size, group_width
 from llmq.errors import InputError
+from llmq.io.atomic import folder_size
 from llmq.io.checkpoint import Checkpoint, side_files, torch_dtype
+from llmq.pipeline.state import resume_point_bytes
 
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
 
@@ -175,6 +178,18 @@ def _suffix(name: str) -> str:
 
 
 _ENTRY_BYTES = 256  # a tensor's header entry in its shard and its line in the index, at most
+
+
+def disk_needed(ckpt: Checkpoint, plan: Plan, recipe: Recipe, resumed: Path | None) -> int:
+    """Disk a quantization run needs: the output, its resume points, less what the partial
+    output being resumed (`resumed`, its staging folder) already holds."""
+    needed = output_bytes(ckpt, plan)
+    if recipe.calibration is not None:
+        cal = recipe.calibration
+        needed += resume_point_bytes(cal.num_samples, cal.seq_len, ckpt.config["hidden_size"])
+    if resumed is not None:
+        needed -= folder_size(resumed)
+    return max(needed, 0)
 
 
 def output_bytes(ckpt: Checkpoint, plan: Plan) -> int:

@@ -120,7 +120,7 @@ def test_require_loader_refuses_before_any_work(tmp_path: Path, tiny_llama: Path
     result = runner.invoke(
         app, ["quantize", str(tiny_llama), "--out", str(out), "--scheme", "w4a16-asym", "--require-loader", "transformers"]
     )  # fmt: skip
-    assert_bad_input(result, "transformers cannot load --scheme w4a16-asym")
+    assert_bad_input(result, "transformers cannot load int4 g128 asym weights")
     assert list(tmp_path.iterdir()) == []
     llmq.quantize(tiny_llama, out, scheme="w4a16", skip_layer_check=True, require_loaders=["transformers"])  # fmt: skip
     assert (out / "config.json").is_file()

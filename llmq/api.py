@@ -96,6 +96,8 @@ def make_recipe(
     activations: str = "dynamic",
     observer: str = "absmax",
     kv_cache: str | None = None,
+    sparsity: float | None = None,
+    pattern: str | None = None,
 ) -> Recipe:
     """Validate options into a Recipe (InputError naming the option on bad values).
 
@@ -106,6 +108,8 @@ def make_recipe(
     (alpha in [0, 1], "auto" or None). activations: "dynamic" (per token) or "static" (one
     calibrated input_scale per linear, chosen by observer: absmax, percentile or mse).
     kv_cache: "fp8" or "int8" (calibrated k_scale / v_scale per layer), or None.
+    Pruning methods (magnitude, wanda, sparsegpt): `sparsity` (share of each row's weights
+    removed) or `pattern` ("2:4"); the pruned weights are quantized to exactly zero.
     """
     from llmq.quant.methods import get_method
 
@@ -116,9 +120,11 @@ def make_recipe(
             hint="--actorder static orders columns by activation too and keeps groups contiguous",
         )
     preset = get_scheme(scheme)
-    if skip_layer_check and method != "rtn":
+    data_free = method in ("rtn", "magnitude")
+    if skip_layer_check and not data_free:
         raise InputError(
-            f"--skip-layer-check: {method} needs calibration data", hint="only rtn can skip it"
+            f"--skip-layer-check: {method} needs calibration data",
+            hint="only rtn and magnitude can skip it",
         )
     clip = preset.clip_for(method) if clip is None else clip
     if clip == "output" and skip_layer_check:
@@ -126,7 +132,7 @@ def make_recipe(
 
     if num_samples is None:  # data-free rtn needs windows only for the report
         calibrated = (
-            method != "rtn"
+            not data_free
             or activations == "static"
             or any(option not in (None, "none") for option in (smooth, kv_cache))
         )
@@ -158,6 +164,8 @@ def make_recipe(
         activations=activations,
         observer=observer,
         kv_cache=None if kv_cache in (None, "none") else kv_cache,
+        sparsity=sparsity,
+        pattern=pattern,
     )
     assert isinstance(recipe, Recipe)
     get_method(recipe)  # an unknown method fails here, before any work

@@ -111,7 +111,8 @@ class Scheme(BaseModel):
         already read. On the default model that halved GPTQ W4A16's increase in domain and took
         it below RTN's out of domain (benchmarks/RESULTS.md); int8 weights lose little to
         rounding and keep their range."""
-        if self.default_clip == "none" and method != "rtn" and self.weights.num_bits == 4:
+        calibrated = method not in ("rtn", "magnitude")
+        if self.default_clip == "none" and calibrated and self.weights.num_bits == 4:
             return "output"
         return self.default_clip
 
@@ -258,6 +259,10 @@ class Recipe(BaseModel):
     activations: Literal["dynamic", "static"] = "dynamic"
     observer: Literal["absmax", "percentile", "mse"] = "absmax"
     kv_cache: Literal["fp8", "int8"] | None = None  # calibrated per-tensor k/v scales
+    # Pruning methods (magnitude, wanda, sparsegpt): the share of each row's weights removed, or
+    # an N:M pattern ("2:4": at most 2 non-zeros in every 4 consecutive inputs)
+    sparsity: float | None = Field(None, gt=0.0, lt=1.0)
+    pattern: str | None = Field(None, pattern=r"^\d+:\d+$")
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
@@ -271,7 +276,16 @@ class Recipe(BaseModel):
             raise ValueError(f"clip {self.clip}: not available for block-scaled weights")
         if self.calibration is None and self.needs_calibration:
             raise ValueError("static activation scales, --smooth and --kv-cache need calibration")
+        _check_pruning(self)
         return self
+
+    @property
+    def nm_pattern(self) -> tuple[int, int] | None:
+        """The N:M pattern as (n, m)."""
+        if self.pattern is None:
+            return None
+        n, m = self.pattern.split(":")
+        return int(n), int(m)
 
     @property
     def weight_args(self) -> QuantArgs:
@@ -323,6 +337,23 @@ def parse_smooth(value: str | float | None) -> float | Literal["auto"] | None:
             hint="0 leaves activations alone, 1 moves all their range into the weights",
         )
     return alpha
+
+
+PRUNING_METHODS = ("magnitude", "wanda", "sparsegpt")
+
+
+def _check_pruning(recipe: Recipe) -> None:
+    """A pruning method takes exactly one of sparsity and pattern; other methods neither."""
+    given = [f for f, v in (("sparsity", recipe.sparsity), ("pattern", recipe.pattern)) if v is not None]  # fmt: skip
+    if recipe.method not in PRUNING_METHODS:
+        if given:
+            raise ValueError(f"{given[0]}: prunes only with method {', '.join(PRUNING_METHODS)}")
+        return
+    if len(given) != 1:
+        raise ValueError(f"method {recipe.method}: give either sparsity or pattern (not both)")
+    pattern = recipe.nm_pattern
+    if pattern is not None and not 0 < pattern[0] < pattern[1]:
+        raise ValueError(f"pattern {recipe.pattern}: N:M needs 0 < N < M")
 
 
 def _check_activation_options(recipe: Recipe) -> None:

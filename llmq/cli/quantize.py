@@ -20,7 +20,7 @@ from llmq.cli.console import (
     quiet_libraries,
 )
 from llmq.cli.options import CalibText, Device, JsonFlag, ModelArg, Seed, SpaceCheck
-from llmq.config import RESUME_EVERY_S, scheme_names
+from llmq.config import PRUNING_METHODS, RESUME_EVERY_S, scheme_names
 from llmq.texts import DEFAULT_CALIBRATION_TEXT
 
 
@@ -43,7 +43,7 @@ def quantize(
     method: Annotated[
         str,
         typer.Option(
-            help="rtn: round to nearest (no data needed). gptq: GPTQ, errors spread over the columns not yet quantized using each input's Hessian. awq: AWQ scales searched on the calibration data and folded into the preceding norm/linear, then rtn. awq+gptq: AWQ scales, then gptq."
+            help="rtn: round to nearest (no data needed). gptq: GPTQ, errors spread over the columns not yet quantized using each input's Hessian. awq: AWQ scales searched on the calibration data and folded into the preceding norm/linear, then rtn. awq+gptq: AWQ scales, then gptq. Pruned and quantized (with --sparsity or --pattern): magnitude (drop the smallest |w|, then rtn; no data needed), wanda (drop the smallest |w|·‖x‖ per row, then rtn), sparsegpt (GPTQ's solver prunes and quantizes each block together, updating the weights kept)."
         ),
     ] = "rtn",
     group_size: Annotated[
@@ -118,6 +118,18 @@ def quantize(
             help="Quantize the KV cache: fp8 or int8, one calibrated scale per layer for keys and one for values (k_scale, v_scale, as vLLM reads them); none: full precision."
         ),
     ] = "none",
+    sparsity: Annotated[
+        float | None,
+        typer.Option(
+            help="magnitude, wanda, sparsegpt: the share of each row's weights set to zero, in (0, 1), e.g. 0.5."
+        ),
+    ] = None,
+    pattern: Annotated[
+        str | None,
+        typer.Option(
+            help="magnitude, wanda, sparsegpt: N:M sparsity instead, at most N non-zeros in every M consecutive inputs (2:4, 4:8); M must divide every quantized linear's in_features."
+        ),
+    ] = None,
     calib_text: CalibText = DEFAULT_CALIBRATION_TEXT,
     num_samples: Annotated[
         int | None,
@@ -194,7 +206,7 @@ def quantize(
             skip_layer_check=skip_layer_check, dampening_frac=dampening_frac, actorder=actorder,
             true_sequential=true_sequential,
             awq_duo_scaling=awq_duo_scaling, smooth=smooth, activations=activations,
-            observer=observer, kv_cache=kv_cache,
+            observer=observer, kv_cache=kv_cache, sparsity=sparsity, pattern=pattern,
         )  # fmt: skip
         with progress_bars(json_out=json_out) as progress:
             try:
@@ -257,11 +269,26 @@ def render(result: Any) -> None:
         )
     if result.resumed_layers:
         out_console.print(f"resumed after {counted(result.resumed_layers, 'finished layer')}")
+    _print_sparsity(result)
     _print_loaders(result)
     sizes = result.size_bytes
     out_console.print(
         f"wrote {result.out_dir} ({sizes['output'] / 1e6:.1f} MB, source {sizes['source'] / 1e6:.1f} MB) "
         f"in {result.seconds:.1f} s; kept in full precision: {counted(len(result.ignored), 'linear')}"
+    )
+
+
+def _print_sparsity(result: Any) -> None:
+    """Pruning methods: the share of zeros in the quantized linears, as written."""
+    if result.method not in PRUNING_METHODS:
+        return
+    linears = [linear for layer in result.layers for linear in layer.linears]
+    zeros = sum(linear.sparsity * linear.numel for linear in linears)
+    total = sum(linear.numel for linear in linears)
+    shares = [linear.sparsity for linear in linears]
+    out_console.print(
+        f"sparsity of the quantized linears, as written: {zeros / max(total, 1):.2%} "
+        f"(per linear {min(shares):.2%} to {max(shares):.2%})"
     )
 
 

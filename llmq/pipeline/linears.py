@@ -80,6 +80,8 @@ def quantize_linears(
                 output_error=linear_output_error(delta, weight, stats[name]),
                 rtn_output_error=rtn_errors.get(name),
                 loss=result.loss, dampening_frac=result.dampening_frac, warning=result.warning,
+                sparsity=float((dequantized == 0).sum()) / dequantized.numel(),
+                numel=dequantized.numel(),
             )
         )  # fmt: skip
         module.weight.data = dequantized

@@ -119,6 +119,13 @@ def _plan_linear(
             f"({', '.join(_FLOAT_DTYPES)})"
         )
     out_features, in_features = info.shape
+    pattern = recipe.nm_pattern
+    if pattern is not None and in_features % pattern[1]:
+        raise InputError(
+            f"--pattern {recipe.pattern}: {pattern[1]} does not divide in_features {in_features} "
+            f"of {name}",
+            hint=f"an N:M pattern groups M consecutive inputs; use an M that divides {in_features}",
+        )
     args = recipe.weight_args
     width = group_width(args)
     if width is not None and in_features % width:

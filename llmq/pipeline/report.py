@@ -22,6 +22,10 @@ class LinearReport:
     loss: float | None = None  # the method's own objective (GPTQ's loss)
     dampening_frac: float | None = None  # GPTQ's dampening, raised when Cholesky failed
     warning: str | None = None  # numerical trouble handled by a documented fallback
+    # share of the weights stored as exactly zero (pruned, or rounded to zero), from the tensors
+    # written; with their count, for the overall figure
+    sparsity: float | None = None
+    numel: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

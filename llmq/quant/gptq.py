@@ -13,6 +13,7 @@ be quantized as one stacked weight and their losses told apart.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from llmq.config import QuantArgs, group_width
 from llmq.errors import NumericalError
+from llmq.prune.masks import Sparsity, pruned_mask
 from llmq.quant.compiled import compiled_loop_applies, quantize_columns
 from llmq.quant.primitives import (
     ACCUM_DTYPE,
@@ -61,6 +63,7 @@ def gptq_quantize_weight(
     actorder: Literal["static", "none"] = "static",
     scale_dtype: torch.dtype | None = None,
     clip_ratio: Tensor | None = None,
+    sparsity: Sparsity | None = None,
 ) -> GPTQResult:
     """GPTQ on one linear. weight: [out, in]; hessian: [in, in], float32 (or float64, then the
     whole algorithm runs in float64). clip_ratio [out, groups] shrinks each group's range.
@@ -69,6 +72,12 @@ def gptq_quantize_weight(
     the original weights, so groups stay contiguous and the checkpoint needs no g_idx.
     actorder="none" visits columns in order and takes each group's range from the weights as
     updated when the group starts (the paper's algorithm).
+
+    `sparsity` makes it SparseGPT (arXiv 2301.00774) pruning and quantizing together: at each
+    block's start the mask of its columns is chosen from the updated weights by
+    w² / Hinv[j, j]² (`pruned_mask`), and pruned weights get the code of zero, so their whole
+    value is the residual spread over later columns. Columns are visited in order (N:M groups
+    are consecutive inputs), with actorder "none".
     """
     rows, cols = weight.shape
     if hessian.shape != (cols, cols):
@@ -77,6 +86,8 @@ def gptq_quantize_weight(
         )
     work = torch.float64 if hessian.dtype == torch.float64 else ACCUM_DTYPE
     scale_dtype = scale_dtype or (weight.dtype if weight.is_floating_point() else ACCUM_DTYPE)
+    if sparsity is not None and actorder != "none":
+        raise ValueError("SparseGPT visits columns in order: actorder 'none'")
     w = weight.to(work).clone()
     h = hessian.to(work).clone()
     dead = h.diagonal() == 0  # inputs that were always zero: any weight there is free
@@ -91,7 +102,7 @@ def gptq_quantize_weight(
     w, h = w[:, order], h[order][:, order]
     hinv, used_frac = _inverse_hessian_factor(h, dampening_frac)
     row_loss = torch.zeros(rows, dtype=work, device=w.device)
-    block_size = _aligned_block(block_size, args)
+    block_size = _aligned_block(block_size, args, sparsity)
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
         # Transposed, so that a column and the later columns it updates are contiguous rows:
@@ -99,7 +110,12 @@ def gptq_quantize_weight(
         block = w[:, start:end].T.contiguous()
         hinv_block = hinv[start:end, start:end]
         diagonal = hinv_block.diagonal()
-        residuals = _quantize_block(block, hinv_block / diagonal.unsqueeze(1), params, order, start)
+        pruned = None
+        if sparsity is not None:  # [columns, rows], as the block
+            scores = (block / diagonal.unsqueeze(1)).square()
+            pruned = pruned_mask(scores.T, sparsity, start=start).T.contiguous()
+        spread = hinv_block / diagonal.unsqueeze(1)
+        residuals = _quantize_block(block, spread, params, order, start, pruned)
         errors = residuals.T / diagonal
         row_loss += errors.pow(2).sum(dim=1) / 2
         w[:, end:] -= errors @ hinv[start:end, end:]
@@ -108,12 +124,18 @@ def gptq_quantize_weight(
 
 
 def _quantize_block(
-    block: Tensor, spread: Tensor, params: _QParams, order: Tensor, start: int
+    block: Tensor,
+    spread: Tensor,
+    params: _QParams,
+    order: Tensor,
+    start: int,
+    pruned: Tensor | None = None,
 ) -> Tensor:
     """GPTQ's inner loop over one block of columns (`block`: [columns, rows], updated in place):
     quantize each column, record its codes, and spread its rounding residual over the later
     columns of the block. `spread` row i holds Hinv[i, j] / Hinv[i, i], so that one fused
-    multiply-add applies a residual. Returns the residuals [columns, rows].
+    multiply-add applies a residual. `pruned` [columns, rows]: weights that get the code of
+    zero (SparseGPT). Returns the residuals [columns, rows].
 
     On a CPU the per-column op count, not the arithmetic, is GPTQ's cost: each column costs
     six in-place or out= ops on buffers and per-column scales gathered once per segment (the
@@ -121,7 +143,7 @@ def _quantize_block(
     """
     residuals = torch.empty_like(block)
     codes = torch.empty(block.shape, dtype=torch.float64, device=block.device)
-    compiled = compiled_loop_applies(block, params.args.type == "int")
+    compiled = pruned is None and compiled_loop_applies(block, params.args.type == "int")
     segment = params.group if params.lazy else len(block)
     for first in range(0, len(block), segment):
         params.start_group(
@@ -135,8 +157,9 @@ def _quantize_block(
             )
         else:
             _quantize_columns(
-                block, spread, first, (scale, zero, dequant_scale), params, codes, residuals
-            )
+                block, spread, first, (scale, zero, dequant_scale), params, codes, residuals,
+                pruned,
+            )  # fmt: skip
     params.codes[:, order[start : start + len(block)]] = codes.T.to(params.codes.dtype)
     return residuals
 
@@ -149,9 +172,10 @@ def _quantize_columns(
     params: _QParams,
     codes: Tensor,
     residuals: Tensor,
+    pruned: Tensor | None = None,
 ) -> None:
-    """The column loop of `_quantize_block` in torch ops (GPUs, FP8 codes); on the CPU,
-    `quantize_columns` does the same steps compiled."""
+    """The column loop of `_quantize_block` in torch ops (GPUs, FP8 codes, SparseGPT); on the
+    CPU, `quantize_columns` does the same steps compiled."""
     scale, zero, dequant_scale = qparams
     shifted, dequantized = torch.empty_like(codes[0]), torch.empty_like(block[0])
     for j in range(len(scale)):
@@ -159,6 +183,8 @@ def _quantize_columns(
         code = codes[i]
         torch.div(block[i], scale[j], out=code)  # float64, as RTN computes codes
         params.round_codes_(code, None if zero is None else zero[j])
+        if pruned is not None:  # the code that dequantizes to exactly zero
+            code.masked_fill_(pruned[i], 0.0) if zero is None else torch.where(pruned[i], zero[j], code, out=code)  # fmt: skip
         if zero is not None:
             code = torch.sub(code, zero[j], out=shifted)
         # the product of a code and a scale is exact in float64: rounding it to the working
@@ -172,12 +198,11 @@ def _code_dtype(args: QuantArgs) -> torch.dtype:
     return torch.float8_e4m3fn if args.type == "float" else torch.int8
 
 
-def _aligned_block(block_size: int, args: QuantArgs) -> int:
-    """A block holds whole groups, so a group's range is read from up-to-date weights."""
-    group = group_width(args)
-    if group is None:
-        return block_size
-    return max(group, block_size - block_size % group)
+def _aligned_block(block_size: int, args: QuantArgs, sparsity: Sparsity | None = None) -> int:
+    """A block holds whole groups, so a group's range is read from up-to-date weights, and
+    whole N:M groups, so each is chosen at once."""
+    unit = math.lcm(group_width(args) or 1, sparsity.pattern[1] if sparsity and sparsity.pattern else 1)  # fmt: skip
+    return max(unit, block_size - block_size % unit)
 
 
 def _inverse_hessian_factor(h: Tensor, dampening_frac: float) -> tuple[Tensor, float]:

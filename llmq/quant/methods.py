@@ -2,7 +2,8 @@
 
 A method turns one linear's weight (and, if it asks for them, the statistics of that linear's
 input) into a `QuantizedWeight`. AWQ is a scale search the pipeline applies before the weight
-quantizer (RTN for "awq", GPTQ for "awq+gptq"); the pruners will register here the same way.
+quantizer (RTN for "awq", GPTQ for "awq+gptq"). The pruners are the same quantizers with a
+mask: magnitude and Wanda prune, then RTN quantizes; SparseGPT prunes inside GPTQ's solver.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from llmq.config import AWQConfig, GPTQConfig, QuantArgs, Recipe
 from llmq.errors import InputError
+from llmq.prune.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scores
 from llmq.quant.gptq import gptq_quantize_weight
 from llmq.quant.primitives import QuantizedWeight
 from llmq.quant.rtn import clip_ratios, output_hessian, rtn_quantize_weight
@@ -102,23 +104,31 @@ def _hessian(stats: InputStats | None, method: str) -> Tensor:
 @dataclass(frozen=True, slots=True)
 class RTN:
     """Round to nearest; `clip` searches each group's clipping range (mse: weight error,
-    output: output error on the calibration data)."""
+    output: output error on the calibration data). With `sparsity`, the weights with the lowest
+    `score` (magnitude: |W|; wanda: |W|·||X_j||) are set to zero first: pruned, then quantized,
+    and zero quantizes to exactly zero in every scheme."""
 
     clip: str = "none"
     awq: AWQConfig | None = None
     name: str = "rtn"
+    sparsity: Sparsity | None = None
+    score: str = "magnitude"
 
     @property
     def needs_hessian(self) -> bool:
-        return self.clip == "output" or self.awq is not None
+        return self.clip == "output" or self.awq is not None or self.score == "wanda"
 
     def quantize_weight(
         self, weight: Tensor, args: QuantArgs, stats: InputStats | None, *, scale_dtype: torch.dtype
     ) -> MethodResult:
-        hessian = _hessian(stats, self.name) if self.clip == "output" else None
+        hessian = _hessian(stats, self.name) if self.needs_hessian else None
+        if self.sparsity is not None:
+            scores = magnitude_scores(weight) if hessian is None or self.score == "magnitude" else wanda_scores(weight, hessian)  # fmt: skip
+            weight = weight.masked_fill(pruned_mask(scores, self.sparsity), 0)
         q = rtn_quantize_weight(
-            weight, args, scale_dtype=scale_dtype, clip=self.clip, hessian=hessian
-        )
+            weight, args, scale_dtype=scale_dtype, clip=self.clip,
+            hessian=hessian if self.clip == "output" else None,
+        )  # fmt: skip
         return MethodResult(q)
 
 
@@ -131,6 +141,7 @@ class GPTQ:
     awq: AWQConfig | None = None
     name: str = "gptq"
     needs_hessian: bool = True
+    sparsity: Sparsity | None = None  # SparseGPT: prune in the solver, columns in order
 
     def quantize_weight(
         self, weight: Tensor, args: QuantArgs, stats: InputStats | None, *, scale_dtype: torch.dtype
@@ -143,8 +154,9 @@ class GPTQ:
             )
         result = gptq_quantize_weight(
             weight, hessian, args, block_size=self.config.block_size,
-            dampening_frac=self.config.dampening_frac, actorder=self.config.actorder,
-            scale_dtype=scale_dtype, clip_ratio=ratio,
+            dampening_frac=self.config.dampening_frac,
+            actorder="none" if self.sparsity is not None else self.config.actorder,
+            scale_dtype=scale_dtype, clip_ratio=ratio, sparsity=self.sparsity,
         )  # fmt: skip
         warning = None
         if result.dampening_frac > self.config.dampening_frac:
@@ -173,3 +185,22 @@ def _gptq(recipe: Recipe) -> Method:
 @register_method("awq+gptq")
 def _awq_gptq(recipe: Recipe) -> Method:
     return GPTQ(recipe.gptq, clip=recipe.clip, awq=recipe.awq, name="awq+gptq")
+
+
+def _sparsity(recipe: Recipe) -> Sparsity:
+    return Sparsity(fraction=recipe.sparsity, pattern=recipe.nm_pattern)
+
+
+@register_method("magnitude")
+def _magnitude(recipe: Recipe) -> Method:
+    return RTN(clip=recipe.clip, name="magnitude", sparsity=_sparsity(recipe))
+
+
+@register_method("wanda")
+def _wanda(recipe: Recipe) -> Method:
+    return RTN(clip=recipe.clip, name="wanda", sparsity=_sparsity(recipe), score="wanda")
+
+
+@register_method("sparsegpt")
+def _sparsegpt(recipe: Recipe) -> Method:
+    return GPTQ(recipe.gptq, clip=recipe.clip, name="sparsegpt", sparsity=_sparsity(recipe))

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from llmq.config import QuantArgs, group_width
 from llmq.errors import NumericalError
+from llmq.prune.masks import Sparsity, pruned_mask
 from llmq.quant.awq import output_error
 from llmq.quant.gptq import gptq_quantize_weight
 from llmq.quant.primitives import QuantizedWeight, expand_block_scale, int_range, quantize_weight
@@ -21,10 +22,22 @@ INT4_CHANNEL_ASYM = QuantArgs(num_bits=4, strategy="channel", symmetric=False)
 INT8_BLOCK = QuantArgs(num_bits=8, strategy="block", block_structure=(16, 32))
 
 
-def reference_gptq(w: Tensor, h: Tensor, args: QuantArgs, *, actorder: str, damp: float) -> Tensor:
+def reference_gptq(
+    w: Tensor,
+    h: Tensor,
+    args: QuantArgs,
+    *,
+    actorder: str,
+    damp: float,
+    sparsity: Sparsity | None = None,
+    block: int = 32,
+) -> Tensor:
     """Algorithm 1 of arXiv 2210.17323 in float64, one column at a time with the full update
     (no lazy blocks). Group ranges: from the original weights (static) or from the updated
-    weights at each group's first column (none). Returns the integer codes."""
+    weights at each group's first column (none). With `sparsity`, SparseGPT's (arXiv
+    2301.00774, Algorithm 1): at every `block`-th column the block's mask is chosen from the
+    updated weights by w² / Hinv[j, j]², and pruned weights get the code of zero. Returns the
+    integer codes."""
     w, h = w.double().clone(), h.double().clone()
     cols = w.shape[1]
     h += damp * h.diagonal().mean() * torch.eye(cols, dtype=torch.float64)
@@ -38,7 +51,11 @@ def reference_gptq(w: Tensor, h: Tensor, args: QuantArgs, *, actorder: str, damp
     scale, zero = _per_row(quantize_weight(w, args, scale_dtype=torch.float64), w.shape[0])
     codes = torch.zeros_like(w, dtype=torch.int64)
     qmin, qmax = int_range(args.num_bits)
+    pruned = torch.zeros_like(w, dtype=torch.bool)
     for pos, j in enumerate(order.tolist()):
+        if sparsity is not None and j % block == 0:
+            scores = (w[:, j : j + block] / hinv.diagonal()[j : j + block]).square()
+            pruned[:, j : j + block] = pruned_mask(scores, sparsity, start=j)
         g = j // group
         if actorder == "none" and j % group == 0:
             fresh = quantize_weight(w[:, j : j + group], args, scale_dtype=torch.float64)
@@ -48,6 +65,7 @@ def reference_gptq(w: Tensor, h: Tensor, args: QuantArgs, *, actorder: str, damp
                 zero[:, g] = fresh_zero.reshape(-1)
         z = 0 if zero is None else zero[:, g].double()
         code = torch.clamp(torch.round(w[:, j] / scale[:, g] + z), qmin, qmax)
+        code = torch.where(pruned[:, j], z, code) if zero is not None else code.masked_fill(pruned[:, j], 0)  # fmt: skip
         codes[:, j] = code.long()
         err = (w[:, j] - (code - z) * scale[:, g]) / hinv[pos, pos]
         later = order[pos:]
@@ -189,3 +207,37 @@ def test_fp8_weights(args: QuantArgs) -> None:
     assert torch.equal(got.weight.scale, rtn.scale)
     gptq_err = output_error(got.weight.dequantize() - w.float(), h)
     assert gptq_err < output_error(rtn.dequantize() - w.float(), h)
+
+
+@pytest.mark.parametrize("args", [INT4_G32, INT4_G32_ASYM, INT8_CHANNEL], ids=lambda a: a.label)
+@pytest.mark.parametrize(
+    "sparsity", [Sparsity(fraction=0.5), Sparsity(pattern=(2, 4))], ids=lambda s: s.label
+)
+def test_sparsegpt_matches_its_float64_reference(args: QuantArgs, sparsity: Sparsity) -> None:
+    """SparseGPT in GPTQ's solver: the same masks and codes as the paper's algorithm written
+    out in float64; each row loses exactly its share (or N of every M), and pruned weights
+    dequantize to exactly zero, asymmetric schemes included."""
+    w, h = _correlated_problem()
+    got = gptq_quantize_weight(
+        w, h, args, block_size=32, actorder="none", scale_dtype=torch.float64, sparsity=sparsity
+    )
+    expected = reference_gptq(w, h, args, actorder="none", damp=0.01, sparsity=sparsity)
+    assert torch.equal(got.weight.codes.long(), expected)
+    zeros = got.weight.dequantize(torch.float64) == 0
+    if sparsity.pattern is not None:
+        assert torch.all(zeros.reshape(w.shape[0], -1, 4).sum(-1) >= 2)
+    else:  # pruned, plus weights that happened to round to zero
+        assert torch.all(zeros.sum(1) >= w.shape[1] // 2)
+
+
+def test_sparsegpt_loses_less_output_than_magnitude_pruning_then_rtn() -> None:
+    """Choosing the mask inside the solver, with the updates, loses less of the layer's output
+    than the `magnitude` method (smallest |w| zeroed, then RTN) at the same sparsity."""
+    w, h = _correlated_problem(seed=3)
+    half = Sparsity(fraction=0.5)
+    joint = gptq_quantize_weight(w, h, INT4_G32, actorder="none", scale_dtype=torch.float64, sparsity=half)  # fmt: skip
+    pruned = w.masked_fill(pruned_mask(w.abs(), half), 0)
+    separate = rtn_quantize_weight(pruned, INT4_G32, scale_dtype=torch.float64)
+    assert torch.all((separate.dequantize(torch.float64) == 0).sum(1) >= 64)  # still 50% sparse
+    errors = [float(output_error(q.dequantize(torch.float64) - w, h)) for q in (joint.weight, separate)]  # fmt: skip
+    assert errors[0] < 0.5 * errors[1]

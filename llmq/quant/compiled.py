@@ -47,6 +47,7 @@ def quantize_columns(
     code_range: tuple[int, int],
     codes: Tensor,
     residuals: Tensor,
+    pruned: Tensor | None = None,
 ) -> None:
     """GPTQ over columns first .. first + len(scale) of `block`, in place.
 
@@ -57,10 +58,13 @@ def quantize_columns(
         working dtype holds it; zero [segment, rows] float64 or None (symmetric).
     codes [columns, rows] float64 and residuals [columns, rows] (block's dtype): written for
         the segment's columns.
+    pruned [columns, rows] bool or None: weights that get the code of zero (SparseGPT).
     """
+    mask = numpy.zeros((1, 1), numpy.bool_) if pruned is None else pruned.numpy()
     _quantize_columns(
         block.numpy(), spread.numpy(), first, scale.numpy(), *_zero_point(zero, scale),
         dequant_scale.numpy(), *_code_bounds(code_range), codes.numpy(), residuals.numpy(),
+        mask, pruned is not None,
     )  # fmt: skip
 
 
@@ -98,7 +102,19 @@ def _code_bounds(code_range: tuple[int, int]) -> tuple[float, float]:
 
 @njit(nogil=True, cache=True)
 def _quantize_columns(
-    block, spread, first, scale, zero, has_zero, dequant_scale, low, high, codes, residuals
+    block,
+    spread,
+    first,
+    scale,
+    zero,
+    has_zero,
+    dequant_scale,
+    low,
+    high,
+    codes,
+    residuals,
+    pruned,
+    has_mask,
 ):  # pragma: no cover - compiled
     rows = block.shape[1]
     dequantized = numpy.empty(_TILE, block.dtype)
@@ -112,6 +128,8 @@ def _quantize_columns(
                 if has_zero:
                     code += zero[j, r]
                 code = min(max(numpy.rint(code), low), high)
+                if has_mask and pruned[column, r]:  # the code that dequantizes to exactly 0
+                    code = zero[j, r] if has_zero else 0.0
                 codes[column, r] = code
                 if has_zero:
                     code -= zero[j, r]

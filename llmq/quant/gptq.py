@@ -143,7 +143,7 @@ def _quantize_block(
     """
     residuals = torch.empty_like(block)
     codes = torch.empty(block.shape, dtype=torch.float64, device=block.device)
-    compiled = pruned is None and compiled_loop_applies(block, params.args.type == "int")
+    compiled = compiled_loop_applies(block, params.args.type == "int")
     segment = params.group if params.lazy else len(block)
     for first in range(0, len(block), segment):
         params.start_group(
@@ -153,8 +153,9 @@ def _quantize_block(
         if compiled:
             code_range = int_range(params.args.num_bits)
             quantize_columns(
-                block, spread, first, scale, zero, dequant_scale, code_range, codes, residuals
-            )
+                block, spread, first, scale, zero, dequant_scale, code_range, codes, residuals,
+                pruned,
+            )  # fmt: skip
         else:
             _quantize_columns(
                 block, spread, first, (scale, zero, dequant_scale), params, codes, residuals,
@@ -174,8 +175,8 @@ def _quantize_columns(
     residuals: Tensor,
     pruned: Tensor | None = None,
 ) -> None:
-    """The column loop of `_quantize_block` in torch ops (GPUs, FP8 codes, SparseGPT); on the
-    CPU, `quantize_columns` does the same steps compiled."""
+    """The column loop of `_quantize_block` in torch ops (GPUs, FP8 codes); on the CPU,
+    `quantize_columns` does the same steps compiled."""
     scale, zero, dequant_scale = qparams
     shifted, dequantized = torch.empty_like(codes[0]), torch.empty_like(block[0])
     for j in range(len(scale)):

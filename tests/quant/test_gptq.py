@@ -213,14 +213,18 @@ def test_fp8_weights(args: QuantArgs) -> None:
 @pytest.mark.parametrize(
     "sparsity", [Sparsity(fraction=0.5), Sparsity(pattern=(2, 4))], ids=lambda s: s.label
 )
-def test_sparsegpt_matches_its_float64_reference(args: QuantArgs, sparsity: Sparsity) -> None:
+@pytest.mark.parametrize("loop", ["compiled", "torch"])
+def test_sparsegpt_matches_its_float64_reference(
+    monkeypatch: pytest.MonkeyPatch, args: QuantArgs, sparsity: Sparsity, loop: str
+) -> None:
     """SparseGPT in GPTQ's solver: the same masks and codes as the paper's algorithm written
     out in float64; each row loses exactly its share (or N of every M), and pruned weights
     dequantize to exactly zero, asymmetric schemes included."""
     w, h = _correlated_problem()
-    got = gptq_quantize_weight(
-        w, h, args, block_size=32, actorder="none", scale_dtype=torch.float64, sparsity=sparsity
-    )
+    got = run_gptq(
+        monkeypatch, loop, w, h, args, block_size=32, actorder="none", scale_dtype=torch.float64,
+        sparsity=sparsity,
+    )  # fmt: skip
     expected = reference_gptq(w, h, args, actorder="none", damp=0.01, sparsity=sparsity)
     assert torch.equal(got.weight.codes.long(), expected)
     zeros = got.weight.dequantize(torch.float64) == 0

@@ -68,7 +68,7 @@ def claim_output(out: Path, *, kept: Callable[[], str | None] | None = None) -> 
     out = Path(out)
     path = lock_path(out)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        _make_parent(out)
         fd = _acquire(path, out)
     except OSError as exc:
         if exc.filename == str(path):  # name what the user gave, not our lock file
@@ -93,6 +93,17 @@ def claim_outputs(paths: list[Path]) -> Iterator[None]:
         for path in paths:
             stack.enter_context(claim_output(path))
         yield
+
+
+def _make_parent(out: Path) -> None:
+    """Create OUT's parent folders; a file in the parent's place is ENOTDIR, as it is for any
+    file further up the path (mkdir would say "File exists")."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise NotADirectoryError(
+            errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(out.parent)
+        ) from None
 
 
 def _acquire(path: Path, out: Path) -> int:

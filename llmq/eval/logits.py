@@ -58,7 +58,8 @@ class Reference:
     value), so on the default model's FP8 and W8A8 checkpoints their log-probabilities differ by
     up to the activation quantization's own effect (1.4-2.2). A loader that can run the
     weights alone is held to LOGPROB_TOLERANCE on `weights_only`; one that must quantize
-    activations (llmq's and vLLM's kernels) to LOGPROB_TOLERANCE + activation_effect."""
+    activations (llmq's and vLLM's kernels) to LOGPROB_TOLERANCE + 2 x activation_effect
+    (`llmq.eval.verify.ACTIVATION_EFFECT_FACTOR`)."""
 
     computed_by: str
     prompts: list[PromptReference]

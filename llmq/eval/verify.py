@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stderr
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -84,7 +84,6 @@ class VerifyResult:
     loaders: list[LoaderResult]
     changed_files: list[str] | None = None  # None: the checkpoint records no file hashes
     against: dict[str, Any] | None = None  # the distance to the original model
-    notes: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LLMQ, Job, ppl_cells, preamble, run_jobs, save_report
+from common import LLMQ, Job, ppl_table, run_jobs, save_report
 
 
 def jobs(samples: int, seq_len: int) -> list[Job]:
@@ -58,14 +58,7 @@ def main() -> None:
 
 
 def markdown(report: dict) -> str:
-    lines = [
-        preamble(report),
-        "",
-        "| scheme, method, sparsity | ppl held-out pydoc | ppl Hamlet | wall s |",
-        "|---|---|---|---|",
-    ]
-    lines += [f"| {r['label']} | {ppl_cells(r)} | {r['wall_s']:.1f} |" for r in report["rows"]]
-    return "\n".join(lines)
+    return ppl_table(report, "scheme, method, sparsity")
 
 
 if __name__ == "__main__":

@@ -133,6 +133,18 @@ def preamble(report: dict, calibration: str = "Calibration") -> str:
     )
 
 
+def ppl_table(report: dict, first_column: str) -> str:
+    """The preamble, then one row per job: its label, the held-out perplexities and wall time."""
+    lines = [
+        preamble(report),
+        "",
+        f"| {first_column} | ppl held-out pydoc | ppl Hamlet | wall s |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {r['label']} | {ppl_cells(r)} | {r['wall_s']:.1f} |" for r in report["rows"]]
+    return "\n".join(lines)
+
+
 def ppl_cells(row: dict) -> str:
     """'ppl (increase) | ppl (increase)' for the held-out texts of one result row."""
     return " | ".join(

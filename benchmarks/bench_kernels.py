@@ -8,6 +8,7 @@ Method (the one ../shared/gpu-baselines.md describes, so the numbers compare):
 - data: W ~ N(0, 0.02^2), x ~ N(0, 1) in bf16; llmq weights quantized by llmq's own primitives
   and packed as `llmq quantize` writes them (W4A16 group 128 symmetric; W8A8 int8 and FP8
   per channel, activations per token at run time, their quantization inside the timed call);
+- tinygemm only up to M = 64 (it is 0.04-0.07x bf16 beyond, per the baselines);
 - timing: `llmq.runtime.timing.median_seconds`: each variant captured in a CUDA graph over
   rotating copies of its weights (>= 256 MiB in all, so reads come from HBM, not L2), replayed
   for >= 2 ms per trial, median of 15 trials;
@@ -48,6 +49,7 @@ LAYERS = {  # N x K (nn.Linear [out, in])
 }
 BATCHES = (1, 16, 64, 256, 1024, 4096)
 TOLERANCE = 0.01
+TINYGEMM_MAX_M = 64  # beyond, tinygemm is 0.04-0.07x bf16 (../shared/gpu-baselines.md): not timed
 INT_MM_MIN_M = 17  # torch._int_mm refuses M <= 16: such products are padded to 32 rows
 
 Variant = Callable[[torch.Tensor], torch.Tensor]  # x -> y, bound to one copy of the weights
@@ -130,7 +132,6 @@ def variants(n: int, k: int, device: torch.device) -> dict[str, tuple[list[Varia
     found: dict[str, tuple[list[Variant], torch.Tensor]] = {}
     makers = {
         "bf16": lambda c: (_dense(weight, torch.bfloat16, c), bf16),
-        "fp16": lambda c: (_dense(weight, torch.float16, c), weight.half().float()),
         "llmq_w4a16": lambda c: _llmq("w4a16", n, k, c, device),
         "tinygemm_w4a16": lambda c: _tinygemm(weight, c),
         "llmq_w8a8_int8": lambda c: _llmq("w8a8", n, k, c, device),
@@ -140,7 +141,7 @@ def variants(n: int, k: int, device: torch.device) -> dict[str, tuple[list[Varia
         "torch_fp8_full_fast": lambda c: _fp8_torch(weight, c, fast=True),
     }
     for name, make in makers.items():
-        bytes_per_copy = n * k * (2 if name in ("bf16", "fp16") else 1)
+        bytes_per_copy = n * k * (2 if name == "bf16" else 1)
         try:
             found[name] = make(copies_for(bytes_per_copy, device))
         except Exception as exc:  # a peer path this torch build lacks: report it, go on
@@ -156,6 +157,7 @@ def measure(
     k: int,
     activations: str | None,
     device: torch.device,
+    trials: int = 15,
 ) -> dict:
     """Check one variant against float32 math on the same (de)quantized operands, then time it.
     activations: "int8" / "fp8" when the variant quantizes them per token, else None."""
@@ -170,7 +172,7 @@ def measure(
     if not error <= TOLERANCE:
         return {"error": error, "us": None}
     seconds = median_seconds(
-        [functools.partial(c, x) for c, x in zip(calls, xs, strict=True)], device
+        [functools.partial(c, x) for c, x in zip(calls, xs, strict=True)], device, trials=trials
     )
     return {"error": error, "us": seconds * 1e6}
 
@@ -208,6 +210,9 @@ def main() -> None:
         for m in batches:
             cells, base = [], None
             for name, (calls, weight) in found.items():
+                if name == "tinygemm_w4a16" and m > TINYGEMM_MAX_M:
+                    cells.append("-".rjust(22))
+                    continue
                 activations = "fp8" if "fp8" in name else "int8" if "int8" in name else None
                 try:
                     row = measure(calls, weight, m, k, activations, device)
@@ -228,10 +233,10 @@ def main() -> None:
                 )  # fmt: skip
                 cells.append(cell.rjust(22))
             print(str(m).rjust(6) + "".join(cells), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+        out = Path(args.out)  # written after every shape: a run cut short keeps what it measured
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

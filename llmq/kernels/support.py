@@ -76,11 +76,21 @@ def sm_count(device: torch.device) -> int:
     return 4  # the interpreter: small grids keep CPU tests fast
 
 
-def decode_split(n: int, k_tiles: int, block_n: int, device: torch.device) -> int:
-    """Split-K factor for a thin product: enough K shares for about two programs per SM (a
-    single output-tile row would leave most SMs idle), never more shares than K tiles."""
-    n_tiles = -(-n // block_n)
-    return max(1, min(k_tiles, 2 * sm_count(device) // n_tiles))
+DECODE_WAVES = 2  # the built-in rule: split K until there are about two programs per SM
+
+
+def split_for(
+    waves: float, m: int, n: int, k: int, block_m: int, block_n: int, block_k: int,
+    device: torch.device,
+) -> int:  # fmt: skip
+    """The K split giving about `waves` programs per SM over the output tiles (a thin product's
+    single row of tiles would leave most SMs idle), never more shares than K tiles; 1 when
+    waves is 0."""
+    if waves <= 0:
+        return 1
+    output_tiles = -(-m // block_m) * -(-n // block_n)
+    k_tiles = -(-k // block_k)
+    return max(1, min(k_tiles, round(waves * sm_count(device) / output_tiles)))
 
 
 def launch_stages(config: TileConfig) -> int:

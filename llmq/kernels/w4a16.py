@@ -22,14 +22,16 @@ from torch import Tensor
 from llmq.errors import InputError
 from llmq.kernels.support import (
     DECODE_MAX_M,
+    DECODE_WAVES,
     TileConfig,
     check_matrix,
     check_same_device,
-    decode_split,
     dot_dtype,
     launch_stages,
+    split_for,
 )
 from llmq.kernels.tiles import k_tile_range, write_tile
+from llmq.kernels.tuning import tuned_config
 from llmq.pack.layout import INT4_PER_WORD, W4A16Weight
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -38,17 +40,17 @@ _TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.fl
 
 
 def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> TileConfig:
-    """The dispatch rule, by M: decode when M <= 16 (memory-bound; split K until there are about
-    two programs per SM), tiled below M = 256, dequantize + cuBLAS from there on.
-
-    The thresholds follow the H100 baselines in ../shared/gpu-baselines.md (every int4 kernel
-    measured there loses to bf16 from M = 64 on); they are constants, retuned by
-    benchmarks/bench_kernels.py on the GPU at hand.
-    """
+    """The launch for one product: the measured table for this GPU when there is one
+    (llmq.kernels.tuning), else the built-in rule by M: decode when M <= 16 (memory-bound;
+    split K until there are about two programs per SM), tiled below M = 256, dequantize +
+    cuBLAS from there on (every int4 kernel in ../shared/gpu-baselines.md loses to bf16 from
+    M = 64 on)."""
+    tuned = tuned_config("w4a16", m, n, k, device, max_block_k=group_size)
+    if tuned is not None:
+        return tuned
     block_k = min(128 if m <= DECODE_MAX_M else 64, group_size)
-    k_tiles = triton.cdiv(k, block_k)
     if m <= DECODE_MAX_M:
-        split = decode_split(n, k_tiles, 64, device)
+        split = split_for(DECODE_WAVES, m, n, k, 16, 64, block_k, device)
         return TileConfig("decode", 16, 64, block_k, split_k=split, num_stages=4)
     if m < DEQUANT_MIN_M:
         return TileConfig("tiled", 64, 128, block_k, num_warps=8)
@@ -96,7 +98,7 @@ def _w4a16_kernel(
     stride_xm, stride_xk, stride_pn, stride_pw, stride_sn, stride_sg, stride_om, stride_on,
     GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
     DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K, ATOMIC: tl.constexpr,
 ):  # fmt: skip
     """out[M, N] = x @ W^T. Program (m, n, s) owns one output tile and the s-th share of the K
     tiles; with SPLIT_K > 1 the shares are added into a float32 `out` atomically."""
@@ -119,7 +121,7 @@ def _w4a16_kernel(
             GROUP_SIZE, HAS_ZERO, HAS_G_IDX, BLOCK_K, BLOCK_N,
         )  # fmt: skip
         acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE))
-    write_tile(out_ptr, acc, rows, cols, row_ok, col_ok, stride_om, stride_on, SPLIT_K)
+    write_tile(out_ptr, acc, rows, cols, row_ok, col_ok, stride_om, stride_on, ATOMIC)
 
 
 @triton.jit
@@ -224,7 +226,7 @@ def w4a16_matmul(
         x, *pointers, target, m, n, k, x.stride(0), x.stride(1), *strides,
         target.stride(0), target.stride(1),
         DOT_DTYPE=_TORCH_TO_TL[dot_dtype(x.dtype)], BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k, ATOMIC=config.split_k > 1,
         num_warps=config.num_warps, num_stages=launch_stages(config),
         **constexprs,
     )  # fmt: skip

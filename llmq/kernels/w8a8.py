@@ -29,13 +29,15 @@ from llmq.errors import InputError
 from llmq.kernels.reference import FP8_MAX, INT8_MAX, INT8_MIN, SCALE_EPS
 from llmq.kernels.support import (
     DECODE_MAX_M,
+    DECODE_WAVES,
     TileConfig,
     check_matrix,
     check_same_device,
-    decode_split,
     launch_stages,
+    split_for,
 )
 from llmq.kernels.tiles import k_tile_range, write_tile
+from llmq.kernels.tuning import tuned_config
 from llmq.pack.layout import FP8_CODES, W8A8Weight
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -48,11 +50,15 @@ _SCALE_EPS = tl.constexpr(SCALE_EPS)
 QUANT_BLOCK = 1024
 
 
-def choose_config(m: int, n: int, k: int, device: torch.device) -> TileConfig:
-    """Decode (M <= 16): 16-row tiles with K split across SMs; otherwise tiles as large as M
-    allows. Thresholds to be retuned on a GPU by benchmarks/bench_kernels.py."""
+def choose_config(m: int, n: int, k: int, fp8: bool, device: torch.device) -> TileConfig:
+    """The measured table for this GPU when there is one (llmq.kernels.tuning), else the
+    built-in rule: decode (M <= 16) with 16-row tiles and K split across SMs; otherwise tiles
+    as large as M allows."""
+    tuned = tuned_config("w8a8_fp8" if fp8 else "w8a8_int8", m, n, k, device)
+    if tuned is not None:
+        return tuned
     if m <= DECODE_MAX_M:
-        split = decode_split(n, triton.cdiv(k, 128), 64, device)
+        split = split_for(DECODE_WAVES, m, n, k, 16, 64, 128, device)
         return TileConfig("decode", 16, 64, 128, split_k=split, num_stages=4)
     if m <= 64:
         return TileConfig("tiled", 64, 128, 128, num_warps=4, num_stages=4)
@@ -106,7 +112,7 @@ def _w8a8_kernel(
     a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr, M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_om, stride_on,
     FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K, ATOMIC: tl.constexpr,
 ):  # fmt: skip
     """out[M, N] = (a @ b^T) * a_scale[:, None] * b_scale[None, :] for 8-bit a [M, K], b [N, K].
     Program (m, n, s) owns one output tile and the s-th share of the K tiles; with SPLIT_K > 1
@@ -140,7 +146,7 @@ def _w8a8_kernel(
     a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
     b_scale = tl.load(b_scale_ptr + cols, mask=col_ok, other=0.0)
     result = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
-    write_tile(out_ptr, result, rows, cols, row_ok, col_ok, stride_om, stride_on, SPLIT_K)
+    write_tile(out_ptr, result, rows, cols, row_ok, col_ok, stride_om, stride_on, ATOMIC)
 
 
 def quantize_rows(
@@ -189,7 +195,7 @@ def w8a8_matmul(
     allowed) and an int8 or FP8 weight [N, K]; activation quantization included."""
     _check(x, weight)
     m, n, k = x.shape[0], weight.out_features, weight.in_features
-    config = config or choose_config(m, n, k, x.device)
+    config = config or choose_config(m, n, k, weight.is_fp8, x.device)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     codes, x_scale = quantize_rows(x, weight.is_fp8, weight.input_scale)
@@ -201,7 +207,7 @@ def w8a8_matmul(
         codes.stride(0), codes.stride(1), w.stride(0), w.stride(1),
         target.stride(0), target.stride(1),
         FP8=weight.is_fp8, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+        BLOCK_K=config.block_k, SPLIT_K=config.split_k, ATOMIC=config.split_k > 1,
         num_warps=config.num_warps, num_stages=launch_stages(config),
     )  # fmt: skip
     return out if target is out else out.copy_(target)

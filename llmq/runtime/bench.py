@@ -181,7 +181,7 @@ def synthetic_linear(
             f"shape {shape}: K = {shape.k} is not a multiple of the group size {args.group_size}"
         )
     kernel: Kernel = kernel_for(scheme.name, LinearScheme(args, scheme.input_activations))
-    weight = torch.randn(shape.n, shape.k) * SYNTHETIC_STD
+    weight = torch.randn(shape.n, shape.k, device=device) * SYNTHETIC_STD  # quantized there
     tensors = compress(quantize_weight(weight, args), PackFormat(scheme.format))
     return quantized_linear(tensors, kernel, args, device, dtype, triton)
 

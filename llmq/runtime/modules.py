@@ -64,11 +64,15 @@ class W4A16Linear(QuantizedLinear):
             self.in_features, self.group_size, self.triton,
         )  # fmt: skip
 
-    def dequantized_weight(self, dtype: torch.dtype) -> Tensor:
-        weight = W4A16Weight(
+    @property
+    def layout(self) -> W4A16Weight:
+        """The packed weight as the kernels take it (benchmarks call them with a config)."""
+        return W4A16Weight(
             self.packed, self.scale, self.zero, self.g_idx, self.in_features, self.group_size
         )
-        return dequantize_int4(weight).to(dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> Tensor:
+        return dequantize_int4(self.layout).to(dtype)
 
     @property
     def label(self) -> str:
@@ -86,6 +90,11 @@ class W8A8Linear(QuantizedLinear):
 
     def matmul(self, x: Tensor) -> Tensor:
         return torch.ops.llmq.w8a8_linear(x, self.codes, self.scale, self.input_scale, self.triton)
+
+    @property
+    def layout(self) -> W8A8Weight:
+        """The 8-bit weight as the kernels take it (benchmarks call them with a config)."""
+        return W8A8Weight(self.codes, self.scale, self.input_scale)
 
     def dequantized_weight(self, dtype: torch.dtype) -> Tensor:
         return (self.codes.float() * self.scale[:, None]).to(dtype)

@@ -40,12 +40,12 @@ def w4a16_variants():
             for zero, g_idx in ((False, False), (True, True)):
                 out = "*fp32" if config_split > 1 else f"*{dtype}"
                 signature = {**base, "x_ptr": f"*{dtype}", "scale_ptr": f"*{dtype}",
-                             "out_ptr": out}  # fmt: skip
+                             "out_ptr": out, "SPLIT_K": "i32"}  # fmt: skip
                 constexprs = {
                     "GROUP_SIZE": 128, "HAS_ZERO": zero, "HAS_G_IDX": g_idx,
                     "DOT_DTYPE": getattr(triton.language, {"fp16": "float16", "bf16": "bfloat16"}[tl_name]),
                     "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-                    "BLOCK_K": config.block_k, "SPLIT_K": config_split,
+                    "BLOCK_K": config.block_k, "ATOMIC": config_split > 1,
                 }  # fmt: skip
                 name = f"w4a16 {dtype} {config.path} split{config_split} zero={zero} g_idx={g_idx}"
                 yield name, w4a16._w4a16_kernel, signature, constexprs, config
@@ -67,13 +67,14 @@ def w8a8_variants():
             yield (f"quantize rows fp8={fp8} static={static}", w8a8._quantize_rows_kernel,
                    signature, {"FP8": fp8, "STATIC": static, "BLOCK": 1024}, None)  # fmt: skip
         for m in (1, 64, 1024):
-            config = with_split(w8a8.choose_config(m, 4096, 4096, CPU))
+            config = with_split(w8a8.choose_config(m, 4096, 4096, fp8, CPU))
             out = "*fp32" if config.split_k > 1 else "*bf16"
             signature = {"a_ptr": codes, "b_ptr": codes, "a_scale_ptr": "*fp32",
                          "b_scale_ptr": "*fp32", "out_ptr": out, "M": "i32", "N": "i32",
-                         "K": "i32", **dict.fromkeys(("stride_am", "stride_ak", "stride_bn", "stride_bk", "stride_om", "stride_on"), "i32")}  # fmt: skip
+                         "K": "i32", **dict.fromkeys(("stride_am", "stride_ak", "stride_bn", "stride_bk", "stride_om", "stride_on"), "i32"),
+                         "SPLIT_K": "i32"}  # fmt: skip
             constexprs = {"FP8": fp8, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-                          "BLOCK_K": config.block_k, "SPLIT_K": config.split_k}  # fmt: skip
+                          "BLOCK_K": config.block_k, "ATOMIC": config.split_k > 1}  # fmt: skip
             yield (f"w8a8 fp8={fp8} {config.path} M={m} split{config.split_k}",
                    w8a8._w8a8_kernel, signature, constexprs, config)  # fmt: skip
 

@@ -132,8 +132,8 @@ def test_default_dispatch() -> None:
             w8a8_matmul(x, weight).float(), expected.float(), rtol=2e-3, atol=1e-3
         )
     cpu = torch.device("cpu")
-    assert choose_config(16, 4096, 4096, cpu).path == "decode"
-    assert choose_config(17, 4096, 4096, cpu).path == "tiled"
+    assert choose_config(16, 4096, 4096, False, cpu).path == "decode"
+    assert choose_config(17, 4096, 4096, False, cpu).path == "tiled"
 
 
 def test_errors_are_clear() -> None:

@@ -14,7 +14,7 @@ if [ -d .whl ]; then  # the packages the GPU image lacks, carried as wheels
     --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
-llmq() { python3 -m llmq.cli.main "$@"; }
+LLMQ="python3 -m llmq.cli.main"
 stage() { echo "== $1 ($(date +%T))" | tee -a "$LOG"; }
 
 stage environment
@@ -23,27 +23,41 @@ stage environment
 triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee -a "$LOG"
 
-stage tune
-timeout 220 python3 benchmarks/tune_kernels.py --out "$OUT" 2>&1 | tee -a "$LOG"
+stage "tune (W4A16 unpack: gather)"
+timeout 200 python3 benchmarks/tune_kernels.py --out "$OUT" 2>&1 | tee -a "$LOG"
+stage "tune W4A16 (unpack: reshape), for the comparison"
+LLMQ_W4A16_UNPACK=reshape timeout 60 python3 benchmarks/tune_kernels.py --kernels w4a16 \
+  --out /tmp/reshape 2>&1 | tee -a "$LOG"
+python3 - "$OUT/cells.json" /tmp/reshape/cells.json <<'PY' 2>&1 | tee -a "$LOG"
+import json, sys
+best = [{}, {}]
+for i, path in enumerate(sys.argv[1:]):
+    for c in json.load(open(path)):
+        if c["kernel"] == "w4a16" and c["us"]:
+            key = (c["m"], c["n"], c["k"])
+            best[i][key] = min(best[i].get(key, 1e99), c["us"])
+for key in sorted(best[0]):
+    print("w4a16 M=%d %dx%d best us: gather %.1f reshape %.1f" % (*key, best[0][key], best[1].get(key, 0)))
+PY
 TABLE=$(ls "$OUT"/nvidia*.json 2>/dev/null | head -1)
 [ -n "$TABLE" ] && export LLMQ_KERNEL_TUNING=$TABLE
 
 stage "bench kernels (table: ${TABLE:-none})"
 timeout 160 python3 benchmarks/bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee -a "$LOG"
 
+e2e() {  # name arch-args scheme-args...: a random checkpoint, quantized, timed end to end
+  local name=$1 arch=$2; shift 2
+  [ -d /tmp/$arch ] || timeout 60 python3 benchmarks/random_model.py /tmp/$arch --arch $arch \
+    ${LAYERS:+--layers $LAYERS} >>"$LOG" 2>&1
+  timeout 60 $LLMQ quantize /tmp/$arch --method rtn --skip-layer-check --no-reference \
+    --out /tmp/$name "$@" >>"$LOG" 2>&1
+  timeout 60 $LLMQ bench /tmp/$name --json >"$OUT/e2e-$name.json" 2>>"$LOG"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1]))['end_to_end']; print(sys.argv[1], d)" \
+    "$OUT/e2e-$name.json" 2>&1 | tee -a "$LOG"
+}
 stage "end to end: the default model's architecture (random weights)"
-python3 benchmarks/random_model.py /tmp/smol >>"$LOG" 2>&1
-for scheme in w4a16 w8a8; do
-  timeout 60 llmq quantize /tmp/smol --scheme $scheme --group-size 64 --method rtn \
-    --skip-layer-check --no-reference --out /tmp/smol-$scheme >>"$LOG" 2>&1
-  timeout 60 llmq bench /tmp/smol-$scheme --json >"$OUT/e2e-smol-$scheme.json" 2>>"$LOG"
-  tail -c 400 "$OUT/e2e-smol-$scheme.json" | tee -a "$LOG"
-done
-
+e2e smol-w4a16 smollm2-135m --scheme w4a16 --group-size 64
+e2e smol-w8a8 smollm2-135m --scheme w8a8
 stage "end to end: Llama-3-8B layer shapes, 4 layers (random weights)"
-timeout 60 python3 benchmarks/random_model.py /tmp/l8b --arch llama3-8b --layers 4 >>"$LOG" 2>&1
-timeout 60 llmq quantize /tmp/l8b --scheme w4a16 --method rtn --skip-layer-check --no-reference \
-  --out /tmp/l8b-w4a16 >>"$LOG" 2>&1
-timeout 60 llmq bench /tmp/l8b-w4a16 --batch 1,16 --json >"$OUT/e2e-l8b-w4a16.json" 2>>"$LOG"
-tail -c 400 "$OUT/e2e-l8b-w4a16.json" | tee -a "$LOG"
+LAYERS=4 e2e l8b-w4a16 llama3-8b --scheme w4a16
 stage done

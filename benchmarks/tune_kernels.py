@@ -64,16 +64,25 @@ TILED = (  # block_m, block_n, block_k, num_warps, num_stages
 
 
 def candidates(kernel: str, m: int) -> list[TunedConfig]:
-    """Decode tiles (16 rows, K split 0-8 waves) up to M = 16, larger tiles beyond (split 0 or
-    2 waves up to M = 256), and for W4A16 from M = 64 on also dequantize + cuBLAS."""
+    """Decode tiles (16 rows, K split 0-8 waves; one row at M = 1) up to M = 16, larger tiles
+    beyond (split 0 or 2 waves up to M = 256), and for W4A16 from M = 64 on also dequantize +
+    cuBLAS."""
     if m <= 16:
         block_ks = (128,) if kernel == "w4a16" else (128, 256)
-        return [
+        found = [
             TunedConfig("decode", 16, block_n, block_k, waves, num_warps=4, num_stages=4)
             for block_n in (32, 64, 128)
             for block_k in block_ks
             for waves in (0, 1, 2, 4, 8)
         ]
+        if m == 1:  # one row: a plain dot product instead of 16-row tensor-core tiles
+            found += [
+                TunedConfig("decode", 1, block_n, block_k, waves, num_warps=4, num_stages=3)
+                for block_n in (32, 64, 128)
+                for block_k in (64, 128)
+                for waves in (1, 2, 4, 8)
+            ]
+        return found
     found = [
         TunedConfig("tiled", bm, bn, bk, waves, num_warps=warps, num_stages=stages)
         for bm, bn, bk, warps, stages in TILED

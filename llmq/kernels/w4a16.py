@@ -14,6 +14,8 @@ Act-order checkpoints (`weight_g_idx`) take the group of each input column from 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,9 @@ from llmq.kernels.tuning import tuned_config
 from llmq.pack.layout import INT4_PER_WORD, W4A16Weight
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# How a tile of codes is unpacked (being measured on a GPU: the loser goes): "gather" loads one
+# word per K row and shifts it; "reshape" loads each word once and splits it into 8 rows.
+UNPACK = os.environ.get("LLMQ_W4A16_UNPACK", "gather")
 DEQUANT_MIN_M = 256  # from here on the product is compute-bound: cuBLAS on dequantized weights
 _TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -62,19 +67,28 @@ def _dequantize_tile(
     packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, tile, cols, col_ok, K,
     stride_pn, stride_pw, stride_sn, stride_sg,
     GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GATHER: tl.constexpr,
 ):  # fmt: skip
     """Float32 weights [BLOCK_K, BLOCK_N] of K-tile `tile` for output columns `cols`."""
-    WORDS: tl.constexpr = BLOCK_K // 8
-    words_k = tile * WORDS + tl.arange(0, WORDS)
-    words = tl.load(
-        packed_ptr + words_k[:, None] * stride_pw + cols[None, :] * stride_pn,
-        mask=(words_k[:, None] * 8 < K) & col_ok[None, :],
-        other=0,
-    )
-    shifts = tl.arange(0, 8) * 4
-    fields = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [WORDS, 8, BLOCK_N]
-    w = (tl.reshape(fields, (BLOCK_K, BLOCK_N)) - 8).to(tl.float32)
+    if GATHER:  # each K row loads its own word (8 rows share one, from L1) and shifts it
+        ks_tile = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        words = tl.load(
+            packed_ptr + (ks_tile // 8)[:, None] * stride_pw + cols[None, :] * stride_pn,
+            mask=(ks_tile[:, None] < K) & col_ok[None, :],
+            other=0,
+        )
+        w = (((words >> ((ks_tile % 8) * 4)[:, None]) & 0xF) - 8).to(tl.float32)
+    else:
+        WORDS: tl.constexpr = BLOCK_K // 8
+        words_k = tile * WORDS + tl.arange(0, WORDS)
+        words = tl.load(
+            packed_ptr + words_k[:, None] * stride_pw + cols[None, :] * stride_pn,
+            mask=(words_k[:, None] * 8 < K) & col_ok[None, :],
+            other=0,
+        )
+        shifts = tl.arange(0, 8) * 4
+        fields = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [WORDS, 8, BLOCK_N]
+        w = (tl.reshape(fields, (BLOCK_K, BLOCK_N)) - 8).to(tl.float32)
     if HAS_G_IDX:
         ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -98,7 +112,7 @@ def _w4a16_kernel(
     stride_xm, stride_xk, stride_pn, stride_pw, stride_sn, stride_sg, stride_om, stride_on,
     GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
     DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K, ATOMIC: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K, ATOMIC: tl.constexpr, GATHER: tl.constexpr,
 ):  # fmt: skip
     """out[M, N] = x @ W^T. Program (m, n, s) owns one output tile and the s-th share of the K
     tiles; with SPLIT_K > 1 the shares are added into a float32 `out` atomically."""
@@ -118,9 +132,12 @@ def _w4a16_kernel(
         w = _dequantize_tile(
             packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, tile, cols, col_ok, K,
             stride_pn, stride_pw, stride_sn, stride_sg,
-            GROUP_SIZE, HAS_ZERO, HAS_G_IDX, BLOCK_K, BLOCK_N,
+            GROUP_SIZE, HAS_ZERO, HAS_G_IDX, BLOCK_K, BLOCK_N, GATHER,
         )  # fmt: skip
-        acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE))
+        if BLOCK_M == 1:  # one row (batch-1 decode): a plain dot product, no tensor cores
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+        else:
+            acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE))
     write_tile(out_ptr, acc, rows, cols, row_ok, col_ok, stride_om, stride_on, ATOMIC)
 
 
@@ -129,7 +146,7 @@ def _dequantize_kernel(
     packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, out_ptr, N, K,
     stride_pn, stride_pw, stride_sn, stride_sg, stride_on, stride_ok,
     GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr,
 ):  # fmt: skip
     """out[N, K] = W in out's dtype, one [BLOCK_K, BLOCK_N] tile per program."""
     tile = tl.program_id(0)
@@ -138,7 +155,7 @@ def _dequantize_kernel(
     w = _dequantize_tile(
         packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, tile, cols, col_ok, K,
         stride_pn, stride_pw, stride_sn, stride_sg,
-        GROUP_SIZE, HAS_ZERO, HAS_G_IDX, BLOCK_K, BLOCK_N,
+        GROUP_SIZE, HAS_ZERO, HAS_G_IDX, BLOCK_K, BLOCK_N, GATHER,
     )  # fmt: skip
     ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = (ks[:, None] < K) & col_ok[None, :]
@@ -184,6 +201,7 @@ def _weight_args(weight: W4A16Weight, block_k: int) -> tuple[list[object], dict[
         "GROUP_SIZE": block_k if per_channel else weight.group_size,
         "HAS_ZERO": weight.zero is not None,
         "HAS_G_IDX": weight.g_idx is not None,
+        "GATHER": UNPACK == "gather",
     }
     return [*pointers, strides], constexprs
 

@@ -139,10 +139,12 @@ def _w8a8_kernel(
             mask=k_ok[:, None] & col_ok[None, :],
             other=0.0,
         )
-        if FP8:
+        if BLOCK_M == 1:  # one row (batch-1 decode): a plain dot product, no tensor cores
+            acc += tl.sum(a.to(acc.dtype)[:, :, None] * b.to(acc.dtype)[None, :, :], axis=1)
+        elif FP8:
             acc += tl.dot(a, b)  # a fresh float32 tile sum: see the module docstring
         else:
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
     a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
     b_scale = tl.load(b_scale_ptr + cols, mask=col_ok, other=0.0)
     result = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The one prepared call on a lent GPU (issue 38): tune the Triton kernels, time every kernel
-# against torch and its quantized paths with the tuned table, then `llmq bench` end to end.
+# against torch and its quantized paths with the tuned table, `llmq bench` end to end, and a
+# profile of batch-1 decode. About 8 minutes on an H200; copy $OUT/nvidia-*.json to
+# llmq/kernels/tuned/ to ship the table.
 # Each stage has its own time limit, so a slow one cannot eat the rest; everything lands in $OUT
 # (the device tool's folder; benchmarks/out/gpu when run by hand).
 #   bash benchmarks/gpu_session.sh
@@ -23,22 +25,8 @@ stage environment
 triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee -a "$LOG"
 
-stage "tune (W4A16 unpack: gather)"
+stage tune
 timeout 200 python3 benchmarks/tune_kernels.py --out "$OUT" 2>&1 | tee -a "$LOG"
-stage "tune W4A16 (unpack: reshape), for the comparison"
-LLMQ_W4A16_UNPACK=reshape timeout 60 python3 benchmarks/tune_kernels.py --kernels w4a16 \
-  --out /tmp/reshape 2>&1 | tee -a "$LOG"
-python3 - "$OUT/cells.json" /tmp/reshape/cells.json <<'PY' 2>&1 | tee -a "$LOG"
-import json, sys
-best = [{}, {}]
-for i, path in enumerate(sys.argv[1:]):
-    for c in json.load(open(path)):
-        if c["kernel"] == "w4a16" and c["us"]:
-            key = (c["m"], c["n"], c["k"])
-            best[i][key] = min(best[i].get(key, 1e99), c["us"])
-for key in sorted(best[0]):
-    print("w4a16 M=%d %dx%d best us: gather %.1f reshape %.1f" % (*key, best[0][key], best[1].get(key, 0)))
-PY
 TABLE=$(ls "$OUT"/nvidia*.json 2>/dev/null | head -1)
 [ -n "$TABLE" ] && export LLMQ_KERNEL_TUNING=$TABLE
 
@@ -60,4 +48,6 @@ e2e smol-w4a16 smollm2-135m --scheme w4a16 --group-size 64
 e2e smol-w8a8 smollm2-135m --scheme w8a8
 stage "end to end: Llama-3-8B layer shapes, 4 layers (random weights)"
 LAYERS=4 e2e l8b-w4a16 llama3-8b --scheme w4a16
+stage "profile batch-1 decode (the quantized model's gap to dense)"
+timeout 60 python3 benchmarks/profile_decode.py /tmp/l8b-w4a16 2>&1 | tee -a "$LOG"
 stage done

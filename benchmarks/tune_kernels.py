@@ -64,7 +64,7 @@ TILED = (  # block_m, block_n, block_k, num_warps, num_stages
 
 
 def candidates(kernel: str, m: int) -> list[TunedConfig]:
-    """Decode tiles (16 rows, K split 0-8 waves; one row at M = 1) up to M = 16, larger tiles
+    """Decode tiles (16 rows, K split 0-8 waves; W4A16 one row at M = 1) up to M = 16, larger tiles
     beyond (split 0 or 2 waves up to M = 256), and for W4A16 from M = 64 on also dequantize +
     cuBLAS."""
     if m <= 16:
@@ -75,7 +75,7 @@ def candidates(kernel: str, m: int) -> list[TunedConfig]:
             for block_k in block_ks
             for waves in (0, 1, 2, 4, 8)
         ]
-        if m == 1:  # one row: a plain dot product instead of 16-row tensor-core tiles
+        if m == 1 and kernel == "w4a16":  # one row: a dot product without tensor cores
             found += [
                 TunedConfig("decode", 1, block_n, block_k, waves, num_warps=4, num_stages=3)
                 for block_n in (32, 64, 128)

@@ -75,7 +75,13 @@ def table_path(device: torch.device) -> Path | None:
         return Path(os.environ[TUNING_ENV])
     if device.type != "cuda":
         return None
-    shipped = TUNED_DIR / f"{table_name(torch.cuda.get_device_name(device))}.json"
+    return _shipped_table(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _shipped_table(device_index: int) -> Path | None:
+    """Looked up once per GPU: every launch asks."""
+    shipped = TUNED_DIR / f"{table_name(torch.cuda.get_device_name(device_index))}.json"
     return shipped if shipped.is_file() else None
 
 

@@ -5,16 +5,15 @@
 Weights stay packed in memory, eight codes per int32 word along K exactly as `llmq quantize`
 writes them (`llmq.pack.layout.W4A16Weight`); a tile is unpacked, shifted and scaled in
 registers and multiplied in the activation dtype with a float32 accumulator. Three paths, chosen
-by `choose_config` from M alone (see there for why):
-- decode (M <= 16): split-K, so that a thin product still keeps every SM streaming weights;
-- tiled (16 < M < 256): the same kernel with square-ish tiles, dequantization fused in;
+by `choose_config` (a measured table per GPU, else a rule by M; see there for why):
+- decode (M <= 16): split-K, so that a thin product still keeps every SM streaming weights; one
+  row (batch-1 decode) is a plain dot product, 16 rows use tensor-core tiles;
+- tiled (16 < M < 256): the same kernel with larger tiles, dequantization fused in;
 - dequant (M >= 256): dequantize into a 16-bit buffer, then torch.matmul (cuBLAS wins there).
 Act-order checkpoints (`weight_g_idx`) take the group of each input column from g_idx.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -37,28 +36,30 @@ from llmq.kernels.tuning import tuned_config
 from llmq.pack.layout import INT4_PER_WORD, W4A16Weight
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# How a tile of codes is unpacked (being measured on a GPU: the loser goes): "gather" loads one
-# word per K row and shifts it; "reshape" loads each word once and splits it into 8 rows.
-UNPACK = os.environ.get("LLMQ_W4A16_UNPACK", "gather")
 DEQUANT_MIN_M = 256  # from here on the product is compute-bound: cuBLAS on dequantized weights
+GEMV_WAVES = 8  # one-row products: K split until about 8 programs per SM (the H200 table's)
 _TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> TileConfig:
     """The launch for one product: the measured table for this GPU when there is one
-    (llmq.kernels.tuning), else the built-in rule by M: decode when M <= 16 (memory-bound;
-    split K until there are about two programs per SM), tiled below M = 256, dequantize +
-    cuBLAS from there on (every int4 kernel in ../shared/gpu-baselines.md loses to bf16 from
-    M = 64 on)."""
+    (llmq.kernels.tuning), else the built-in rule by M, which follows what the H200 table chose:
+    one row streams the weights through a plain dot product (twice as fast there as 16-row
+    tensor-core tiles), up to 16 rows split K, up to 255 tiles of 64 x 64 with K split, and from
+    M = 256 on dequantize + cuBLAS (no fused int4 tile measured came near it)."""
     tuned = tuned_config("w4a16", m, n, k, device, max_block_k=group_size)
     if tuned is not None:
         return tuned
-    block_k = min(128 if m <= DECODE_MAX_M else 64, group_size)
+    block_k = min(128, group_size)
+    if m == 1:
+        split = split_for(GEMV_WAVES, m, n, k, 1, 128, block_k, device)
+        return TileConfig("decode", 1, 128, block_k, split_k=split, num_stages=3)
     if m <= DECODE_MAX_M:
-        split = split_for(DECODE_WAVES, m, n, k, 16, 64, block_k, device)
-        return TileConfig("decode", 16, 64, block_k, split_k=split, num_stages=4)
+        split = split_for(DECODE_WAVES, m, n, k, 16, 128, block_k, device)
+        return TileConfig("decode", 16, 128, block_k, split_k=split, num_stages=4)
     if m < DEQUANT_MIN_M:
-        return TileConfig("tiled", 64, 128, block_k, num_warps=8)
+        split = split_for(DECODE_WAVES, m, n, k, 64, 64, block_k, device)
+        return TileConfig("tiled", 64, 64, block_k, split_k=split, num_stages=4)
     return TileConfig("dequant", 0, 64, block_k)
 
 
@@ -67,28 +68,19 @@ def _dequantize_tile(
     packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, tile, cols, col_ok, K,
     stride_pn, stride_pw, stride_sn, stride_sg,
     GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GATHER: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Float32 weights [BLOCK_K, BLOCK_N] of K-tile `tile` for output columns `cols`."""
-    if GATHER:  # each K row loads its own word (8 rows share one, from L1) and shifts it
-        ks_tile = tile * BLOCK_K + tl.arange(0, BLOCK_K)
-        words = tl.load(
-            packed_ptr + (ks_tile // 8)[:, None] * stride_pw + cols[None, :] * stride_pn,
-            mask=(ks_tile[:, None] < K) & col_ok[None, :],
-            other=0,
-        )
-        w = (((words >> ((ks_tile % 8) * 4)[:, None]) & 0xF) - 8).to(tl.float32)
-    else:
-        WORDS: tl.constexpr = BLOCK_K // 8
-        words_k = tile * WORDS + tl.arange(0, WORDS)
-        words = tl.load(
-            packed_ptr + words_k[:, None] * stride_pw + cols[None, :] * stride_pn,
-            mask=(words_k[:, None] * 8 < K) & col_ok[None, :],
-            other=0,
-        )
-        shifts = tl.arange(0, 8) * 4
-        fields = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [WORDS, 8, BLOCK_N]
-        w = (tl.reshape(fields, (BLOCK_K, BLOCK_N)) - 8).to(tl.float32)
+    WORDS: tl.constexpr = BLOCK_K // 8
+    words_k = tile * WORDS + tl.arange(0, WORDS)
+    words = tl.load(
+        packed_ptr + words_k[:, None] * stride_pw + cols[None, :] * stride_pn,
+        mask=(words_k[:, None] * 8 < K) & col_ok[None, :],
+        other=0,
+    )
+    shifts = tl.arange(0, 8) * 4
+    fields = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [WORDS, 8, BLOCK_N]
+    w = (tl.reshape(fields, (BLOCK_K, BLOCK_N)) - 8).to(tl.float32)
     if HAS_G_IDX:
         ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -112,7 +104,7 @@ def _w4a16_kernel(
     stride_xm, stride_xk, stride_pn, stride_pw, stride_sn, stride_sg, stride_om, stride_on,
     GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
     DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K, ATOMIC: tl.constexpr, GATHER: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K, ATOMIC: tl.constexpr,
 ):  # fmt: skip
     """out[M, N] = x @ W^T. Program (m, n, s) owns one output tile and the s-th share of the K
     tiles; with SPLIT_K > 1 the shares are added into a float32 `out` atomically."""
@@ -132,7 +124,7 @@ def _w4a16_kernel(
         w = _dequantize_tile(
             packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, tile, cols, col_ok, K,
             stride_pn, stride_pw, stride_sn, stride_sg,
-            GROUP_SIZE, HAS_ZERO, HAS_G_IDX, BLOCK_K, BLOCK_N, GATHER,
+            GROUP_SIZE, HAS_ZERO, HAS_G_IDX, BLOCK_K, BLOCK_N,
         )  # fmt: skip
         if BLOCK_M == 1:  # one row (batch-1 decode): a plain dot product, no tensor cores
             acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
@@ -146,7 +138,7 @@ def _dequantize_kernel(
     packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, out_ptr, N, K,
     stride_pn, stride_pw, stride_sn, stride_sg, stride_on, stride_ok,
     GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out[N, K] = W in out's dtype, one [BLOCK_K, BLOCK_N] tile per program."""
     tile = tl.program_id(0)
@@ -155,7 +147,7 @@ def _dequantize_kernel(
     w = _dequantize_tile(
         packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, tile, cols, col_ok, K,
         stride_pn, stride_pw, stride_sn, stride_sg,
-        GROUP_SIZE, HAS_ZERO, HAS_G_IDX, BLOCK_K, BLOCK_N, GATHER,
+        GROUP_SIZE, HAS_ZERO, HAS_G_IDX, BLOCK_K, BLOCK_N,
     )  # fmt: skip
     ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = (ks[:, None] < K) & col_ok[None, :]
@@ -201,7 +193,6 @@ def _weight_args(weight: W4A16Weight, block_k: int) -> tuple[list[object], dict[
         "GROUP_SIZE": block_k if per_channel else weight.group_size,
         "HAS_ZERO": weight.zero is not None,
         "HAS_G_IDX": weight.g_idx is not None,
-        "GATHER": UNPACK == "gather",
     }
     return [*pointers, strides], constexprs
 

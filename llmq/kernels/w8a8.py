@@ -139,9 +139,7 @@ def _w8a8_kernel(
             mask=k_ok[:, None] & col_ok[None, :],
             other=0.0,
         )
-        if BLOCK_M == 1:  # one row (batch-1 decode): a plain dot product, no tensor cores
-            acc += tl.sum(a.to(acc.dtype)[:, :, None] * b.to(acc.dtype)[None, :, :], axis=1)
-        elif FP8:
+        if FP8:
             acc += tl.dot(a, b)  # a fresh float32 tile sum: see the module docstring
         else:
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)

@@ -157,13 +157,14 @@ def end_to_end(
     quantized: nn.Module, dense: nn.Module, *, prompt_tokens: int, new_tokens: int, seed: int = 0
 ) -> EndToEnd:
     """Prefill tokens/s (one forward over the prompt) and batch-1 greedy decode tokens/s of both
-    models on the same random prompt, each after a short warm-up run."""
+    models on the same random prompt, each after a warm-up run of the same prompt length (so
+    that no kernel compiles inside the timed run)."""
     generator = torch.Generator().manual_seed(seed)
     vocab = quantized.config.vocab_size
     prompt = torch.randint(0, vocab, (1, prompt_tokens), generator=generator)
     rates = []
     for model in (quantized, dense):
-        greedy_decode(model, prompt[:, :8], max_new_tokens=2)
+        greedy_decode(model, prompt, max_new_tokens=2)
         run = greedy_decode(model, prompt, max_new_tokens=new_tokens)
         rates.append((prompt_tokens / run.prefill_seconds, run.decode_tokens_per_second))
     (q_prefill, q_decode), (d_prefill, d_decode) = rates

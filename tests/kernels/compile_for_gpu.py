@@ -46,16 +46,16 @@ def w4a16_variants():
                     "GROUP_SIZE": 128, "HAS_ZERO": zero, "HAS_G_IDX": g_idx,
                     "DOT_DTYPE": getattr(triton.language, {"fp16": "float16", "bf16": "bfloat16"}[tl_name]),
                     "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-                    "BLOCK_K": config.block_k, "ATOMIC": config_split > 1, "GATHER": zero,
+                    "BLOCK_K": config.block_k, "ATOMIC": config_split > 1,
                 }  # fmt: skip
                 name = (f"w4a16 {dtype} {config.path} rows{config.block_m} split{config_split} "
-                        f"zero={zero} g_idx={g_idx} gather={zero}")  # fmt: skip
+                        f"zero={zero} g_idx={g_idx}")  # fmt: skip
                 yield name, w4a16._w4a16_kernel, signature, constexprs, config
     signature = {"packed_ptr": "*i32", "scale_ptr": "*bf16", "zero_ptr": "*i8",
                  "g_idx_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "K": "i32",
                  **dict.fromkeys(("stride_pn", "stride_pw", "stride_sn", "stride_sg", "stride_on", "stride_ok"), "i32")}  # fmt: skip
     constexprs = {"GROUP_SIZE": 128, "HAS_ZERO": True, "HAS_G_IDX": False, "BLOCK_N": 64,
-                  "BLOCK_K": 64, "GATHER": True}  # fmt: skip
+                  "BLOCK_K": 64}  # fmt: skip
     yield "w4a16 dequantize", w4a16._dequantize_kernel, signature, constexprs, None
 
 
@@ -68,9 +68,8 @@ def w8a8_variants():
         for static in (False, True):
             yield (f"quantize rows fp8={fp8} static={static}", w8a8._quantize_rows_kernel,
                    signature, {"FP8": fp8, "STATIC": static, "BLOCK": 1024}, None)  # fmt: skip
-        for m in (0, 1, 64, 1024):  # 0: the one-row (GEMV) decode
-            config = with_split(w8a8.choose_config(max(m, 1), 4096, 4096, fp8, CPU))
-            config = dataclasses.replace(config, block_m=1) if m == 0 else config
+        for m in (1, 64, 1024):
+            config = with_split(w8a8.choose_config(m, 4096, 4096, fp8, CPU))
             out = "*fp32" if config.split_k > 1 else "*bf16"
             signature = {"a_ptr": codes, "b_ptr": codes, "a_scale_ptr": "*fp32",
                          "b_scale_ptr": "*fp32", "out_ptr": out, "M": "i32", "N": "i32",
@@ -78,7 +77,7 @@ def w8a8_variants():
                          "SPLIT_K": "i32"}  # fmt: skip
             constexprs = {"FP8": fp8, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
                           "BLOCK_K": config.block_k, "ATOMIC": config.split_k > 1}  # fmt: skip
-            yield (f"w8a8 fp8={fp8} {config.path} M={m} rows{config.block_m} split{config.split_k}",
+            yield (f"w8a8 fp8={fp8} {config.path} M={m} split{config.split_k}",
                    w8a8._w8a8_kernel, signature, constexprs, config)  # fmt: skip
 
 

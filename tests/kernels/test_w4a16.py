@@ -114,9 +114,9 @@ def test_reads_what_llmq_quantize_writes() -> None:
 
 def test_dispatch_rules() -> None:
     cpu = torch.device("cpu")
-    for m in (1, 16):
+    for m, rows in ((1, 1), (2, 16), (16, 16)):  # one row: the plain dot product
         config = choose_config(m, 4096, 4096, 128, cpu)
-        assert config.path == "decode" and config.block_m == 16
+        assert config.path == "decode" and config.block_m == rows
         assert 1 <= config.split_k <= 4096 // config.block_k
     assert choose_config(17, 4096, 4096, 128, cpu).path == "tiled"
     assert choose_config(DEQUANT_MIN_M - 1, 4096, 4096, 128, cpu).path == "tiled"

@@ -18,6 +18,7 @@ __all__ = [
     "load_dequantized",
     "load_quantized",
     "make_recipe",
+    "prune",
     "quantize",
     "verify",
 ]

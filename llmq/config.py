@@ -99,7 +99,7 @@ class Scheme(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    weights: QuantArgs
+    weights: QuantArgs | None  # None: weights stay in their dtype (DENSE: pruning alone)
     input_activations: QuantArgs | None = None
     # the weight range search `quantize` uses unless told otherwise (the best measured for the
     # preset: benchmarks/RESULTS.md)
@@ -112,6 +112,8 @@ class Scheme(BaseModel):
         it below RTN's out of domain (benchmarks/RESULTS.md); int8 weights lose little to
         rounding and keep their range."""
         calibrated = method not in ("rtn", "magnitude")
+        if self.weights is None:
+            return "none"
         if self.default_clip == "none" and calibrated and self.weights.num_bits == 4:
             return "output"
         return self.default_clip
@@ -119,6 +121,8 @@ class Scheme(BaseModel):
     @property
     def format(self) -> str:
         """compressed-tensors' CompressionFormat value for this scheme."""
+        if self.weights is None:
+            return "dense"
         if self.weights.type == "float":
             return "float-quantized"
         if self.input_activations is not None:
@@ -139,6 +143,7 @@ SCHEMES: dict[str, Scheme] = {
             weights=QuantArgs(num_bits=4, strategy="group", group_size=128, symmetric=False),
         ),
         Scheme(name="W8A16", weights=QuantArgs(num_bits=8, strategy="channel")),
+        Scheme(name="DENSE", weights=None),  # `llmq prune`: pruned weights, not quantized
         Scheme(
             name="W8A8",
             weights=QuantArgs(num_bits=8, strategy="channel"),
@@ -269,10 +274,11 @@ class Recipe(BaseModel):
         g = self.group_size
         if g is not None and g != -1 and not is_valid_group_size(g):
             raise ValueError(f"group_size {g} is not -1 or a power of two >= 16")
-        if g is not None and g != -1 and self.scheme.weights.type == "float":
-            raise ValueError("FP8 weights have no group size")
+        weights = self.scheme.weights
+        if g is not None and (weights is None or weights.type == "float"):
+            raise ValueError(f"{'pruned' if weights is None else 'FP8'} weights have no group size")
         _check_activation_options(self)
-        if self.clip != "none" and self.scheme.weights.strategy == "block":
+        if self.clip != "none" and (weights is None or weights.strategy == "block"):
             raise ValueError(f"clip {self.clip}: not available for block-scaled weights")
         if self.calibration is None and self.needs_calibration:
             raise ValueError("static activation scales, --smooth and --kv-cache need calibration")
@@ -288,8 +294,10 @@ class Recipe(BaseModel):
         return int(n), int(m)
 
     @property
-    def weight_args(self) -> QuantArgs:
-        """The scheme's weight arguments after the --group-size override."""
+    def weight_args(self) -> QuantArgs | None:
+        """The scheme's weight arguments after the --group-size override (None: not quantized)."""
+        if self.scheme.weights is None:
+            return None
         return with_group_size(self.scheme.weights, self.group_size)
 
     @property
@@ -348,6 +356,8 @@ def _check_pruning(recipe: Recipe) -> None:
     if recipe.method not in PRUNING_METHODS:
         if given:
             raise ValueError(f"{given[0]}: prunes only with method {', '.join(PRUNING_METHODS)}")
+        if recipe.scheme.weights is None:
+            raise ValueError(f"method {recipe.method} quantizes: pruning alone takes a pruner")
         return
     if len(given) != 1:
         raise ValueError(f"method {recipe.method}: give either sparsity or pattern (not both)")

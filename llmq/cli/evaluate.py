@@ -104,19 +104,24 @@ def render(results: list[Any]) -> None:
     if gated:
         table.add_column("gate")
     table.add_column("simulated (W: weights, A: activations)")
+    table.add_column("size MB", justify="right")
+    table.add_column("sparsity", justify="right")
     rows = []
     if results[0].baseline is not None:
         base = results[0].baseline
-        rows.append((_name(base.model), f"{base.perplexity:.3f}", "baseline", "", base.quantized))
+        size = _megabytes(results[0].size_bytes.get("baseline"))
+        rows.append((_name(base.model), f"{base.perplexity:.3f}", "baseline", "", base.quantized, size, "-"))  # fmt: skip
     verdicts = {None: "", True: labelled("PASS", "green"), False: labelled("FAIL", "bold red")}
     for result in results:
         increase = "-" if result.increase is None else f"{result.increase:+.2%}"
+        sparsity = "-" if result.sparsity is None else f"{result.sparsity:.1%}"
         rows.append(
             (_name(result.model.model), f"{result.model.perplexity:.3f}", increase,
-             verdicts[result.passed], result.model.quantized)
+             verdicts[result.passed], result.model.quantized,
+             _megabytes(result.size_bytes.get("model")), sparsity)
         )  # fmt: skip
-    for name, ppl, increase, verdict, simulated in rows:
-        table.add_row(name, ppl, increase, *([verdict] if gated else []), simulated)
+    for name, ppl, increase, verdict, simulated, size, sparsity in rows:
+        table.add_row(name, ppl, increase, *([verdict] if gated else []), simulated, size, sparsity)
     out_console.print(table)
     out_console.print(
         f"protocol: {p['metric']}, text {p['text']}, {counted(p['windows'], 'window')} x {p['seq_len']} tokens "
@@ -125,3 +130,7 @@ def render(results: list[Any]) -> None:
     )
     if results[0].max_ppl_increase is not None:
         out_console.print(f"gate: perplexity increase at most {results[0].max_ppl_increase:+.2%}")
+
+
+def _megabytes(size: int | None) -> str:
+    return "-" if size is None else f"{size / 1e6:.1f}"

@@ -11,6 +11,7 @@ from llmq.cli import (
     fallback_scan,
     generate,
     models,
+    prune,
     quantize,
     verify,
 )
@@ -26,6 +27,7 @@ app = typer.Typer(
     rich_markup_mode="markdown",  # "rich" read [x²] and [in, in] in help texts as style tags
 )
 app.command("quantize")(quantize.quantize)
+app.command("prune")(prune.prune)
 app.command("calibrate")(calibrate.calibrate)
 app.command("eval")(evaluate.evaluate)
 app.command("fallback-scan")(fallback_scan.fallback_scan)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -43,3 +44,68 @@ SpaceCheck = Annotated[
         "system. --no-space-check skips this for file systems that report free space wrongly.",
     ),
 ]
+
+Ignore = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="Linears to leave as they are (not quantized, not pruned): a name or suffix (mlp.down_proj) or a `re:` regular expression matched from the start of the name (`re:.*layers\\.0\\.`); repeatable. A pattern that matches no linear is an error (exit 2). lm_head is always kept."
+    ),
+]
+
+DampeningFrac = Annotated[
+    float,
+    typer.Option(
+        help="gptq, sparsegpt: added to the Hessian diagonal, as a fraction of its mean, in (0, 1). Raised step by step (and reported) when the Hessian is still not positive definite."
+    ),
+]
+
+TrueSequential = Annotated[
+    bool,
+    typer.Option(
+        help="gptq and sparsegpt (and rtn --clip output): process each layer group by group, q/k/v, then o_proj, gate/up, down_proj, each observed after the groups before it are done; about one forward pass a layer, but it holds the attention output and the MLP's intermediate activations of all calibration windows (Llama-3-70B at 128x512 tokens: ~12 GB instead of ~2 GB). --no-true-sequential observes the float layer whole, then runs it again compressed: two passes, less memory. awq, --smooth, static activations and --kv-cache always do the latter."
+    ),
+]
+
+SparsityOption = Annotated[
+    float | None,
+    typer.Option(
+        help="magnitude, wanda, sparsegpt: the share of each row's weights set to zero, in (0, 1), e.g. 0.5."
+    ),
+]
+
+PatternOption = Annotated[
+    str | None,
+    typer.Option(
+        help="magnitude, wanda, sparsegpt: N:M sparsity instead, at most N non-zeros in every M consecutive inputs (2:4, 4:8); M must divide every linear's in_features."
+    ),
+]
+
+CalibStatsPath = Annotated[
+    Path | None,
+    typer.Option(help="Reuse statistics saved by `llmq calibrate` instead of collecting them."),
+]
+
+Overwrite = Annotated[
+    bool, typer.Option(help="Replace an existing OUT (only once the new one is complete).")
+]
+
+Resume = Annotated[
+    bool,
+    typer.Option(help="Continue an interrupted run into the same OUT with the same options."),
+]
+
+ResumeEvery = Annotated[
+    float,
+    typer.Option(
+        help="Seconds between resume points: the hidden states after a layer, saved for --resume (as large as the calibration activations: 2 GB a layer for a 70B model at 128 x 512 tokens). 0 saves after every layer; an interruption loses at most this much work."
+    ),
+]
+
+Reference = Annotated[
+    bool,
+    typer.Option(
+        help="Record in llmq.json what the written files compute on three fixed prompts, for `llmq verify` (one more pass over the written layers, a few tokens each). --no-reference skips it; verify then computes it from the files. File hashes are recorded either way."
+    ),
+]
+
+SeqLen = Annotated[int, typer.Option(help="Tokens per calibration window.")]

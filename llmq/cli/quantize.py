@@ -19,8 +19,26 @@ from llmq.cli.console import (
     progress_bars,
     quiet_libraries,
 )
-from llmq.cli.options import CalibText, Device, JsonFlag, ModelArg, Seed, SpaceCheck
-from llmq.config import PRUNING_METHODS, RESUME_EVERY_S, scheme_names
+from llmq.cli.options import (
+    CalibStatsPath,
+    CalibText,
+    DampeningFrac,
+    Device,
+    Ignore,
+    JsonFlag,
+    ModelArg,
+    Overwrite,
+    PatternOption,
+    Reference,
+    Resume,
+    ResumeEvery,
+    Seed,
+    SeqLen,
+    SpaceCheck,
+    SparsityOption,
+    TrueSequential,
+)
+from llmq.config import RESUME_EVERY_S, scheme_names
 from llmq.texts import DEFAULT_CALIBRATION_TEXT
 
 
@@ -58,36 +76,21 @@ def quantize(
             help="Refuse, before any work, when the group size does not divide some layer."
         ),
     ] = False,
-    ignore: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="Linears to keep in full precision: a name or suffix (mlp.down_proj) or a `re:` regular expression matched from the start of the name (`re:.*layers\\.0\\.`); repeatable. A pattern that matches no linear is an error (exit 2). lm_head is always kept."
-        ),
-    ] = None,
+    ignore: Ignore = None,
     clip: Annotated[
         str | None,
         typer.Option(
             help="Per-group range: none (min/max); mse (shrink factor minimising the weight error); output (shrink factor minimising the group's output error on the calibration data, as AWQ's clip search). Default: output for gptq, awq and awq+gptq on int4 weights; otherwise the preset's (mse for fp8, none for the rest)."
         ),
     ] = None,
-    dampening_frac: Annotated[
-        float,
-        typer.Option(
-            help="gptq: added to the Hessian diagonal, as a fraction of its mean, in (0, 1). Raised step by step (and reported) when the Hessian is still not positive definite."
-        ),
-    ] = 0.01,
+    dampening_frac: DampeningFrac = 0.01,
     actorder: Annotated[
         str,
         typer.Option(
             help="gptq column order: static (largest Hessian diagonal first, groups fixed up front; loads everywhere) or none (in order, as in the paper)."
         ),
     ] = "static",
-    true_sequential: Annotated[
-        bool,
-        typer.Option(
-            help="gptq (and rtn --clip output): quantize each layer group by group, q/k/v, then o_proj, gate/up, down_proj, each observed after the groups before it are quantized; about one forward pass a layer, but it holds the attention output and the MLP's intermediate activations of all calibration windows (Llama-3-70B at 128x512 tokens: ~12 GB instead of ~2 GB). --no-true-sequential observes the float layer whole, then runs it again quantized: two passes, less memory. awq, --smooth, static activations and --kv-cache always do the latter."
-        ),
-    ] = True,
+    true_sequential: TrueSequential = True,
     awq_duo_scaling: Annotated[
         bool,
         typer.Option(
@@ -118,18 +121,8 @@ def quantize(
             help="Quantize the KV cache: fp8 or int8, one calibrated scale per layer for keys and one for values (k_scale, v_scale, as vLLM reads them); none: full precision."
         ),
     ] = "none",
-    sparsity: Annotated[
-        float | None,
-        typer.Option(
-            help="magnitude, wanda, sparsegpt: the share of each row's weights set to zero, in (0, 1), e.g. 0.5."
-        ),
-    ] = None,
-    pattern: Annotated[
-        str | None,
-        typer.Option(
-            help="magnitude, wanda, sparsegpt: N:M sparsity instead, at most N non-zeros in every M consecutive inputs (2:4, 4:8); M must divide every quantized linear's in_features."
-        ),
-    ] = None,
+    sparsity: SparsityOption = None,
+    pattern: PatternOption = None,
     calib_text: CalibText = DEFAULT_CALIBRATION_TEXT,
     num_samples: Annotated[
         int | None,
@@ -137,7 +130,7 @@ def quantize(
             help="Calibration windows. Default 1 for plain rtn (it needs no data: they feed only the per-layer output-error report), 128 otherwise (other methods, --smooth, static activations, --kv-cache)."
         ),
     ] = None,
-    seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 512,
+    seq_len: SeqLen = 512,
     skip_layer_check: Annotated[
         bool,
         typer.Option(
@@ -145,10 +138,7 @@ def quantize(
         ),
     ] = False,
     seed: Seed = 0,
-    calib_stats: Annotated[
-        Path | None,
-        typer.Option(help="Reuse statistics saved by `llmq calibrate` instead of collecting them."),
-    ] = None,
+    calib_stats: CalibStatsPath = None,
     fallback: Annotated[
         str | None,
         typer.Option(
@@ -161,19 +151,9 @@ def quantize(
             help="--fallback auto: flag linears whose NRMSE exceeds this (default: the scheme's, as in `fallback-scan`); with --calib-stats, whose share of the estimated output error exceeds this (default 0.05)."
         ),
     ] = None,
-    overwrite: Annotated[
-        bool, typer.Option(help="Replace an existing OUT (only once the new one is complete).")
-    ] = False,
-    resume: Annotated[
-        bool,
-        typer.Option(help="Continue an interrupted run into the same OUT with the same options."),
-    ] = False,
-    resume_every: Annotated[
-        float,
-        typer.Option(
-            help="Seconds between resume points: the hidden states after a layer, saved for --resume (as large as the calibration activations: 2 GB a layer for a 70B model at 128 x 512 tokens). 0 saves after every layer; an interruption loses at most this much work."
-        ),
-    ] = RESUME_EVERY_S,
+    overwrite: Overwrite = False,
+    resume: Resume = False,
+    resume_every: ResumeEvery = RESUME_EVERY_S,
     require_loader: Annotated[
         list[str] | None,
         typer.Option(
@@ -181,12 +161,7 @@ def quantize(
         ),
     ] = None,
     space_check: SpaceCheck = True,
-    reference: Annotated[
-        bool,
-        typer.Option(
-            help="Record in llmq.json what the written files compute on three fixed prompts, for `llmq verify` (one more pass over the written layers, a few tokens each). --no-reference skips it; verify then computes it from the files. File hashes are recorded either way."
-        ),
-    ] = True,
+    reference: Reference = True,
     device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:
@@ -229,12 +204,13 @@ def quantize(
 
 def render(result: Any) -> None:
     compare = any(layer.rtn_output_rel_rmse is not None for layer in result.layers)
+    baseline = "magnitude" if result.scheme == "DENSE" else "RTN"  # pruning alone, quantizing
     table = Table(title=f"{result.scheme} ({result.method}) per-layer report")
     table.add_column("layer", justify="right")
     table.add_column("output rel. RMSE", justify="right")
     if compare:
-        table.add_column("with RTN", justify="right")
-        table.add_column("worst linear: output error (RTN)")
+        table.add_column(f"with {baseline}", justify="right")
+        table.add_column(f"worst linear: output error ({baseline})")
     else:
         table.add_column("worst linear (weight NRMSE)")
     table.add_column("seconds", justify="right")
@@ -270,25 +246,25 @@ def render(result: Any) -> None:
     if result.resumed_layers:
         out_console.print(f"resumed after {counted(result.resumed_layers, 'finished layer')}")
     _print_sparsity(result)
-    _print_loaders(result)
+    if result.scheme != "DENSE":  # a pruned checkpoint is plain: every loader but llmq's reads it
+        _print_loaders(result)
     sizes = result.size_bytes
+    kept = "left unpruned" if result.scheme == "DENSE" else "kept in full precision"
     out_console.print(
         f"wrote {result.out_dir} ({sizes['output'] / 1e6:.1f} MB, source {sizes['source'] / 1e6:.1f} MB) "
-        f"in {result.seconds:.1f} s; kept in full precision: {counted(len(result.ignored), 'linear')}"
+        f"in {result.seconds:.1f} s; {kept}: {counted(len(result.ignored), 'linear')}"
     )
 
 
 def _print_sparsity(result: Any) -> None:
-    """Pruning methods: the share of zeros in the quantized linears, as written."""
-    if result.method not in PRUNING_METHODS:
+    """Pruning methods: the share of zeros in the linears, as written."""
+    if result.sparsity is None:
         return
-    linears = [linear for layer in result.layers for linear in layer.linears]
-    zeros = sum(linear.sparsity * linear.numel for linear in linears)
-    total = sum(linear.numel for linear in linears)
-    shares = [linear.sparsity for linear in linears]
+    which = "pruned" if result.scheme == "DENSE" else "quantized"
+    shares = result.sparsity
     out_console.print(
-        f"sparsity of the quantized linears, as written: {zeros / max(total, 1):.2%} "
-        f"(per linear {min(shares):.2%} to {max(shares):.2%})"
+        f"sparsity of the {which} linears, as written: {shares['linears']:.2%} "
+        f"(per linear {shares['min']:.2%} to {shares['max']:.2%})"
     )
 
 

@@ -117,9 +117,13 @@ def verify(
     device: str | None = None,
 ) -> VerifyResult:
     ckpt = open_checkpoint(folder)
-    if not ckpt.quantization_config:
-        raise InputError(f"{folder}: not a quantized checkpoint (no quantization_config)", hint="verify checks the output of `llmq quantize` or another compressed-tensors tool")  # fmt: skip
     record = _read_record(folder)
+    if not ckpt.quantization_config:  # a plain checkpoint: llmq prune's, or not llmq's at all
+        if not record:
+            raise InputError(f"{folder}: not a quantized checkpoint (no quantization_config) and no llmq.json", hint="verify checks the output of `llmq quantize`, `llmq prune` or another compressed-tensors tool")  # fmt: skip
+        loaders = [name for name in loaders if name != "llmq"]  # its kernels run quantized linears
+        if not loaders:
+            raise InputError(f"{folder}: a plain checkpoint (pruned, not quantized): llmq's kernels have nothing to run", hint="verify it with --loaders transformers")  # fmt: skip
     changed = None
     if "files" in record:
         with progress.stage("hashing files"):

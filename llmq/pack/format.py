@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from llmq.config import QuantArgs, Scheme
-from llmq.quant.primitives import QuantizedWeight, dequantize, scale_codes
+from llmq.quant.primitives import DenseWeight, QuantizedWeight, dequantize, scale_codes
 
 
 class PackFormat(str, Enum):
@@ -28,6 +28,7 @@ class PackFormat(str, Enum):
     PACK_QUANTIZED = "pack-quantized"
     INT_QUANTIZED = "int-quantized"  # weight: int8 codes as-is
     FLOAT_QUANTIZED = "float-quantized"  # weight: float8_e4m3fn values as-is
+    DENSE = "dense"  # weight: floating point as-is (pruned, not quantized; no quantization_config)
 
 
 def pack_int32(codes: Tensor, num_bits: int, *, packed_dim: int = 1) -> Tensor:
@@ -66,8 +67,10 @@ def scheme_format(scheme: Scheme) -> PackFormat:
     return PackFormat(scheme.format)
 
 
-def compress(q: QuantizedWeight, fmt: PackFormat) -> dict[str, Tensor]:
-    """On-disk tensors of one quantized linear, keyed by suffix (`weight_packed`, ...)."""
+def compress(q: QuantizedWeight | DenseWeight, fmt: PackFormat) -> dict[str, Tensor]:
+    """On-disk tensors of one linear, keyed by suffix (`weight_packed`, ...)."""
+    if isinstance(q, DenseWeight):
+        return {"weight": q.values.contiguous()}
     out: dict[str, Tensor] = {"weight_scale": q.scale.contiguous()}
     if fmt is PackFormat.PACK_QUANTIZED:
         out["weight_packed"] = pack_int32(q.codes, q.args.num_bits)

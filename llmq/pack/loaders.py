@@ -36,8 +36,13 @@ def installed_version(package: str) -> str | None:
         return None
 
 
-def loader_support(weights: QuantArgs, fmt: PackFormat) -> list[LoaderSupport]:
-    """Per loader, whether it reads a checkpoint of these weight arguments and format."""
+def loader_support(weights: QuantArgs | None, fmt: PackFormat) -> list[LoaderSupport]:
+    """Per loader, whether it reads a checkpoint of these weight arguments and format (None,
+    DENSE: pruned alone, a plain checkpoint with no quantized linear for llmq's kernels)."""
+    if weights is None:
+        plain = "a plain checkpoint (pruned, not quantized): no quantized linear to run"
+        return [LoaderSupport("transformers", True), LoaderSupport("vllm", True),
+                LoaderSupport("llmq", False, plain)]  # fmt: skip
     packed_zero_points = fmt is PackFormat.PACK_QUANTIZED and not weights.symmetric
     transformers = LoaderSupport("transformers", True)
     if packed_zero_points:
@@ -55,7 +60,7 @@ def loader_support(weights: QuantArgs, fmt: PackFormat) -> list[LoaderSupport]:
 
 
 def check_required_loaders(
-    weights: QuantArgs, fmt: PackFormat, required: tuple[str, ...] | list[str]
+    weights: QuantArgs | None, fmt: PackFormat, required: tuple[str, ...] | list[str]
 ) -> dict[str, dict[str, Any]]:
     """Per loader, whether it reads this format (what `llmq.json` records); InputError when a
     `required` one cannot, before any work."""
@@ -65,8 +70,9 @@ def check_required_loaders(
             raise InputError(f"--require-loader {name!r}: not a loader", hint=f"choose from: {', '.join(LOADERS)}")  # fmt: skip
         why = next((s.why for s in support if s.loader == name and not s.reads), None)
         if why is not None:
+            label = "dense" if weights is None else weights.label
             raise InputError(
-                f"--require-loader {name}: {name} cannot load {weights.label} weights ({why})",
+                f"--require-loader {name}: {name} cannot load {label} weights ({why})",
                 hint="use a symmetric scheme (w4a16, w8a16), which every loader reads",
             )
     return {s.loader: {"reads": s.reads, "why": s.why} for s in support}

@@ -25,6 +25,7 @@ from llmq.pack.format import PackFormat, compress
 from llmq.pipeline.plan import LinearPlan
 from llmq.pipeline.report import LinearReport
 from llmq.pipeline.scaling import ScaleReport
+from llmq.pruning.masks import Sparsity, magnitude_scores, pruned_mask
 from llmq.quant.awq import output_error
 from llmq.quant.kvcache import KVQuantizer
 from llmq.quant.methods import Method, MethodResult
@@ -70,13 +71,13 @@ def quantize_linears(
         module = layer.get_submodule(name)
         weight = module.weight.data
         result = results[name]
-        check_finite(result.weight.scale, f"the scales of {linear.name}")
         dequantized = result.weight.dequantize(weight.dtype)
+        check_finite(dequantized, f"the {'pruned' if linear.args is None else 'quantized'} weights of {linear.name}")  # fmt: skip
         delta = dequantized - weight
         nrmse = float(delta.double().norm() / weight.double().norm().clamp_min(1e-30))
         reports.append(
             LinearReport(
-                linear.name, linear.args.label, nrmse,
+                linear.name, linear.label, nrmse,
                 output_error=linear_output_error(delta, weight, stats[name]),
                 rtn_output_error=rtn_errors.get(name),
                 loss=result.loss, dampening_frac=result.dampening_frac, warning=result.warning,
@@ -97,7 +98,8 @@ def _stacks(local: dict[str, LinearPlan], stats: dict[str, InputStats | None]) -
     runs its per-column loop once for q/k/v instead of three times (2x faster here)."""
     stacks: dict[object, list[str]] = {}
     for name, linear in local.items():
-        stackable = stats[name] is not None and linear.args.strategy in ROW_STRATEGIES
+        rows_apart = linear.args is None or linear.args.strategy in ROW_STRATEGIES
+        stackable = stats[name] is not None and rows_apart
         key = (id(stats[name]), linear.args, linear.dtype) if stackable else name
         stacks.setdefault(key, []).append(name)
     return list(stacks.values())
@@ -129,11 +131,24 @@ def linear_output_error(delta: Tensor, weight: Tensor, stats: InputStats | None)
     return (float(output_error(delta, stats.hessian)) / max(reference, 1e-30)) ** 0.5
 
 
-def rtn_weights(layer: nn.Module, local: dict[str, LinearPlan]) -> dict[str, Tensor]:
-    """Each linear's weight after plain RTN (dequantized): the comparison the report shows."""
+def compared_with_baseline(method: Method, pruning_alone: bool) -> bool:
+    """Whether the report shows the data-free baseline's errors beside the method's: plain RTN
+    when quantizing, magnitude when pruning alone; not when the method is that baseline."""
+    return method.name != ("magnitude" if pruning_alone else "rtn")
+
+
+def rtn_weights(
+    layer: nn.Module, local: dict[str, LinearPlan], sparsity: Sparsity | None
+) -> dict[str, Tensor]:
+    """Each linear's weight under the data-free baseline the report compares with: plain RTN
+    (dequantized) when quantizing, magnitude pruning at the same sparsity when pruning alone."""
     rtn = {}
     for name, linear in local.items():
         weight = layer.get_submodule(name).weight.data
+        if linear.args is None:
+            assert sparsity is not None
+            rtn[name] = weight.masked_fill(pruned_mask(magnitude_scores(weight), sparsity), 0)
+            continue
         q = rtn_quantize_weight(weight, linear.args, scale_dtype=torch_dtype(linear.dtype))
         rtn[name] = q.dequantize(weight.dtype)
     return rtn

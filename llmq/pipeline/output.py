@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from llmq.config import Recipe
 from llmq.io.atomic import write_json
 from llmq.io.checkpoint import RECORD_FILE, Checkpoint, side_files, torch_dtype
-from llmq.pack.format import quantization_config, scheme_format
+from llmq.pack.format import PackFormat, quantization_config, scheme_format
 from llmq.pipeline.plan import LinearPlan, Plan, config_groups
 from llmq.pipeline.state import HIDDEN_FILE, STATE_FILE
 
@@ -74,10 +74,11 @@ def finalize(
         {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))},
     )
     config = dict(ckpt.config)
-    config["quantization_config"] = quantization_config(
-        config_groups(plan), ignore=plan.ignored, fmt=scheme_format(recipe.scheme),
-        kv_cache=recipe.kv_cache_args,
-    )  # fmt: skip
+    fmt = scheme_format(recipe.scheme)
+    if fmt is not PackFormat.DENSE:  # pruned alone: a plain checkpoint every loader reads
+        config["quantization_config"] = quantization_config(
+            config_groups(plan), ignore=plan.ignored, fmt=fmt, kv_cache=recipe.kv_cache_args
+        )
     write_json(staging / "config.json", config)
     _copy_side_files(ckpt.path, staging)
     # What the written files compute, and their hashes, for `llmq verify`.

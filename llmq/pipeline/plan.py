@@ -31,11 +31,16 @@ class GroupSizeAdjustment:
 @dataclass(slots=True)
 class LinearPlan:
     name: str  # full module name, e.g. model.layers.0.self_attn.q_proj
-    args: QuantArgs
+    args: QuantArgs | None  # None: pruned alone, the weight stays in `dtype`
     out_features: int
     in_features: int
     dtype: str  # the stored weight's safetensors dtype; scales are stored in it too
     input_args: QuantArgs | None = None  # None: the input stays in full precision
+
+    @property
+    def label(self) -> str:
+        """How the weight is stored, e.g. "int4 g128", or "dense"."""
+        return "dense" if self.args is None else self.args.label
 
 
 @dataclass(slots=True)
@@ -127,8 +132,8 @@ def _plan_linear(
             hint=f"an N:M pattern groups M consecutive inputs; use an M that divides {in_features}",
         )
     args = recipe.weight_args
-    width = group_width(args)
-    if width is not None and in_features % width:
+    width = group_width(args) if args is not None else None
+    if args is not None and width is not None and in_features % width:
         args = _divisible_args(name, in_features, args, adjustments)
     # per-token-group activations use the weight's block width (the kernels need them equal)
     inputs = recipe.activation_args
@@ -209,18 +214,16 @@ def output_bytes(ckpt: Checkpoint, plan: Plan) -> int:
     total = 64 * 1024 + len(ckpt.tensors) * 5 * _ENTRY_BYTES
     for name, info in ckpt.tensors.items():
         linear = planned.get(name)
-        if linear is not None:
-            total += _quantized_bytes(linear)
+        if linear is not None and linear.args is not None:
+            total += _quantized_bytes(linear.args, linear.out_features, linear.in_features)
         else:
             total += math.prod(info.shape) * torch_dtype(info.dtype).itemsize
     return total + sum(path.stat().st_size for path in side_files(ckpt.path))
 
 
-def _quantized_bytes(linear: LinearPlan) -> int:
+def _quantized_bytes(args: QuantArgs, rows: int, columns: int) -> int:
     """Codes packed into 32-bit words (or one byte each), scales in float32 (an upper bound
     on the weight's own dtype), zero points as wide as the scales."""
-    args = linear.args
-    rows, columns = linear.out_features, linear.in_features
     codes = rows * math.ceil(columns * args.num_bits / 32) * 4
     if args.strategy == "group":
         scales = rows * math.ceil(columns / int(args.group_size or columns))

@@ -44,6 +44,7 @@ from llmq.pipeline.linears import (
     REPORT_WINDOWS,
     LayerDone,
     check_finite,
+    compared_with_baseline,
     quantize_linears,
     relative_rmse,
     rtn_layer_error,
@@ -59,11 +60,12 @@ from llmq.pipeline.output import (
     weights_size,
 )
 from llmq.pipeline.plan import LinearPlan, Plan
-from llmq.pipeline.report import LayerReport, QuantizeResult, layer_report
+from llmq.pipeline.report import LayerReport, QuantizeResult, layer_report, written_sparsity
 from llmq.pipeline.scaling import ScaleReport, apply_awq, apply_smoothquant
 from llmq.pipeline.staged import StagedLayer
 from llmq.pipeline.state import RunState, load_state
 from llmq.progress import NO_PROGRESS, Progress
+from llmq.pruning.masks import Sparsity
 from llmq.quant.kvcache import KVQuantizer, KVRange
 from llmq.quant.methods import Method, get_method
 from llmq.quant.observers import observe_scale
@@ -114,6 +116,8 @@ def run_quantization(
             state.record(asdict(report), hidden)
             advance(1)
     del buffers
+    if method.sparsity is not None:
+        record["sparsity"] = written_sparsity(state.layers)
     with progress.stage("writing config, index and the reference for `llmq verify`"):
         finalize(ckpt, plan, recipe, staging, shards, record, device, reference=reference)
     publish(staging, out)
@@ -131,6 +135,7 @@ def run_quantization(
         resumed_layers=resumed,
         seconds=time.perf_counter() - started,
         size_bytes={"source": weights_size(ckpt.path), "output": weights_size(out)},
+        sparsity=record.get("sparsity"),
     )
 
 
@@ -240,10 +245,10 @@ def _quantize_observed(
     stats = {name: _stats_for(calib_stats, observed, prefix, name) for name in local}
     kv = _kv_quantization(recipe, kv_range, local)
     rtn_errors: dict[str, float | None] = {}
-    if reference is not None and method.name != "rtn":  # report what plain RTN would give
+    if reference is not None and compared_with_baseline(method, recipe.weight_args is None):
         rtn_errors, rtn_error = _compare_with_rtn(
             stream, layer, local, stats, _input_quantization(local, stats, recipe), kv, hidden,
-            reference, on_batch,
+            reference, on_batch, method.sparsity,
         )  # fmt: skip
     stats, scale_reports = _equivalence_scaling(stream, layer, local, recipe, method, stats)
     tensors, linear_reports = quantize_linears(
@@ -344,10 +349,12 @@ def _compare_with_rtn(
     hidden: Tensor,
     reference: Tensor,
     on_batch: Callable[[], Any],
+    sparsity: Sparsity | None,
 ) -> tuple[dict[str, float | None], float]:
-    """What plain RTN would give: each linear's output error, and the layer's output error on
-    the reference windows (RTN's copy of the layer is dropped on return)."""
-    rtn = rtn_weights(layer, local)
+    """What the data-free baseline would give (`rtn_weights`): each linear's output error, and
+    the layer's output error on the reference windows (its copy of the layer is dropped on
+    return)."""
+    rtn = rtn_weights(layer, local, sparsity)
     errors = rtn_linear_errors(layer, rtn, stats)
     return errors, rtn_layer_error(stream, layer, rtn, inputs, kv, hidden, reference, on_batch)
 

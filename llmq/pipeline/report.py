@@ -13,7 +13,7 @@ from llmq.pipeline.scaling import ScaleReport
 @dataclass(frozen=True, slots=True)
 class LinearReport:
     name: str
-    quant: str  # e.g. "int4 g64"
+    quant: str  # e.g. "int4 g64"; "dense" when pruned alone
     weight_nrmse: float  # ||W - deq(q(W))|| / ||W||
     # ||(W - Q) X|| / ||W X|| on the calibration inputs, from their Hessian (methods that collect
     # one); for AWQ-scaled linears, of the scaled weight on the scaled inputs.
@@ -56,6 +56,8 @@ class QuantizeResult:
     resumed_layers: int = 0
     seconds: float = 0.0
     size_bytes: dict[str, int] = field(default_factory=dict)
+    # pruning methods: the share of zeros written, overall and per linear (`written_sparsity`)
+    sparsity: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -67,3 +69,13 @@ def layer_report(raw: dict[str, Any]) -> LayerReport:
     linears = [LinearReport(**linear) for linear in raw["linears"]]
     scales = [ScaleReport(**scale) for scale in raw.get("scales", [])]
     return LayerReport(**{**raw, "linears": linears, "scales": scales})
+
+
+def written_sparsity(layers: list[dict[str, Any]]) -> dict[str, float]:
+    """The share of zeros in the linears written (from each layer's raw report), overall and
+    per linear at the extremes: what llmq.json records and `llmq eval` shows."""
+    linears = [linear for layer in layers for linear in layer["linears"]]
+    zeros = sum(linear["sparsity"] * linear["numel"] for linear in linears)
+    total = sum(linear["numel"] for linear in linears)
+    shares = [linear["sparsity"] for linear in linears]
+    return {"linears": zeros / max(total, 1), "min": min(shares), "max": max(shares)}

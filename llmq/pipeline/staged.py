@@ -20,6 +20,7 @@ from llmq.pack.format import scheme_format
 from llmq.pipeline.linears import (
     REPORT_WINDOWS,
     LayerDone,
+    compared_with_baseline,
     quantize_linears,
     relative_rmse,
     rtn_layer_error,
@@ -58,18 +59,18 @@ class StagedLayer:
         self.buffers = buffers or ReusedBuffers()
         self.fmt = scheme_format(recipe.scheme)
         self.hidden, self.on_batch = hidden, on_batch
-        self.compare = method.name != "rtn"  # report what plain RTN would give
+        self.compare = compared_with_baseline(method, recipe.weight_args is None)
         self.kept: dict[str, BlockOutput] = {}  # blocks done: their outputs, by block
         self.done = LayerDone({}, [], hidden)
 
     def run(self) -> LayerDone:
         stream, layer, hidden = self.stream, self.layer, self.hidden
         reference = stream.run_layer(layer, hidden[:REPORT_WINDOWS], on_batch=self.on_batch)
-        if self.compare:  # RTN's copy of the whole layer lives only for this pass
+        if self.compare:  # the baseline's copy of the whole layer lives only for this pass
+            baseline = rtn_weights(layer, self.local, self.method.sparsity)
             self.done.rtn_error = rtn_layer_error(
-                stream, layer, rtn_weights(layer, self.local), {}, None, hidden, reference,
-                self.on_batch,
-            )  # fmt: skip
+                stream, layer, baseline, {}, None, hidden, reference, self.on_batch
+            )
         blocks = stream.layout.blocks
         for position, (block, groups) in enumerate(blocks):
             for group in groups[:-1]:
@@ -106,7 +107,8 @@ class StagedLayer:
         if self.compare:  # RTN's output error, from the weights the method is about to replace:
             # RTN runs again here (~20 ms a layer on the default model) rather than its copy of
             # the whole layer being held through every stage
-            errors = rtn_linear_errors(self.layer, rtn_weights(self.layer, part), stats)
+            baseline = rtn_weights(self.layer, part, self.method.sparsity)
+            errors = rtn_linear_errors(self.layer, baseline, stats)
         tensors, reports = quantize_linears(self.layer, part, stats, self.method, self.fmt, errors)
         self.done.tensors.update(tensors)
         self.done.linears.extend(reports)

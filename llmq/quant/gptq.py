@@ -22,11 +22,12 @@ from torch import Tensor
 
 from llmq.config import QuantArgs, group_width
 from llmq.errors import NumericalError
-from llmq.prune.masks import Sparsity, pruned_mask
+from llmq.pruning.masks import Sparsity, pruned_mask
 from llmq.quant.compiled import compiled_loop_applies, quantize_columns
 from llmq.quant.primitives import (
     ACCUM_DTYPE,
     FP8_DTYPE,
+    DenseWeight,
     QuantizedWeight,
     as_groups,
     block_rows,
@@ -44,7 +45,7 @@ MAX_DAMPENING = 10.0
 
 @dataclass(frozen=True, slots=True)
 class GPTQResult:
-    weight: QuantizedWeight
+    weight: QuantizedWeight | DenseWeight  # DenseWeight: SparseGPT pruning alone
     row_loss: Tensor  # [out] GPTQ's objective per row: Σ_j (w_ij - q_ij)² / (2 Hinv[j, j]²)
     dampening_frac: float  # the dampening used; larger than asked when Cholesky failed
 
@@ -56,7 +57,7 @@ class GPTQResult:
 def gptq_quantize_weight(
     weight: Tensor,
     hessian: Tensor,
-    args: QuantArgs,
+    args: QuantArgs | None,
     *,
     block_size: int = 128,
     dampening_frac: float = 0.01,
@@ -77,7 +78,8 @@ def gptq_quantize_weight(
     block's start the mask of its columns is chosen from the updated weights by
     w² / Hinv[j, j]² (`pruned_mask`), and pruned weights get the code of zero, so their whole
     value is the residual spread over later columns. Columns are visited in order (N:M groups
-    are consecutive inputs), with actorder "none".
+    are consecutive inputs), with actorder "none". With `args` None it prunes alone: the same
+    update with nothing rounded (kept weights have no residual), a float weight returned.
     """
     rows, cols = weight.shape
     if hessian.shape != (cols, cols):
@@ -88,12 +90,14 @@ def gptq_quantize_weight(
     scale_dtype = scale_dtype or (weight.dtype if weight.is_floating_point() else ACCUM_DTYPE)
     if sparsity is not None and actorder != "none":
         raise ValueError("SparseGPT visits columns in order: actorder 'none'")
+    if args is None and sparsity is None:
+        raise ValueError("nothing to do: no quantization arguments and no sparsity")
     w = weight.to(work).clone()
     h = hessian.to(work).clone()
     dead = h.diagonal() == 0  # inputs that were always zero: any weight there is free
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    params = _QParams(w, args, scale_dtype, clip_ratio, lazy=actorder == "none")
+    params = None if args is None else _QParams(w, args, scale_dtype, clip_ratio, lazy=actorder == "none")  # fmt: skip
     order = (
         torch.argsort(h.diagonal(), descending=True, stable=True)
         if actorder == "static"
@@ -115,12 +119,31 @@ def gptq_quantize_weight(
             scores = (block / diagonal.unsqueeze(1)).square()
             pruned = pruned_mask(scores.T, sparsity, start=start).T.contiguous()
         spread = hinv_block / diagonal.unsqueeze(1)
-        residuals = _quantize_block(block, spread, params, order, start, pruned)
+        if params is None:
+            assert pruned is not None
+            residuals = _prune_block(block, spread, pruned)
+            w[:, start:end] = block.T
+        else:
+            residuals = _quantize_block(block, spread, params, order, start, pruned)
         errors = residuals.T / diagonal
         row_loss += errors.pow(2).sum(dim=1) / 2
         w[:, end:] -= errors @ hinv[start:end, end:]
+    if params is None:  # columns in order: no permutation to undo
+        return GPTQResult(DenseWeight(w.to(weight.dtype)), row_loss, used_frac)
     scale, zero = params.stored()
     return GPTQResult(QuantizedWeight(params.codes, scale, zero, args), row_loss, used_frac)
+
+
+def _prune_block(block: Tensor, spread: Tensor, pruned: Tensor) -> Tensor:
+    """SparseGPT's inner loop without quantization (`block` [columns, rows], updated in place):
+    each pruned weight's whole value is its residual, spread over the later columns; kept
+    weights have none. Returns the residuals [columns, rows]."""
+    residuals = torch.zeros_like(block)
+    for i in range(len(block)):
+        torch.where(pruned[i], block[i], residuals[i], out=residuals[i])
+        block[i].masked_fill_(pruned[i], 0.0)
+        block[i + 1 :].addr_(spread[i, i + 1 :], residuals[i], alpha=-1)
+    return residuals
 
 
 def _quantize_block(
@@ -199,10 +222,13 @@ def _code_dtype(args: QuantArgs) -> torch.dtype:
     return torch.float8_e4m3fn if args.type == "float" else torch.int8
 
 
-def _aligned_block(block_size: int, args: QuantArgs, sparsity: Sparsity | None = None) -> int:
+def _aligned_block(
+    block_size: int, args: QuantArgs | None, sparsity: Sparsity | None = None
+) -> int:
     """A block holds whole groups, so a group's range is read from up-to-date weights, and
     whole N:M groups, so each is chosen at once."""
-    unit = math.lcm(group_width(args) or 1, sparsity.pattern[1] if sparsity and sparsity.pattern else 1)  # fmt: skip
+    group = group_width(args) if args is not None else None
+    unit = math.lcm(group or 1, sparsity.pattern[1] if sparsity and sparsity.pattern else 1)
     return max(unit, block_size - block_size % unit)
 
 

@@ -17,9 +17,9 @@ from torch import Tensor
 
 from llmq.config import AWQConfig, GPTQConfig, QuantArgs, Recipe
 from llmq.errors import InputError
-from llmq.prune.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scores
+from llmq.pruning.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scores
 from llmq.quant.gptq import gptq_quantize_weight
-from llmq.quant.primitives import QuantizedWeight
+from llmq.quant.primitives import DenseWeight, QuantizedWeight
 from llmq.quant.rtn import clip_ratios, output_hessian, rtn_quantize_weight
 
 if TYPE_CHECKING:  # statistics are produced by llmq.calib; methods only read them
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # statistics are produced by llmq.calib; methods only read th
 
 @dataclass(frozen=True, slots=True)
 class MethodResult:
-    weight: QuantizedWeight
+    weight: QuantizedWeight | DenseWeight  # DenseWeight: pruned alone
     row_loss: Tensor | None = None  # [out] the method's own objective (GPTQ's) per row, if any
     dampening_frac: float | None = None  # GPTQ: the dampening used (raised if Cholesky failed)
     warning: str | None = None  # numerical trouble handled by a documented fallback
@@ -54,11 +54,12 @@ class Method(Protocol):
     name: str
     needs_hessian: bool  # the pipeline accumulates XᵀX per input when True
     awq: AWQConfig | None  # search and fold AWQ scales before quantizing, when set
+    sparsity: Sparsity | None  # pruners: the share or N:M pattern removed
 
     def quantize_weight(
         self,
         weight: Tensor,
-        args: QuantArgs,
+        args: QuantArgs | None,  # None: prune alone (the weight stays in floating point)
         stats: InputStats | None,
         *,
         scale_dtype: torch.dtype,
@@ -119,12 +120,19 @@ class RTN:
         return self.clip == "output" or self.awq is not None or self.score == "wanda"
 
     def quantize_weight(
-        self, weight: Tensor, args: QuantArgs, stats: InputStats | None, *, scale_dtype: torch.dtype
+        self,
+        weight: Tensor,
+        args: QuantArgs | None,
+        stats: InputStats | None,
+        *,
+        scale_dtype: torch.dtype,
     ) -> MethodResult:
         hessian = _hessian(stats, self.name) if self.needs_hessian else None
         if self.sparsity is not None:
             scores = magnitude_scores(weight) if hessian is None or self.score == "magnitude" else wanda_scores(weight, hessian)  # fmt: skip
             weight = weight.masked_fill(pruned_mask(scores, self.sparsity), 0)
+        if args is None:
+            return MethodResult(DenseWeight(weight))
         q = rtn_quantize_weight(
             weight, args, scale_dtype=scale_dtype, clip=self.clip,
             hessian=hessian if self.clip == "output" else None,
@@ -144,11 +152,16 @@ class GPTQ:
     sparsity: Sparsity | None = None  # SparseGPT: prune in the solver, columns in order
 
     def quantize_weight(
-        self, weight: Tensor, args: QuantArgs, stats: InputStats | None, *, scale_dtype: torch.dtype
+        self,
+        weight: Tensor,
+        args: QuantArgs | None,
+        stats: InputStats | None,
+        *,
+        scale_dtype: torch.dtype,
     ) -> MethodResult:
         hessian = _hessian(stats, self.name)
         ratio = None
-        if self.clip != "none":
+        if self.clip != "none" and args is not None:
             ratio = clip_ratios(
                 weight, args, scale_dtype=scale_dtype, hessian=output_hessian(self.clip, hessian)
             )

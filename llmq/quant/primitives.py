@@ -73,6 +73,21 @@ class QuantizedWeight:
         ]
 
 
+@dataclass(frozen=True, slots=True)
+class DenseWeight:
+    """A weight kept in floating point: pruned, not quantized (the DENSE scheme of `llmq
+    prune`). The same interface as QuantizedWeight where the pipeline uses it."""
+
+    values: Tensor
+    args: None = None
+
+    def dequantize(self, dtype: torch.dtype = ACCUM_DTYPE) -> Tensor:
+        return self.values.to(dtype)
+
+    def split_rows(self, sizes: list[int]) -> list[DenseWeight]:
+        return [DenseWeight(part.clone()) for part in self.values.split(sizes)]
+
+
 def as_groups(x: Tensor, args: QuantArgs) -> Tensor:
     """View x [rows, cols] as [rows or 1, groups, group_len] for the reduction of `args.strategy`."""
     rows, cols = x.shape

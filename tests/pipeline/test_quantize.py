@@ -308,12 +308,13 @@ def checkpoint_bytes(folder: Path) -> dict[str, bytes]:
 
 W8A8_RTN = {"scheme": "w8a8"}  # two passes a layer
 W4A16_GPTQ = {"scheme": "w4a16", "method": "gptq", "group_size": 32}  # group by group
+SPARSEGPT_ALONE = {"scheme": "dense", "method": "sparsegpt", "sparsity": 0.5}  # `llmq prune`
 
 
 @pytest.mark.parametrize(
     ("every_s", "resumed", "job"),
-    [(0, 2, W8A8_RTN), (3600, 0, W8A8_RTN), (0, 2, W4A16_GPTQ)],
-    ids=["every-layer", "none-saved", "gptq-staged"],
+    [(0, 2, W8A8_RTN), (3600, 0, W8A8_RTN), (0, 2, W4A16_GPTQ), (0, 2, SPARSEGPT_ALONE)],
+    ids=["every-layer", "none-saved", "gptq-staged", "prune-sparsegpt"],
 )
 def test_resume_after_interrupt_gives_identical_checkpoint(
     tmp_path: Path, default_model: Path, every_s: float, resumed: int, job: dict

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from llmq.api import _calibration_windows, make_recipe
+from llmq.api import make_recipe
+from llmq.api.common import _calibration_windows
 from llmq.calib.collect import run_observed
 from llmq.calib.stream import LayerStream
 from llmq.config import Recipe

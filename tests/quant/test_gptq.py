@@ -8,10 +8,16 @@ from torch import Tensor
 
 from llmq.config import QuantArgs, group_width
 from llmq.errors import NumericalError
-from llmq.prune.masks import Sparsity, pruned_mask
+from llmq.pruning.masks import Sparsity, pruned_mask
 from llmq.quant.awq import output_error
 from llmq.quant.gptq import gptq_quantize_weight
-from llmq.quant.primitives import QuantizedWeight, expand_block_scale, int_range, quantize_weight
+from llmq.quant.primitives import (
+    DenseWeight,
+    QuantizedWeight,
+    expand_block_scale,
+    int_range,
+    quantize_weight,
+)
 from llmq.quant.rtn import rtn_quantize_weight
 from tests.quant.conftest import run_gptq
 
@@ -245,3 +251,45 @@ def test_sparsegpt_loses_less_output_than_magnitude_pruning_then_rtn() -> None:
     assert torch.all((separate.dequantize(torch.float64) == 0).sum(1) >= 64)  # still 50% sparse
     errors = [float(output_error(q.dequantize(torch.float64) - w, h)) for q in (joint.weight, separate)]  # fmt: skip
     assert errors[0] < 0.5 * errors[1]
+
+
+def reference_sparsegpt_prune(w: Tensor, h: Tensor, sparsity: Sparsity, block: int = 32) -> Tensor:
+    """SparseGPT pruning alone (arXiv 2301.00774, Algorithm 1 without quantization) in float64,
+    one column at a time with the full update: at every `block`-th column the block's mask is
+    chosen from the updated weights by w² / Hinv[j, j]²; a pruned weight's whole value is its
+    error, spread over the later columns; kept weights have none. Returns the pruned weight."""
+    w, h = w.double().clone(), h.double().clone()
+    cols = w.shape[1]
+    h += 0.01 * h.diagonal().mean() * torch.eye(cols, dtype=torch.float64)
+    hinv = torch.linalg.cholesky(torch.linalg.inv(h), upper=True)
+    pruned = torch.zeros_like(w, dtype=torch.bool)
+    for j in range(cols):
+        if j % block == 0:
+            scores = (w[:, j : j + block] / hinv.diagonal()[j : j + block]).square()
+            pruned[:, j : j + block] = pruned_mask(scores, sparsity, start=j)
+        err = torch.where(pruned[:, j], w[:, j], 0.0) / hinv[j, j]
+        w[:, j:] -= err[:, None] * hinv[j, j:][None, :]
+        w[:, j] = torch.where(pruned[:, j], 0.0, w[:, j])
+    return w
+
+
+@pytest.mark.parametrize(
+    "sparsity", [Sparsity(fraction=0.5), Sparsity(pattern=(2, 4))], ids=lambda s: s.label
+)
+def test_sparsegpt_pruning_alone_matches_its_float64_reference(sparsity: Sparsity) -> None:
+    """`llmq prune --method sparsegpt`: the solver with nothing rounded gives the paper's
+    weights, each row losing exactly its share (or N of every M)."""
+    w, h = _correlated_problem(seed=2)
+    got = gptq_quantize_weight(w, h, None, block_size=32, actorder="none", sparsity=sparsity)
+    assert isinstance(got.weight, DenseWeight) and got.weight.values.dtype == w.dtype
+    expected = reference_sparsegpt_prune(w, h, sparsity)
+    assert torch.equal(got.weight.values == 0, expected == 0)
+    torch.testing.assert_close(got.weight.values, expected, rtol=1e-9, atol=1e-12)
+    zeros = got.weight.values == 0
+    if sparsity.pattern is not None:
+        assert torch.all(zeros.reshape(w.shape[0], -1, 4).sum(-1) == 2)
+    else:
+        assert torch.all(zeros.sum(1) == w.shape[1] // 2)
+    # the update pays: less output lost than the same share of the smallest |w| dropped
+    magnitude = w.masked_fill(pruned_mask(w.abs(), sparsity), 0)
+    assert output_error(got.weight.values - w, h) < 0.7 * output_error(magnitude - w, h)

@@ -268,6 +268,9 @@ class Recipe(BaseModel):
     # an N:M pattern ("2:4": at most 2 non-zeros in every 4 consecutive inputs)
     sparsity: float | None = Field(None, gt=0.0, lt=1.0)
     pattern: str | None = Field(None, pattern=r"^\d+:\d+$")
+    # How `sparsity` is spread over the decoder layers: the same everywhere, or OWL's
+    # outlier-weighed shares (llmq.pruning.profile), measured on the dense model first
+    sparsity_profile: Literal["uniform", "owl"] = "uniform"
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
@@ -354,8 +357,10 @@ def _check_pruning(recipe: Recipe) -> None:
     """A pruning method takes exactly one of sparsity and pattern; other methods neither."""
     given = [f for f, v in (("sparsity", recipe.sparsity), ("pattern", recipe.pattern)) if v is not None]  # fmt: skip
     if recipe.method not in PRUNING_METHODS:
-        if given:
-            raise ValueError(f"{given[0]}: prunes only with method {', '.join(PRUNING_METHODS)}")
+        if given or recipe.sparsity_profile != "uniform":
+            raise ValueError(
+                f"{(given or ['sparsity_profile'])[0]}: prunes only with method {', '.join(PRUNING_METHODS)}"
+            )
         if recipe.scheme.weights is None:
             raise ValueError(f"method {recipe.method} quantizes: pruning alone takes a pruner")
         return
@@ -364,6 +369,11 @@ def _check_pruning(recipe: Recipe) -> None:
     pattern = recipe.nm_pattern
     if pattern is not None and not 0 < pattern[0] < pattern[1]:
         raise ValueError(f"pattern {recipe.pattern}: N:M needs 0 < N < M")
+    if recipe.sparsity_profile != "uniform":
+        if recipe.sparsity is None:
+            raise ValueError("sparsity_profile: spreads a --sparsity; an N:M pattern is per group")
+        if recipe.calibration is None:
+            raise ValueError("sparsity_profile owl: weighs outliers on calibration data")
 
 
 def _check_activation_options(recipe: Recipe) -> None:

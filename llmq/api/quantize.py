@@ -54,6 +54,7 @@ def make_recipe(
     kv_cache: str | None = None,
     sparsity: float | None = None,
     pattern: str | None = None,
+    sparsity_profile: str = "uniform",
 ) -> Recipe:
     """Validate options into a Recipe (InputError naming the option on bad values).
 
@@ -66,6 +67,8 @@ def make_recipe(
     kv_cache: "fp8" or "int8" (calibrated k_scale / v_scale per layer), or None.
     Pruning methods (magnitude, wanda, sparsegpt): `sparsity` (share of each row's weights
     removed) or `pattern` ("2:4"); the pruned weights are quantized to exactly zero.
+    sparsity_profile: "uniform", or "owl" (layers with more outliers keep more weights, the
+    same total; measured on the dense model in one more calibration pass).
     """
     from llmq.quant.methods import get_method
 
@@ -122,6 +125,7 @@ def make_recipe(
         kv_cache=None if kv_cache in (None, "none") else kv_cache,
         sparsity=sparsity,
         pattern=pattern,
+        sparsity_profile=sparsity_profile,
     )
     assert isinstance(recipe, Recipe)
     get_method(recipe)  # an unknown method fails here, before any work
@@ -219,11 +223,31 @@ def quantize(
             record["calib_stats"] = {"file": str(calib_stats), **stats.metadata}
         if fallback_record is not None:
             record["fallback"] = fallback_record
+        sparsities = None
+        if recipe.sparsity_profile == "owl":
+            sparsities = _owl_profile(ckpt, plan, recipe, ids, progress, device)
+            record["sparsity_profile"] = sparsities
         return run_quantization(
             ckpt, plan, recipe, out,
             calibration_ids=ids, calib_stats=stats, resume=resume, progress=progress,
             record=record, device=device, resume_every_s=resume_every_s, reference=reference,
+            layer_sparsities=None if sparsities is None else sparsities["sparsity"],
         )  # fmt: skip
+
+
+def _owl_profile(
+    ckpt: Any, plan: Any, recipe: Recipe, ids: Any, progress: Progress, device: str | None
+) -> dict[str, Any]:
+    """OWL's per-layer sparsities and the outlier ratios they come from, measured on the dense
+    model's activations (one calibration pass: `collect_stats` with sums of squares)."""
+    from llmq.calib.collect import collect_stats
+    from llmq.pruning.profile import owl_sparsities
+
+    assert recipe.sparsity is not None and ids is not None  # the recipe requires both
+    stats = collect_stats(ckpt, ids, norms=True, progress=progress, device=device)
+    layers = [[linear.name for linear in linears] for linears in plan.layers]
+    sparsity, ratios = owl_sparsities(ckpt, stats, layers, recipe.sparsity)
+    return {"profile": "owl", "sparsity": sparsity, "outlier_ratio": ratios}
 
 
 def _apply_fallback(
@@ -287,13 +311,41 @@ def _check_pairings(ckpt: Any, recipe: Recipe) -> None:
         )
 
 
-def prune(model: str | Path, out: str | Path, *, method: str = "sparsegpt", **options: Any) -> Any:
+SPARSE_FORMAT_REFUSAL = (
+    "compressed-tensors 0.15 removed its sparse compressors (0.20 cannot write the format) and "
+    "transformers drops a sparsity_config: a plain from_pretrained re-initialises every pruned "
+    "linear at random, with only a load-report warning (measured with transformers 5.23, "
+    "compressed-tensors 0.20)"
+)
+
+
+def check_sparse_format(sparse_format: str) -> None:
+    """Only "dense" is written; "bitmask" is refused with the reason (SPARSE_FORMAT_REFUSAL)."""
+    if sparse_format == "bitmask":
+        raise InputError(
+            f"--sparse-format bitmask: no current loader reads it back ({SPARSE_FORMAT_REFUSAL})",
+            hint="pruned checkpoints are written dense: they load everywhere",
+        )
+    if sparse_format != "dense":
+        raise InputError(f"--sparse-format {sparse_format!r}: choose dense (or bitmask, refused)")
+
+
+def prune(
+    model: str | Path,
+    out: str | Path,
+    *,
+    method: str = "sparsegpt",
+    sparse_format: str = "dense",
+    **options: Any,
+) -> Any:
     """Prune MODEL (a folder or built-in name) into a plain Hugging Face checkpoint at OUT: the
     pruned weights stay in their dtype, so every loader reads it, and llmq.json records the
     sparsity. `method`: magnitude (no data), wanda or sparsegpt, with `sparsity` (the share of
     each row's weights removed) or `pattern` ("2:4"). The same layer pipeline as `quantize`
     and its options (calibration, ignore, resume, space check, reference), except the
-    quantization ones. Returns a `QuantizeResult`."""
+    quantization ones. `sparse_format`: only "dense" (why: SPARSE_FORMAT_REFUSAL). Returns a
+    `QuantizeResult`."""
+    check_sparse_format(sparse_format)
     for option in ("scheme", "group_size", "clip", "fallback", "smooth", "kv_cache"):
         if options.get(option) is not None:
             raise InputError(f"{option}: prune quantizes nothing", hint="use quantize --method "

@@ -38,9 +38,11 @@ class _Observer:
         hessian: bool,
         samples: bool,
         magnitudes: bool = True,
+        norms: bool = False,
     ) -> None:
         self.owners = shared_input_owners(stream, names)
         self.hessian, self.samples, self.magnitudes = hessian, samples, magnitudes
+        self.norms = norms
         self.observed: dict[str, InputStats] = {}
 
     def __call__(self, name: str, x: Tensor) -> None:
@@ -49,7 +51,7 @@ class _Observer:
         if name not in self.observed:
             self.observed[name] = InputStats.empty(
                 x.shape[-1], hessian=self.hessian, device=x.device, samples=self.samples,
-                magnitudes=self.magnitudes,
+                magnitudes=self.magnitudes, norms=self.norms,
             )  # fmt: skip
         self.observed[name].update(x)
 
@@ -68,11 +70,12 @@ def run_observed(
     on_batch: Callable[[], Any] | None = None,
     keep: int | None = None,
     in_place: bool = False,
+    norms: bool = False,
 ) -> tuple[Tensor, dict[str, InputStats]]:
     """Run `layer` on `hidden` and return its output (all of it, the first `keep` samples, or
     written over `hidden` when `in_place`: see `LayerStream.run_layer`) and the input statistics
-    of the named linears (with sample rows when `samples`)."""
-    observer = _Observer(stream, names, hessian=hessian, samples=samples)
+    of the named linears (with sample rows when `samples`, sums of squares when `norms`)."""
+    observer = _Observer(stream, names, hessian=hessian, samples=samples, norms=norms)
     with input_hooks(layer, names, observer):
         output = stream.run_layer(layer, hidden, on_batch=on_batch, keep=keep, in_place=in_place)
     return output, observer.stats()
@@ -124,6 +127,7 @@ def collect_stats(
     input_ids: Tensor,
     *,
     hessian: bool = False,
+    norms: bool = False,
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
 ) -> CalibStats:
@@ -139,7 +143,7 @@ def collect_stats(
             with progress.stage(f"layer {index}", total=batches, transient=True) as step:
                 hidden, observed = run_observed(
                     stream, layer, names, hidden, hessian=hessian, on_batch=lambda: step(1),
-                    in_place=True,
+                    in_place=True, norms=norms,
                 )  # fmt: skip
             prefix = stream.layout.layer_prefix(index)
             stats.inputs.update({prefix + name: s for name, s in observed.items()})

@@ -36,6 +36,7 @@ class InputStats:
     # [rows, in] every SAMPLE_STRIDE-th token, for searches and observers that need values
     # (SmoothQuant's alpha, percentile and MSE activation scales); not saved to files.
     samples: Tensor | None = None
+    sq_sum: Tensor | None = None  # [in] sum x_j² (OWL's Wanda norms, when asked); not saved
 
     @classmethod
     def empty(
@@ -46,17 +47,19 @@ class InputStats:
         device: torch.device,
         samples: bool = False,
         magnitudes: bool = True,
+        norms: bool = False,
     ) -> InputStats:
         """magnitudes=False leaves absmax and abs_sum out: GPTQ reads only the Hessian, and
-        |x| with its two reductions costs ~5% of a Hessian update."""
+        |x| with its two reductions costs ~5% of a Hessian update. norms: also sum x_j²."""
         zeros = torch.zeros(in_features, dtype=ACCUM_DTYPE, device=device)
         h = torch.zeros(in_features, in_features, dtype=ACCUM_DTYPE, device=device)
         kept = zeros[:0].reshape(0, in_features) if samples else None
         return cls(
             absmax=zeros.clone() if magnitudes else None,
-            abs_sum=zeros if magnitudes else None,
+            abs_sum=zeros.clone() if magnitudes else None,
             hessian=h if hessian else None,
             samples=kept,
+            sq_sum=zeros if norms else None,
         )
 
     def update(self, x: Tensor) -> None:
@@ -67,6 +70,8 @@ class InputStats:
             self.absmax = torch.maximum(self.absmax, magnitudes.amax(dim=0))
             self.abs_sum += magnitudes.sum(dim=0)
             del magnitudes  # before the Hessian's product: one working copy of x at a time
+        if self.sq_sum is not None:
+            self.sq_sum += rows.square().sum(dim=0)
         if self.hessian is not None:
             total = self.num_tokens + n
             add_gram(self.hessian, rows, beta=self.num_tokens / total, alpha=2.0 / total)

@@ -26,6 +26,7 @@ from llmq.cli.options import (
     SeqLen,
     SpaceCheck,
     SparsityOption,
+    SparsityProfile,
     TrueSequential,
 )
 from llmq.cli.quantize import render
@@ -51,6 +52,13 @@ def prune(
     ] = "sparsegpt",
     sparsity: SparsityOption = None,
     pattern: PatternOption = None,
+    sparsity_profile: SparsityProfile = "uniform",
+    sparse_format: Annotated[
+        str,
+        typer.Option(
+            help="dense: the pruned weights as plain safetensors (loads everywhere). bitmask (compressed-tensors' sparse-bitmask) is refused: compressed-tensors 0.15+ cannot write it and transformers silently re-initialises such weights."
+        ),
+    ] = "dense",
     ignore: Ignore = None,
     calib_text: CalibText = DEFAULT_CALIBRATION_TEXT,
     num_samples: Annotated[
@@ -88,13 +96,16 @@ def prune(
     """
     quiet_libraries()
     from llmq import api
+    from llmq.api.quantize import check_sparse_format
 
     with cli_errors():
+        check_sparse_format(sparse_format)  # before any work
         recipe = api.make_recipe(
             scheme="dense", method=method, ignore=("lm_head", *(ignore or [])),
             calib_text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed,
             skip_layer_check=skip_layer_check, dampening_frac=dampening_frac, actorder="none",
             true_sequential=true_sequential, sparsity=sparsity, pattern=pattern,
+            sparsity_profile=sparsity_profile,
         )  # fmt: skip
         with progress_bars(json_out=json_out) as progress:
             try:

@@ -36,6 +36,7 @@ from llmq.cli.options import (
     SeqLen,
     SpaceCheck,
     SparsityOption,
+    SparsityProfile,
     TrueSequential,
 )
 from llmq.config import RESUME_EVERY_S, scheme_names
@@ -123,6 +124,7 @@ def quantize(
     ] = "none",
     sparsity: SparsityOption = None,
     pattern: PatternOption = None,
+    sparsity_profile: SparsityProfile = "uniform",
     calib_text: CalibText = DEFAULT_CALIBRATION_TEXT,
     num_samples: Annotated[
         int | None,
@@ -182,6 +184,7 @@ def quantize(
             true_sequential=true_sequential,
             awq_duo_scaling=awq_duo_scaling, smooth=smooth, activations=activations,
             observer=observer, kv_cache=kv_cache, sparsity=sparsity, pattern=pattern,
+            sparsity_profile=sparsity_profile,
         )  # fmt: skip
         with progress_bars(json_out=json_out) as progress:
             try:
@@ -213,6 +216,9 @@ def render(result: Any) -> None:
         table.add_column(f"worst linear: output error ({baseline})")
     else:
         table.add_column("worst linear (weight NRMSE)")
+    pruned = result.sparsity is not None
+    if pruned:
+        table.add_column("sparsity", justify="right")
     table.add_column("seconds", justify="right")
     for layer in result.layers:
         cells = [str(layer.index), _number(layer.output_rel_rmse)]
@@ -220,6 +226,9 @@ def render(result: Any) -> None:
             cells += [_number(layer.rtn_output_rel_rmse), _worst_output(layer.linears)]
         else:
             cells.append(_worst_weight(layer.linears))
+        if pruned:
+            zeros = sum(linear.sparsity * linear.numel for linear in layer.linears)
+            cells.append(f"{zeros / max(sum(linear.numel for linear in layer.linears), 1):.1%}")
         table.add_row(*cells, f"{layer.seconds:.1f}")
     out_console.print(table)
     for layer in result.layers:

@@ -85,7 +85,11 @@ def run_quantization(
     device: str | None = None,
     resume_every_s: float = RESUME_EVERY_S,
     reference: bool = True,
+    layer_sparsities: list[float] | None = None,
 ) -> QuantizeResult:
+    """Quantize (or prune) every decoder layer of `ckpt` as `plan` says and publish the
+    checkpoint at `out`. `layer_sparsities`: a pruning method's share per layer (a sparsity
+    profile), instead of the recipe's everywhere."""
     started = time.perf_counter()
     staging = staging_path(out)
     fingerprint = {"recipe": recipe.model_dump(mode="json"), "source": ckpt.file_stamps()}
@@ -108,9 +112,12 @@ def run_quantization(
     ):
         advance(resumed)
         for index in range(resumed, ckpt.num_layers):
+            layer_method = method
+            if layer_sparsities is not None:
+                layer_method = replace(method, sparsity=Sparsity(fraction=layer_sparsities[index]))  # type: ignore[type-var]
             report, hidden, tensors = _quantize_layer(
-                stream, index, plan.layers[index], recipe, method, hidden, calib_stats, progress,
-                buffers,
+                stream, index, plan.layers[index], recipe, layer_method, hidden, calib_stats,
+                progress, buffers,
             )  # fmt: skip
             save_safetensors(staging / shards.name(index + 1), tensors)
             state.record(asdict(report), hidden)

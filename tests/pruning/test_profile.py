@@ -1,0 +1,71 @@
+"""Non-uniform sparsity (OWL): outlier ratios on hand-made scores, the allocation rule, and a
+profiled run whose layers differ while the total stays the target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import llmq
+from llmq.calib.stats import CalibStats, InputStats
+from llmq.errors import InputError
+from llmq.pruning.profile import OWL_SPREAD, outlier_ratio, owl_allocation
+
+
+class _Weights:
+    """The part of a Checkpoint that `outlier_ratio` reads."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        self.weights = weights
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.weights[name]
+
+
+def test_outlier_ratio_counts_scores_above_m_times_the_layer_mean() -> None:
+    # scores |w| * ||x||: input norms 1 and 2 (sums of squares 1 and 4)
+    weight = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 30.0]])
+    stats = CalibStats(inputs={"a": InputStats(None, None, sq_sum=torch.tensor([1.0, 4.0]))})
+    # scores: four 1s, three 2s and one 60; mean 8.75: 5x = 43.75 (one above), 0.2x = 1.75 (four)
+    ratio = outlier_ratio(_Weights({"a.weight": weight}), stats, ["a"])  # type: ignore[arg-type]
+    assert ratio == 1 / 8
+    assert outlier_ratio(_Weights({"a.weight": weight}), stats, ["a"], threshold=0.2) == 4 / 8  # type: ignore[arg-type]
+
+
+def test_owl_allocation_spreads_by_outliers_around_the_target() -> None:
+    got = owl_allocation([0.01, 0.03, 0.02, 0.02], 0.7)
+    # densities 0, 2λ, λ, λ minus their mean λ, plus 0.3: sparsities 0.7 + λ, 0.7 - λ, 0.7, 0.7
+    expected = [0.7 + OWL_SPREAD, 0.7 - OWL_SPREAD, 0.7, 0.7]
+    assert got == pytest.approx(expected, abs=1e-12)
+    assert sum(got) / 4 == pytest.approx(0.7)
+    assert owl_allocation([0.02, 0.02], 0.5) == [0.5, 0.5]
+
+
+def test_an_owl_profiled_prune_varies_by_layer_and_keeps_the_total(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    out = tmp_path / "out"
+    result = llmq.prune(
+        tiny_llama, out, method="wanda", sparsity=0.5, sparsity_profile="owl",
+        num_samples=4, seq_len=64,
+    )  # fmt: skip
+    record = json.loads((out / "llmq.json").read_text())["sparsity_profile"]
+    assert record["profile"] == "owl" and len(record["sparsity"]) == 2
+    assert sorted(record["sparsity"]) == pytest.approx([0.5 - OWL_SPREAD, 0.5 + OWL_SPREAD])
+    for layer, wanted in zip(result.layers, record["sparsity"], strict=True):
+        for linear in layer.linears:  # round(s * in_features) of every row
+            assert linear.sparsity == pytest.approx(wanted, abs=1 / 192)
+    assert result.sparsity["linears"] == pytest.approx(0.5, abs=1 / 192)
+
+
+def test_a_profile_needs_a_fraction_and_data(tmp_path: Path, tiny_llama: Path) -> None:
+    with pytest.raises(InputError, match="N:M pattern is per group"):
+        llmq.prune(tiny_llama, tmp_path / "o", pattern="2:4", sparsity_profile="owl")
+    with pytest.raises(InputError, match="weighs outliers on calibration data"):
+        llmq.prune(
+            tiny_llama, tmp_path / "o", method="magnitude", sparsity=0.5,
+            sparsity_profile="owl", skip_layer_check=True,
+        )  # fmt: skip

@@ -14,12 +14,11 @@ from pathlib import Path
 LLMQ, PEER = "llmq", "llm-compressor"
 HERE = Path(__file__).resolve().parent
 PEER_PYTHON = HERE / ".venvs" / "llmcompressor" / "bin" / "python"
-PEER_RUNNER = HERE / "peers" / "llmcompressor_quantize.py"
 
 
 @dataclass(frozen=True)
 class Job:
-    """One quantization run of a side-by-side benchmark."""
+    """One quantization (or pruning) run of a side-by-side benchmark."""
 
     tool: str  # LLMQ or PEER
     label: str
@@ -74,13 +73,34 @@ def ensure_peer() -> None:
     subprocess.run(["bash", str(HERE / "peers" / "setup_llmcompressor.sh")], check=True)
 
 
-def llmq_quantize_cmd(model: Path, out: Path, options: list[str]) -> list[str]:
-    return [sys.executable, "-m", "llmq.cli.main", "quantize", str(model), "--out", str(out),
+Command = Callable[[Path, Path, list[str]], list[str]]  # (model, out, options) -> argv
+
+
+def _llmq_cmd(verb: str, model: Path, out: Path, options: list[str]) -> list[str]:
+    return [sys.executable, "-m", "llmq.cli.main", verb, str(model), "--out", str(out),
             "--overwrite", "--json", *options]  # fmt: skip
 
 
+def _peer_cmd(runner: str, model: Path, out: Path, options: list[str]) -> list[str]:
+    """The peer runner benchmarks/peers/`runner`, in the peer's environment."""
+    script = HERE / "peers" / runner
+    return [str(PEER_PYTHON), str(script), "--model", str(model), "--out", str(out), *options]
+
+
+def llmq_quantize_cmd(model: Path, out: Path, options: list[str]) -> list[str]:
+    return _llmq_cmd("quantize", model, out, options)
+
+
 def peer_quantize_cmd(model: Path, out: Path, options: list[str]) -> list[str]:
-    return [str(PEER_PYTHON), str(PEER_RUNNER), "--model", str(model), "--out", str(out), *options]
+    return _peer_cmd("llmcompressor_quantize.py", model, out, options)
+
+
+def llmq_prune_cmd(model: Path, out: Path, options: list[str]) -> list[str]:
+    return _llmq_cmd("prune", model, out, options)
+
+
+def peer_prune_cmd(model: Path, out: Path, options: list[str]) -> list[str]:
+    return _peer_cmd("llmcompressor_prune.py", model, out, options)
 
 
 TEXTS = ("pydoc", "shakespeare")  # held-out splits: last quarter of pydoc topics; Hamlet
@@ -186,11 +206,14 @@ def run_jobs(
     *,
     windows: int,
     only: str | None,
+    commands: tuple[Command, Command] = (llmq_quantize_cmd, peer_quantize_cmd),
 ) -> list[dict]:
     """Run each job (those whose label contains one of the '|'-separated parts of `only`, when
-    given) in its own measured process, and score its checkpoint: one result row per job."""
+    given) in its own measured process, and score its checkpoint: one result row per job.
+    `commands`: llmq's and the peer's command lines (quantize by default)."""
     import llmq
 
+    llmq_cmd, peer_cmd = commands
     # Warm llmq's token cache and the page cache of the model file outside the timed runs.
     llmq.quantize(model, out / "warmup", scheme="w8a16", overwrite=True)
     rows = []
@@ -202,7 +225,7 @@ def run_jobs(
         if job.calib is not None:
             shared = calib[job.calib]
             options += shared.llmq_options if job.tool == LLMQ else ["--calib", str(shared.file)]
-        cmd = (llmq_quantize_cmd if job.tool == LLMQ else peer_quantize_cmd)(model, folder, options)
+        cmd = (llmq_cmd if job.tool == LLMQ else peer_cmd)(model, folder, options)
         measured = run_measured(cmd)
         rows.append({"tool": job.tool, "label": job.label, "compare_with": job.compare_with,
                      "baseline": job.baseline, "options": options,

@@ -35,6 +35,7 @@ class Recording:
     name: str = "gptq"
     needs_hessian: bool = True
     awq: None = None
+    sparsity: None = None
 
     def quantize_weight(self, weight, args, stats, *, scale_dtype) -> MethodResult:
         self.hessians.append(stats.hessian.clone())

@@ -19,6 +19,7 @@ __all__ = [
     "load_quantized",
     "make_recipe",
     "prune",
+    "prune_structured",
     "quantize",
     "verify",
 ]

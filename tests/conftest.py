@@ -36,6 +36,7 @@ def make_tiny(
     dtype: torch.dtype = torch.float32,
     shards: str | None = None,
     kv_heads: int = 1,
+    heads: int = 3,
 ) -> Path:
     """A small random decoder of `model_type`, saved as a Hugging Face folder.
 
@@ -49,7 +50,7 @@ def make_tiny(
         hidden_size=hidden,
         intermediate_size=512,
         num_hidden_layers=layers,
-        num_attention_heads=3,
+        num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=512,

@@ -11,6 +11,7 @@ from llmq.api.evaluate import EvalResult, evaluate, verify
 from llmq.api.quantize import make_recipe, prune, quantize
 from llmq.api.run import GenerateResult, bench, generate, load_dequantized, load_quantized
 from llmq.api.scan import fallback_scan
+from llmq.api.structured import StructuredResult, prune_structured
 
 __all__ = [
     "DEFAULT_CALIB_SAMPLES",
@@ -18,6 +19,7 @@ __all__ = [
     "CalibrateResult",
     "EvalResult",
     "GenerateResult",
+    "StructuredResult",
     "bench",
     "calibrate",
     "evaluate",
@@ -28,6 +30,7 @@ __all__ = [
     "load_quantized",
     "make_recipe",
     "prune",
+    "prune_structured",
     "quantize",
     "verify",
 ]

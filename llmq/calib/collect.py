@@ -128,10 +128,13 @@ def collect_stats(
     *,
     hessian: bool = False,
     norms: bool = False,
+    on_layer: Callable[[int, Tensor, Tensor], Any] | None = None,
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
 ) -> CalibStats:
-    """Statistics of every linear input of every layer, on the float model's activations."""
+    """Statistics of every linear input of every layer, on the float model's activations.
+    `on_layer(index, inputs, outputs)` sees each layer's hidden states before and after it
+    (a copy of the inputs is kept for it: one more copy of the activations)."""
     stream = LayerStream(ckpt, device=device)
     hidden = stream.embed(input_ids)
     stats = CalibStats()
@@ -140,11 +143,15 @@ def collect_stats(
         for index in range(ckpt.num_layers):
             layer = stream.load_layer(index)
             batches = len(list(stream.batches(hidden)))
+            before = hidden.clone() if on_layer is not None else None
             with progress.stage(f"layer {index}", total=batches, transient=True) as step:
                 hidden, observed = run_observed(
                     stream, layer, names, hidden, hessian=hessian, on_batch=lambda: step(1),
                     in_place=True, norms=norms,
                 )  # fmt: skip
+            if on_layer is not None:
+                on_layer(index, before, hidden)
+            del before
             prefix = stream.layout.layer_prefix(index)
             stats.inputs.update({prefix + name: s for name, s in observed.items()})
             advance(1)

@@ -59,6 +59,30 @@ def finalize(
     *,
     reference: bool = True,
 ) -> None:
+    """Index, config (with its quantization_config), side files and llmq's record of a
+    quantization (or pruning) run."""
+    config = dict(ckpt.config)
+    fmt = scheme_format(recipe.scheme)
+    if fmt is not PackFormat.DENSE:  # pruned alone: a plain checkpoint every loader reads
+        config["quantization_config"] = quantization_config(
+            config_groups(plan), ignore=plan.ignored, fmt=fmt, kv_cache=recipe.kv_cache_args
+        )
+    finish_checkpoint(ckpt.path, staging, shards, config, record, device, reference=reference)
+
+
+def finish_checkpoint(
+    source: Path,
+    staging: Path,
+    shards: ShardNames,
+    config: dict[str, Any],
+    record: dict[str, Any],
+    device: str | None,
+    *,
+    reference: bool = True,
+) -> None:
+    """Everything of a written checkpoint but its shards: the index over them, `config`, the
+    source's side files, and llmq.json (`record`, with the reference `llmq verify` checks and
+    the files' hashes); the resume state goes."""
     from llmq.eval.logits import compute_reference, file_hashes
     from llmq.io.checkpoint import open_checkpoint, read_safetensors_header
 
@@ -73,14 +97,8 @@ def finalize(
         staging / "model.safetensors.index.json",
         {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))},
     )
-    config = dict(ckpt.config)
-    fmt = scheme_format(recipe.scheme)
-    if fmt is not PackFormat.DENSE:  # pruned alone: a plain checkpoint every loader reads
-        config["quantization_config"] = quantization_config(
-            config_groups(plan), ignore=plan.ignored, fmt=fmt, kv_cache=recipe.kv_cache_args
-        )
     write_json(staging / "config.json", config)
-    _copy_side_files(ckpt.path, staging)
+    _copy_side_files(source, staging)
     # What the written files compute, and their hashes, for `llmq verify`.
     if reference:  # one more pass over the written layers (a few tokens each)
         record["reference"] = compute_reference(open_checkpoint(staging), device=device).to_dict()

@@ -1,0 +1,214 @@
+"""`prune_structured`: a smaller dense model (fewer MLP channels, key-value groups, layers),
+scored on calibration windows, written one decoder layer at a time."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmq import __version__
+from llmq.api.common import DEFAULT_CALIB_SAMPLES, _calibration_windows, _open
+from llmq.config import CalibConfig, build
+from llmq.errors import InputError
+from llmq.progress import NO_PROGRESS, Progress
+from llmq.texts import DEFAULT_CALIBRATION_TEXT
+
+
+@dataclass(slots=True)
+class StructuredResult:
+    out_dir: Path
+    model: str
+    removed: dict[str, Any]  # per axis: what went (StructuredPlan.removed)
+    parameters: dict[str, int]  # "source", "output"
+    size_bytes: dict[str, int]  # "source", "output"
+    importance: str  # the file the scores came from, or "computed"
+    calibration: dict[str, Any] | None
+    seconds: float = 0.0
+    perplexity: dict[str, Any] = field(default_factory=dict)  # source, output, protocol
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "out_dir": str(self.out_dir)}
+
+
+def prune_structured(
+    model: str | Path,
+    out: str | Path,
+    *,
+    intermediate_size: int | None = None,
+    num_kv_heads: int | None = None,
+    num_layers: int | None = None,
+    params: float | None = None,
+    importance: str | Path | None = None,
+    save_importance: str | Path | None = None,
+    calib_text: str = DEFAULT_CALIBRATION_TEXT,
+    num_samples: int | None = None,
+    seq_len: int = 512,
+    seed: int = 0,
+    evaluate: bool = True,
+    overwrite: bool = False,
+    space_check: bool = True,
+    reference: bool = True,
+    progress: Progress = NO_PROGRESS,
+    device: str | None = None,
+) -> StructuredResult:
+    """Remove MODEL's least important MLP channels, key-value groups (with their query heads)
+    and decoder layers down to the targets (`params`: about that share of the decoder's
+    parameters, by narrowing the MLP), the same width in every layer, and write a plain
+    checkpoint at OUT. Importance is scored on the calibration windows (or read from
+    `importance`, a file a previous run saved with `save_importance`). `evaluate`: held-out
+    perplexity of the source and the result (the default protocol of `evaluate`)."""
+    from llmq.io.atomic import (
+        check_free_space,
+        check_output_dir,
+        claim_output,
+        publish,
+        staging_path,
+    )
+    from llmq.pipeline.output import weights_size
+    from llmq.pruning.structured import (
+        Importance,
+        Targets,
+        budget_targets,
+        plan_structured,
+    )
+
+    started = time.perf_counter()
+    ckpt = _open(model, progress)
+    _check_family(ckpt)
+    explicit = Targets(intermediate_size, num_kv_heads, num_layers)
+    if params is not None and explicit != Targets():
+        raise InputError("--params chooses the sizes itself: give it or explicit targets, not both")
+    targets = budget_targets(ckpt.config, params) if params is not None else explicit
+    if targets == Targets():
+        raise InputError("nothing to remove", hint="give --params, --intermediate-size, --num-kv-heads or --num-layers")  # fmt: skip
+    samples = DEFAULT_CALIB_SAMPLES if num_samples is None else num_samples
+    cal = build(CalibConfig, text=calib_text, num_samples=samples, seq_len=seq_len, seed=seed)
+    assert isinstance(cal, CalibConfig)
+    out = Path(out)
+    with claim_output(out):
+        check_output_dir(out, overwrite=overwrite, sources=(ckpt.path,))
+        if importance is not None:
+            scores, source, calibration = Importance.load(Path(importance)), str(importance), None
+        else:
+            windows = _calibration_windows(ckpt.path, cal, progress)
+            scores = _score(ckpt, windows.input_ids, progress, device)
+            source = "computed"
+            calibration = {**cal.model_dump(), "tokens": windows.num_tokens}
+            if save_importance is not None:
+                scores.save(Path(save_importance))
+        plan = plan_structured(ckpt.config, scores, targets)
+        if space_check:
+            check_free_space(out, _output_bytes(ckpt, plan.config))
+        staging = staging_path(out)
+        record = {
+            "llmq_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "source_model": str(model),
+            "structured": {"removed": plan.removed(ckpt.config), "importance": source},
+            "calibration": calibration,
+        }
+        try:
+            _write(ckpt, plan, staging, record, progress, device, reference=reference)
+        except BaseException:  # no resume point: nothing partial is kept
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        publish(staging, out)
+
+    result = StructuredResult(
+        out_dir=out, model=str(model), removed=plan.removed(ckpt.config),
+        parameters={"source": _stored(ckpt), "output": _stored(_open(out))},
+        size_bytes={"source": weights_size(ckpt.path), "output": weights_size(out)},
+        importance=source, calibration=calibration,
+    )  # fmt: skip
+    if evaluate:
+        result.perplexity = _perplexities(ckpt.path, out, progress, device)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _stored(ckpt: Any) -> int:
+    """Parameters as stored (a tied lm_head once)."""
+    return sum(math.prod(info.shape) for info in ckpt.tensors.values())
+
+
+def _check_family(ckpt: Any) -> None:
+    if ckpt.quantization_config:
+        raise InputError(f"{ckpt.path}: quantized", hint="prune the original float checkpoint")
+    if ckpt.layout.linears != (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+    ):  # fmt: skip
+        raise InputError(
+            f"{ckpt.path}: structured pruning knows Llama-style attention and gated MLPs only "
+            f"(model_type {ckpt.config.get('model_type')!r})"
+        )
+
+
+def _score(ckpt: Any, ids: Any, progress: Progress, device: str | None) -> Any:
+    from llmq.pruning.structured import score_model
+
+    with progress.stage("scoring heads, channels and layers"):
+        return score_model(ckpt, ids, progress=progress, device=device)
+
+
+def _output_bytes(ckpt: Any, config: dict[str, Any]) -> int:
+    from llmq.io.checkpoint import torch_dtype
+    from llmq.pruning.structured import parameter_count
+
+    itemsize = max(torch_dtype(info.dtype).itemsize for info in ckpt.tensors.values())
+    return parameter_count(config) * itemsize + 64 * 1024
+
+
+def _write(
+    ckpt: Any,
+    plan: Any,
+    staging: Path,
+    record: dict[str, Any],
+    progress: Progress,
+    device: str | None,
+    *,
+    reference: bool,
+) -> None:
+    """Shard 0: embeddings, final norm, lm_head as they are; shard i + 1: kept layer i,
+    renumbered and sliced; then the index, config, side files and llmq.json."""
+    from llmq.io.atomic import save_safetensors
+    from llmq.pipeline.output import ShardNames, finish_checkpoint, non_layer_tensors
+    from llmq.pruning.structured import slice_layer
+
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    shards = ShardNames(len(plan.layers))
+    save_safetensors(staging / shards.name(0), non_layer_tensors(ckpt))
+    with progress.stage("writing layers", total=len(plan.layers)) as advance:
+        for new, (old, channels, groups) in enumerate(
+            zip(plan.layers, plan.channels, plan.kv_groups, strict=True)
+        ):
+            source, target = ckpt.layout.layer_prefix(old), ckpt.layout.layer_prefix(new)
+            tensors = {n[len(source) :]: ckpt.read(n) for n in ckpt.names_with_prefix(source)}
+            sliced = slice_layer(tensors, channels, groups, ckpt.config)
+            save_safetensors(
+                staging / shards.name(new + 1), {target + n: t for n, t in sliced.items()}
+            )
+            advance(1)
+    with progress.stage("writing config, index and the reference for `llmq verify`"):
+        finish_checkpoint(
+            ckpt.path, staging, shards, plan.config, record, device, reference=reference
+        )
+
+
+def _perplexities(
+    source: Path, out: Path, progress: Progress, device: str | None
+) -> dict[str, Any]:
+    from llmq.api.evaluate import evaluate
+
+    result = evaluate(out, baseline=source, progress=progress, device=device)
+    return {
+        "source": result.baseline.perplexity,
+        "output": result.model.perplexity,
+        "increase": result.increase,
+        "protocol": result.protocol,
+    }

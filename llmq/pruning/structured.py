@@ -1,0 +1,240 @@
+"""Structured pruning (`llmq prune --structured`): remove whole MLP channels, key-value groups
+(with their query heads) and decoder layers, the least important first, with the same width in
+every layer so that the result is a plain, smaller checkpoint every loader reads.
+
+Importance comes from one calibration pass over the dense model (`score_model`): per layer,
+each MLP channel's and each key-value group's L2 norm over the calibration tokens, and the
+layer's Block Importance (llmq.pruning.importance). Each layer keeps its own most important
+channels and groups; the layers kept are those of highest Block Importance, in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from llmq.calib.collect import collect_stats
+from llmq.errors import InputError
+from llmq.io.checkpoint import Checkpoint
+from llmq.progress import NO_PROGRESS, Progress
+from llmq.pruning.importance import (
+    block_importance,
+    channel_importance,
+    head_importance,
+    kept_indices,
+    kv_group_importance,
+)
+
+ATTENTION_ROWS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+MLP_ROWS = ("mlp.gate_proj", "mlp.up_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class Targets:
+    """The sizes wanted (None: keep the model's)."""
+
+    intermediate_size: int | None = None
+    num_kv_heads: int | None = None
+    num_layers: int | None = None
+
+
+@dataclass(slots=True)
+class Importance:
+    """What the scoring pass measured, per decoder layer (saved so that several targets reuse
+    one pass)."""
+
+    channels: list[Tensor]  # [intermediate] per layer
+    kv_groups: list[Tensor]  # [num_kv_heads] per layer
+    blocks: Tensor  # [layers] Block Importance
+
+    def save(self, path: Path) -> None:
+        from llmq.io.atomic import save_safetensors
+
+        tensors = {"blocks": self.blocks.contiguous()}
+        for index, (channels, groups) in enumerate(zip(self.channels, self.kv_groups, strict=True)):
+            tensors[f"layers.{index}.channels"] = channels.contiguous()
+            tensors[f"layers.{index}.kv_groups"] = groups.contiguous()
+        save_safetensors(path, tensors, {"format": IMPORTANCE_FORMAT})
+
+    @classmethod
+    def load(cls, path: Path) -> Importance:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(path)
+            layers = len(tensors["blocks"])
+            return cls(
+                [tensors[f"layers.{i}.channels"] for i in range(layers)],
+                [tensors[f"layers.{i}.kv_groups"] for i in range(layers)],
+                tensors["blocks"],
+            )
+        except (OSError, KeyError, SafetensorError) as exc:
+            raise InputError(f"{path}: not an importance file ({exc})") from None
+
+
+IMPORTANCE_FORMAT = "llmq-importance/1"
+
+
+def score_model(
+    ckpt: Checkpoint,
+    input_ids: Tensor,
+    *,
+    progress: Progress = NO_PROGRESS,
+    device: str | None = None,
+) -> Importance:
+    """One pass over the dense model on the calibration windows."""
+    config = ckpt.config
+    heads, kv_heads = config["num_attention_heads"], _kv_heads(config)
+    blocks: list[float] = []
+    stats = collect_stats(
+        ckpt, input_ids, norms=True, progress=progress, device=device,
+        on_layer=lambda _index, before, after: blocks.append(block_importance(before, after)),
+    )  # fmt: skip
+    channels, groups = [], []
+    for index in range(ckpt.num_layers):
+        prefix = ckpt.layout.layer_prefix(index)
+        down, o_proj = (
+            stats.inputs[prefix + "mlp.down_proj"],
+            stats.inputs[prefix + "self_attn.o_proj"],
+        )
+        assert down.sq_sum is not None and o_proj.sq_sum is not None
+        channels.append(channel_importance(down.sq_sum))
+        groups.append(kv_group_importance(head_importance(o_proj.sq_sum, heads), kv_heads))
+    return Importance(channels, groups, torch.tensor(blocks, dtype=torch.float64))
+
+
+@dataclass(slots=True)
+class StructuredPlan:
+    layers: list[int]  # the source layers kept, in order
+    channels: list[Tensor]  # per kept layer: the MLP channels kept
+    kv_groups: list[Tensor]  # per kept layer: the key-value groups kept
+    config: dict[str, Any]  # config.json of the result
+
+    def removed(self, source: dict[str, Any]) -> dict[str, Any]:
+        """What went, per axis (llmq.json and the report)."""
+        return {
+            "layers": sorted(set(range(source["num_hidden_layers"])) - set(self.layers)),
+            "intermediate_size": [source["intermediate_size"], self.config["intermediate_size"]],
+            "num_key_value_heads": [_kv_heads(source), self.config["num_key_value_heads"]],
+            "num_attention_heads": [
+                source["num_attention_heads"],
+                self.config["num_attention_heads"],
+            ],
+        }
+
+
+def plan_structured(
+    config: dict[str, Any], importance: Importance, targets: Targets
+) -> StructuredPlan:
+    """Which layers, channels and groups stay (InputError for targets the model cannot take)."""
+    layers_n, inter, heads = (
+        config["num_hidden_layers"],
+        config["intermediate_size"],
+        config["num_attention_heads"],
+    )
+    kv_heads = _kv_heads(config)
+    keep_layers = _checked("--num-layers", targets.num_layers, layers_n)
+    keep_inter = _checked("--intermediate-size", targets.intermediate_size, inter)
+    keep_groups = _checked("--num-kv-heads", targets.num_kv_heads, kv_heads)
+    if len(importance.blocks) != layers_n or len(importance.channels[0]) != inter:
+        raise InputError("--importance: scored on a model of another shape")
+    layers = kept_indices(importance.blocks, keep_layers).tolist()
+    new = dict(config)
+    new.update(
+        num_hidden_layers=keep_layers, intermediate_size=keep_inter,
+        num_key_value_heads=keep_groups, num_attention_heads=heads // kv_heads * keep_groups,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+    )  # fmt: skip
+    if isinstance(config.get("layer_types"), list):
+        new["layer_types"] = [config["layer_types"][i] for i in layers]
+    return StructuredPlan(
+        layers=layers,
+        channels=[kept_indices(importance.channels[i], keep_inter) for i in layers],
+        kv_groups=[kept_indices(importance.kv_groups[i], keep_groups) for i in layers],
+        config=new,
+    )
+
+
+def budget_targets(config: dict[str, Any], params: float) -> Targets:
+    """`--params F`: keep about F of the decoder layers' parameters by narrowing the MLP alone
+    (Minitron's guidance: width before depth, MLP first), to a multiple of 64 channels."""
+    if not 0 < params < 1:
+        raise InputError(f"--params {params}: a share of the parameters in (0, 1)")
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    attention = hidden * head_dim * (2 * config["num_attention_heads"] + 2 * _kv_heads(config))
+    mlp = 3 * hidden * inter
+    wanted = params * (attention + mlp) - attention
+    channels = int(wanted / (3 * hidden)) // 64 * 64
+    if channels < 64:
+        raise InputError(
+            f"--params {params}: narrowing the MLP alone cannot reach it (attention is "
+            f"{attention / (attention + mlp):.0%} of each layer)",
+            hint="give explicit targets: --num-layers, --num-kv-heads, --intermediate-size",
+        )
+    return Targets(intermediate_size=min(channels, inter))
+
+
+def slice_layer(
+    tensors: dict[str, Tensor], channels: Tensor, kv_groups: Tensor, config: dict[str, Any]
+) -> dict[str, Tensor]:
+    """A layer's tensors (names relative to the layer) with only the kept MLP channels and
+    key-value groups (each with its query heads); norms and anything else as they were."""
+    heads, kv_heads = config["num_attention_heads"], _kv_heads(config)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    per_group = heads // kv_heads
+    query_heads = (kv_groups[:, None] * per_group + torch.arange(per_group)).flatten()
+    rows = {
+        "self_attn.q_proj": _head_rows(query_heads, head_dim),
+        "self_attn.k_proj": _head_rows(kv_groups, head_dim),
+        "self_attn.v_proj": _head_rows(kv_groups, head_dim),
+        "mlp.gate_proj": channels,
+        "mlp.up_proj": channels,
+    }
+    columns = {"self_attn.o_proj": _head_rows(query_heads, head_dim), "mlp.down_proj": channels}
+    sliced = {}
+    for name, tensor in tensors.items():
+        module, _, kind = name.rpartition(".")
+        if module in rows:  # weight [out, in] or bias [out]
+            tensor = tensor.index_select(0, rows[module])
+        elif module in columns and kind == "weight":
+            tensor = tensor.index_select(1, columns[module])
+        sliced[name] = tensor.contiguous()
+    return sliced
+
+
+def parameter_count(config: dict[str, Any]) -> int:
+    """About the parameters of a Llama-style decoder of this config (embeddings and lm_head
+    included, biases not): what the space check reserves."""
+    hidden, inter, layers = (
+        config["hidden_size"],
+        config["intermediate_size"],
+        config["num_hidden_layers"],
+    )
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    attention = hidden * head_dim * (2 * heads + 2 * _kv_heads(config))
+    per_layer = attention + 3 * hidden * inter + 2 * hidden
+    embeddings = config["vocab_size"] * hidden * (1 if config.get("tie_word_embeddings") else 2)
+    return layers * per_layer + embeddings + hidden
+
+
+def _head_rows(heads: Tensor, head_dim: int) -> Tensor:
+    return (heads[:, None] * head_dim + torch.arange(head_dim)).flatten()
+
+
+def _kv_heads(config: dict[str, Any]) -> int:
+    return int(config.get("num_key_value_heads") or config["num_attention_heads"])
+
+
+def _checked(option: str, target: int | None, size: int) -> int:
+    if target is None:
+        return size
+    if not 0 < target <= size:
+        raise InputError(f"{option} {target}: the model has {size}; keep between 1 and {size}")
+    return target

@@ -24,7 +24,6 @@ held-out splits, no BOS (the tokenizer adds none), float32 compute.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from common import (
     Job,
     calibration_set,
     ensure_peer,
+    job_arguments,
     llmq_prune_cmd,
     peer_comparison,
     peer_prune_cmd,
@@ -71,17 +71,7 @@ def jobs(samples: int, seq_len: int) -> list[Job]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--windows", type=int, default=12, help="512-token windows per text")
-    parser.add_argument("--samples", type=int, default=128)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/out/prune"))
-    parser.add_argument(
-        "--only",
-        default=None,
-        help="run only jobs whose label contains one of these ('|'-separated)",
-    )
-    args = parser.parse_args()
+    args = job_arguments(__doc__, "prune")
 
     from llmq.models import builtin_model_path
 

@@ -14,12 +14,11 @@ the held-out splits of pydoc and Hamlet, no BOS, float32.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LLMQ, Job, ppl_table, run_jobs, save_report
+from common import LLMQ, Job, job_arguments, ppl_table, run_jobs, save_report
 
 
 def jobs(samples: int, seq_len: int) -> list[Job]:
@@ -37,13 +36,7 @@ def jobs(samples: int, seq_len: int) -> list[Job]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--windows", type=int, default=12, help="512-token windows per text")
-    parser.add_argument("--samples", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/out/pruning"))
-    parser.add_argument("--only", default=None, help="labels containing one of these ('|')")
-    args = parser.parse_args()
+    args = job_arguments(__doc__, "pruning", samples=32)
 
     from llmq.models import builtin_model_path
 

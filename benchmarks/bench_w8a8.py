@@ -17,7 +17,6 @@ held-out splits, no BOS (the tokenizer adds none), float32 compute.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from common import (
     Job,
     calibration_set,
     ensure_peer,
+    job_arguments,
     peer_comparison,
     ppl_cells,
     preamble,
@@ -68,17 +68,7 @@ def jobs() -> list[Job]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--windows", type=int, default=12, help="512-token windows per text")
-    parser.add_argument("--samples", type=int, default=128)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/out/w8a8"))
-    parser.add_argument(
-        "--only",
-        default=None,
-        help="run only jobs whose label contains one of these ('|'-separated)",
-    )
-    args = parser.parse_args()
+    args = job_arguments(__doc__, "w8a8")
 
     from llmq.models import builtin_model_path
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -117,6 +118,18 @@ def held_out_perplexity(out: Path, model: Path, windows: int) -> dict[str, dict]
         ppl[text] = {"ppl": result.model.perplexity, "base": result.baseline.perplexity,
                      "increase": result.increase, "simulated": result.model.quantized}  # fmt: skip
     return ppl
+
+
+def job_arguments(doc: str, out: str, *, samples: int = 128) -> argparse.Namespace:
+    """The options every side-by-side benchmark takes: held-out windows, calibration size, the
+    output folder and a label filter."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--windows", type=int, default=12, help="512-token windows per text")
+    parser.add_argument("--samples", type=int, default=samples, help="calibration windows")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out") / out)
+    parser.add_argument("--only", default=None, help="run only jobs whose label contains one of these ('|'-separated)")  # fmt: skip
+    return parser.parse_args()
 
 
 def protocol(windows: int) -> str:

@@ -107,7 +107,10 @@ def run_quantization(
     hidden = _initial_hidden(stream, state, calibration_ids)
     buffers = ReusedBuffers()  # captured and kept activations, layer after layer
     with (
-        progress.stage("quantizing layers", total=ckpt.num_layers) as advance,
+        progress.stage(
+            "pruning layers" if recipe.weight_args is None else "quantizing layers",
+            total=ckpt.num_layers,
+        ) as advance,
         reused_heap(),  # every op's output is a fresh tensor: 5-10% of a CPU layer was faults
     ):
         advance(resumed)

@@ -29,8 +29,7 @@ def check_triton_usable(device: torch.device) -> None:
         )
 
 
-@torch.library.custom_op("llmq::w4a16_linear", mutates_args=())
-def w4a16_linear(
+def w4a16_product(
     x: Tensor,
     packed: Tensor,
     scale: Tensor,
@@ -40,7 +39,8 @@ def w4a16_linear(
     group_size: int,
     triton: bool,
 ) -> Tensor:
-    """x [M, K] @ W^T for a packed int4 weight (see llmq.pack.layout.W4A16Weight)."""
+    """x [M, K] @ W^T for a packed int4 weight (see llmq.pack.layout.W4A16Weight). Eager code
+    calls this directly: the custom op's dispatch costs more than a small kernel's launch."""
     weight = W4A16Weight(packed, scale, zero, g_idx, in_features, group_size)
     if triton:
         from llmq.kernels.w4a16 import w4a16_matmul
@@ -49,23 +49,29 @@ def w4a16_linear(
     return reference.w4a16_linear(x, weight)
 
 
+w4a16_linear = torch.library.custom_op("llmq::w4a16_linear", mutates_args=())(w4a16_product)
+
+
 @w4a16_linear.register_fake
 def _(x, packed, scale, zero, g_idx, in_features, group_size, triton):
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
-@torch.library.custom_op("llmq::w8a8_linear", mutates_args=())
-def w8a8_linear(
+def w8a8_product(
     x: Tensor, codes: Tensor, scale: Tensor, input_scale: Tensor | None, triton: bool
 ) -> Tensor:
     """quantize(x) [M, K] @ W^T with both scales: int8 or float8_e4m3fn codes [N, K];
-    activations per token, or with the static input_scale when given."""
+    activations per token, or with the static input_scale when given (eager code calls this
+    directly, as `w4a16_product`)."""
     weight = W8A8Weight(codes, scale, input_scale)
     if triton:
         from llmq.kernels.w8a8 import w8a8_matmul
 
         return w8a8_matmul(x, weight)
     return reference.w8a8_linear(x, weight)
+
+
+w8a8_linear = torch.library.custom_op("llmq::w8a8_linear", mutates_args=())(w8a8_product)
 
 
 @w8a8_linear.register_fake

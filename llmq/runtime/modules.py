@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from llmq.kernels import ops  # noqa: F401  (registers torch.ops.llmq.*)
+from llmq.kernels import ops  # also registers torch.ops.llmq.*, which torch.compile traces
 from llmq.kernels.reference import dequantize_int4
 from llmq.pack.layout import FP8_CODES, W4A16Weight, W8A8Weight
 
@@ -59,7 +59,8 @@ class W4A16Linear(QuantizedLinear):
         self.register_buffer("g_idx", weight.g_idx)
 
     def matmul(self, x: Tensor) -> Tensor:
-        return torch.ops.llmq.w4a16_linear(
+        op = torch.ops.llmq.w4a16_linear if torch.compiler.is_compiling() else ops.w4a16_product
+        return op(
             x, self.packed, self.scale, self.zero, self.g_idx,
             self.in_features, self.group_size, self.triton,
         )  # fmt: skip
@@ -89,7 +90,8 @@ class W8A8Linear(QuantizedLinear):
         self.register_buffer("input_scale", weight.input_scale)
 
     def matmul(self, x: Tensor) -> Tensor:
-        return torch.ops.llmq.w8a8_linear(x, self.codes, self.scale, self.input_scale, self.triton)
+        op = torch.ops.llmq.w8a8_linear if torch.compiler.is_compiling() else ops.w8a8_product
+        return op(x, self.codes, self.scale, self.input_scale, self.triton)
 
     @property
     def layout(self) -> W8A8Weight:

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from llmq.kernels import ops  # noqa: F401  (registers torch.ops.llmq.*)
+from llmq.pack.layout import W4A16Weight
+from llmq.runtime.modules import W4A16Linear
 from tests.kernels.test_w4a16 import random_weight
 from tests.kernels.test_w8a8 import activations, weight_codes
 
@@ -51,6 +53,16 @@ def test_traced_by_torch_compile() -> None:
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(args[0]), f(args[0]))
+
+
+def test_quantized_linears_trace_through_the_op_and_run_eager_without_it() -> None:
+    """Eager calls skip the custom op's dispatch; under torch.compile the module goes through
+    the op (a graph break would fail fullgraph=True)."""
+    x, packed, scale, zero, g_idx, in_features, group_size, _ = w4a16_args(False)
+    weight = W4A16Weight(packed, scale, zero, g_idx, in_features, group_size)
+    linear = W4A16Linear(weight, triton=False)
+    compiled = torch.compile(linear, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), linear(x))
 
 
 def test_reference_path_imports_no_triton() -> None:

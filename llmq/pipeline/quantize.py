@@ -250,6 +250,7 @@ def _quantize_observed(
         with kv_hook(attention, kv_range):
             reference, observed = run_observed(
                 stream, layer, list(local), hidden, hessian=method.needs_hessian,
+                norms=method.needs_norms,
                 samples=_needs_samples(recipe), on_batch=on_batch, keep=REPORT_WINDOWS,
             )  # fmt: skip
     stats = {name: _stats_for(calib_stats, observed, prefix, name) for name in local}

@@ -43,9 +43,10 @@ def magnitude_scores(weight: Tensor) -> Tensor:
     return weight.abs().float()
 
 
-def wanda_scores(weight: Tensor, hessian: Tensor) -> Tensor:
-    """|W_ij| · ||X_j||, the norm from the Hessian's diagonal (H = 2XᵀX/n)."""
-    return weight.abs().float() * hessian.diagonal().float().clamp_min(0).sqrt()
+def wanda_scores(weight: Tensor, input_norms: Tensor) -> Tensor:
+    """|W_ij| · ||X_j|| for the L2 norms [in] of the linear's inputs (any common scale: each
+    row is ranked on its own)."""
+    return weight.abs().float() * input_norms.float()
 
 
 def pruned_mask(scores: Tensor, sparsity: Sparsity, *, start: int = 0) -> Tensor:

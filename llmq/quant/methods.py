@@ -53,6 +53,7 @@ class Method(Protocol):
 
     name: str
     needs_hessian: bool  # the pipeline accumulates XᵀX per input when True
+    needs_norms: bool  # ... and the sum of x_j² per input column (Wanda) when True
     awq: AWQConfig | None  # search and fold AWQ scales before quantizing, when set
     sparsity: Sparsity | None  # pruners: the share or N:M pattern removed
 
@@ -93,6 +94,19 @@ def get_method(recipe: Recipe) -> Method:
     return factory(recipe)
 
 
+def _input_norms(stats: InputStats | None) -> Tensor:
+    """||X_j|| of each input column: from the sums of squares, or a Hessian's diagonal (what a
+    --calib-stats file holds)."""
+    if stats is not None and stats.sq_sum is not None:
+        return stats.sq_sum.clamp_min(0).sqrt()
+    if stats is not None and stats.hessian is not None:
+        return stats.hessian.diagonal().clamp_min(0).sqrt()
+    raise InputError(
+        "wanda needs the norms of each linear's input",
+        hint="run with calibration data, or give --calib-stats collected with --hessian",
+    )
+
+
 def _hessian(stats: InputStats | None, method: str) -> Tensor:
     if stats is None or stats.hessian is None:
         raise InputError(
@@ -117,7 +131,12 @@ class RTN:
 
     @property
     def needs_hessian(self) -> bool:
-        return self.clip == "output" or self.awq is not None or self.score == "wanda"
+        return self.clip == "output" or self.awq is not None
+
+    @property
+    def needs_norms(self) -> bool:
+        """Wanda reads only ||X_j||: one forward pass, no XᵀX (K² work a token)."""
+        return self.score == "wanda"
 
     def quantize_weight(
         self,
@@ -129,7 +148,7 @@ class RTN:
     ) -> MethodResult:
         hessian = _hessian(stats, self.name) if self.needs_hessian else None
         if self.sparsity is not None:
-            scores = magnitude_scores(weight) if hessian is None or self.score == "magnitude" else wanda_scores(weight, hessian)  # fmt: skip
+            scores = wanda_scores(weight, _input_norms(stats)) if self.needs_norms else magnitude_scores(weight)  # fmt: skip
             weight = weight.masked_fill(pruned_mask(scores, self.sparsity), 0)
         if args is None:
             return MethodResult(DenseWeight(weight))
@@ -149,6 +168,7 @@ class GPTQ:
     awq: AWQConfig | None = None
     name: str = "gptq"
     needs_hessian: bool = True
+    needs_norms: bool = False
     sparsity: Sparsity | None = None  # SparseGPT: prune in the solver, columns in order
 
     def quantize_weight(

@@ -34,6 +34,7 @@ class Recording:
     hessians: list[Tensor] = field(default_factory=list)
     name: str = "gptq"
     needs_hessian: bool = True
+    needs_norms: bool = False
     awq: None = None
     sparsity: None = None
 

@@ -92,12 +92,17 @@ def observe_until(
     capture: bool = False,
     buffers: ReusedBuffers | None = None,
     on_batch: Callable[[], Any] | None = None,
+    hessian: bool = True,
+    norms: bool = False,
 ) -> tuple[dict[str, InputStats], Tensor | None]:
     """Run `layer` on `hidden` only up to module `until` (`LayerStream.run_until`); return the
-    Hessians of the named linears' inputs (which run before `until`, or are it; no magnitudes:
-    the staged schedule serves methods that read Hessians alone) and, when `capture`,
-    `until`'s input for every sample, in the "capture" slot of `buffers` when given."""
-    observer = _Observer(stream, names, hessian=True, samples=False, magnitudes=False)
+    Hessians (and/or sums of squares, `norms`) of the named linears' inputs (which run before
+    `until`, or are it; no magnitudes: the staged schedule serves methods that read these
+    alone) and, when `capture`, `until`'s input for every sample, in the "capture" slot of
+    `buffers` when given."""
+    observer = _Observer(
+        stream, names, hessian=hessian, samples=False, magnitudes=False, norms=norms
+    )
     captured = _Captured(len(hidden), buffers or ReusedBuffers()) if capture else None
     with (
         input_hooks(layer, names, observer),

@@ -62,7 +62,7 @@ DampeningFrac = Annotated[
 TrueSequential = Annotated[
     bool,
     typer.Option(
-        help="gptq and sparsegpt (and rtn --clip output): process each layer group by group, q/k/v, then o_proj, gate/up, down_proj, each observed after the groups before it are done; about one forward pass a layer, but it holds the attention output and the MLP's intermediate activations of all calibration windows (Llama-3-70B at 128x512 tokens: ~12 GB instead of ~2 GB). --no-true-sequential observes the float layer whole, then runs it again compressed: two passes, less memory. awq, --smooth, static activations and --kv-cache always do the latter."
+        help="gptq, sparsegpt and wanda (and rtn --clip output): process each layer group by group, q/k/v, then o_proj, gate/up, down_proj, each observed after the groups before it are done; about one forward pass a layer, but it holds the attention output and the MLP's intermediate activations of all calibration windows (Llama-3-70B at 128x512 tokens: ~12 GB instead of ~2 GB). --no-true-sequential observes the float layer whole, then runs it again compressed: two passes, less memory. awq, --smooth, static activations and --kv-cache always do the latter."
     ),
 ]
 

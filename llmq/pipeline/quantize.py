@@ -201,13 +201,14 @@ def _stages_in_layer(
     recipe: Recipe, method: Method, calib_stats: CalibStats | None, local: dict[str, LinearPlan]
 ) -> bool:
     """Whether the layer is quantized group by group (`StagedLayer`): for methods that
-    observe their own Hessians and quantize weights alone, unless the recipe turns it off.
+    observe their own Hessians (or input norms: Wanda) and quantize weights alone, unless the
+    recipe turns it off.
     Scale searches (AWQ, SmoothQuant), KV cache and activation scales read the float layer's
     statistics of all groups at once."""
     return (
         recipe.gptq.true_sequential
         and calib_stats is None
-        and method.needs_hessian
+        and (method.needs_hessian or method.needs_norms)
         and method.awq is None
         and recipe.smooth is None
         and recipe.kv_cache_args is None

@@ -101,6 +101,7 @@ class StagedLayer:
         stats, captured = observe_until(
             self.stream, self.layer, names, self.hidden, names[0] if names else group[0],
             replace=self.kept, capture=capture, buffers=self.buffers, on_batch=self.on_batch,
+            hessian=self.method.needs_hessian, norms=self.method.needs_norms,
         )  # fmt: skip
         part = {name: self.local[name] for name in names}
         errors: dict[str, float | None] = {}

@@ -30,12 +30,11 @@ Example:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
-from llmcompressor_quantize import load_calibration
+from llmcompressor_quantize import load_calibration, run_with_clean_stdout
 
 METHODS = ("sparsegpt", "wanda")
 EMBEDDING = "model.embed_tokens.weight"
@@ -150,24 +149,7 @@ def check_dense_ends(zeros: dict, before: dict, tied: bool) -> None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-    # Keep stdout clean for the single JSON result line: point fd 1 at stderr
-    # while the libraries run (they print/log/progress-bar freely), restore after.
-    sys.stdout.flush()
-    saved_stdout_fd = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        result = run(args)
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved_stdout_fd, 1)
-        os.close(saved_stdout_fd)
-    print(json.dumps(result), flush=True)
-    return 0
+    return run_with_clean_stdout(run, parse_args(argv))
 
 
 def run(args) -> dict:

@@ -180,7 +180,12 @@ def load_calibration(path: str):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    return run_with_clean_stdout(run, parse_args(argv))
+
+
+def run_with_clean_stdout(run, args) -> int:
+    """Run `run(args)` offline with everything it prints sent to stderr, then print its
+    result as the one JSON line on stdout (the contract of every peer runner)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -294,7 +294,7 @@ class InterruptAfter:
         self, description: str, total: int | None = None, *, transient: bool = False
     ) -> Iterator:
         def advance(steps: int = 1) -> None:
-            if description == "quantizing layers" and steps:
+            if description in ("quantizing layers", "pruning layers") and steps:
                 self.layers -= steps
                 if self.layers <= 0:
                     raise KeyboardInterrupt

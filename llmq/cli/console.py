@@ -137,6 +137,16 @@ def cli_errors() -> Iterator[None]:
         raise typer.Exit(130) from None
 
 
+@contextmanager
+def resume_hint_on_interrupt(out: Any) -> Iterator[None]:
+    """On Ctrl-C, say how to continue the interrupted run into `out`."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        err_console.print(f"partial output kept; continue with: --out {out} --resume")
+        raise
+
+
 def print_json(data: Any) -> None:
     """Machine-readable output on stdout, nothing else."""
     typer.echo(json.dumps(data, indent=2, default=str))

@@ -12,12 +12,12 @@ from rich.table import Table
 from llmq.cli.console import (
     cli_errors,
     counted,
-    err_console,
     labelled,
     out_console,
     print_json,
     progress_bars,
     quiet_libraries,
+    resume_hint_on_interrupt,
 )
 from llmq.cli.options import (
     CalibStatsPath,
@@ -186,19 +186,15 @@ def quantize(
             observer=observer, kv_cache=kv_cache, sparsity=sparsity, pattern=pattern,
             sparsity_profile=sparsity_profile,
         )  # fmt: skip
-        with progress_bars(json_out=json_out) as progress:
-            try:
-                result = api.quantize(
-                    model, out, recipe=recipe, calib_stats=calib_stats, fallback=fallback,
-                    fallback_threshold=fallback_threshold,
-                    overwrite=overwrite, resume=resume, resume_every_s=resume_every,
-                    space_check=space_check, require_loaders=tuple(require_loader or ()),
-                    reference=reference,
-                    progress=progress, device=device,
-                )  # fmt: skip
-            except KeyboardInterrupt:
-                err_console.print(f"partial output kept; continue with: --out {out} --resume")
-                raise
+        with progress_bars(json_out=json_out) as progress, resume_hint_on_interrupt(out):
+            result = api.quantize(
+                model, out, recipe=recipe, calib_stats=calib_stats, fallback=fallback,
+                fallback_threshold=fallback_threshold,
+                overwrite=overwrite, resume=resume, resume_every_s=resume_every,
+                space_check=space_check, require_loaders=tuple(require_loader or ()),
+                reference=reference,
+                progress=progress, device=device,
+            )  # fmt: skip
     if json_out:
         print_json(result.to_dict())
     else:

@@ -73,6 +73,7 @@ def prune_structured(
         Importance,
         Targets,
         budget_targets,
+        kept_sizes,
         plan_structured,
     )
 
@@ -85,6 +86,7 @@ def prune_structured(
     targets = budget_targets(ckpt.config, params) if params is not None else explicit
     if targets == Targets():
         raise InputError("nothing to remove", hint="give --params, --intermediate-size, --num-kv-heads or --num-layers")  # fmt: skip
+    kept_sizes(ckpt.config, targets)  # before the scoring pass
     samples = DEFAULT_CALIB_SAMPLES if num_samples is None else num_samples
     cal = build(CalibConfig, text=calib_text, num_samples=samples, seq_len=seq_len, seed=seed)
     assert isinstance(cal, CalibConfig)

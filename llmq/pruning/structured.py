@@ -138,9 +138,7 @@ def plan_structured(
         config["num_attention_heads"],
     )
     kv_heads = _kv_heads(config)
-    keep_layers = _checked("--num-layers", targets.num_layers, layers_n)
-    keep_inter = _checked("--intermediate-size", targets.intermediate_size, inter)
-    keep_groups = _checked("--num-kv-heads", targets.num_kv_heads, kv_heads)
+    keep_layers, keep_inter, keep_groups = kept_sizes(config, targets)
     if len(importance.blocks) != layers_n or len(importance.channels[0]) != inter:
         raise InputError("--importance: scored on a model of another shape")
     layers = kept_indices(importance.blocks, keep_layers).tolist()
@@ -157,6 +155,16 @@ def plan_structured(
         channels=[kept_indices(importance.channels[i], keep_inter) for i in layers],
         kv_groups=[kept_indices(importance.kv_groups[i], keep_groups) for i in layers],
         config=new,
+    )
+
+
+def kept_sizes(config: dict[str, Any], targets: Targets) -> tuple[int, int, int]:
+    """Layers, MLP channels and key-value groups kept (InputError for a target the model cannot
+    take): checked before the scoring pass."""
+    return (
+        _checked("--num-layers", targets.num_layers, config["num_hidden_layers"]),
+        _checked("--intermediate-size", targets.intermediate_size, config["intermediate_size"]),
+        _checked("--num-kv-heads", targets.num_kv_heads, _kv_heads(config)),
     )
 
 

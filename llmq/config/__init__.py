@@ -1,0 +1,63 @@
+"""Validated configuration: what to do and how. No torch here (configs say what, not how).
+
+`quant`: quantization arguments and scheme presets; `recipe`: calibration, method knobs and the
+quantize/prune Recipe; `distill`: how a student is trained on a teacher.
+"""
+
+from llmq.config.distill import DistillConfig
+from llmq.config.quant import (
+    FP8_BLOCK_SIZE,
+    SCAN_RATIO_THRESHOLD,
+    SCAN_SCHEME,
+    SCAN_SHARE_THRESHOLD,
+    SCHEME_ALIASES,
+    SCHEMES,
+    QuantArgs,
+    Scheme,
+    Strategy,
+    fit_group_size,
+    get_scheme,
+    group_width,
+    is_valid_group_size,
+    scheme_names,
+)
+from llmq.config.recipe import (
+    PRUNING_METHODS,
+    RESUME_EVERY_S,
+    SMOOTH_ALPHA,
+    AWQConfig,
+    CalibConfig,
+    GPTQConfig,
+    Recipe,
+    build,
+    parse_smooth,
+    with_group_size,
+)
+
+__all__ = [
+    "FP8_BLOCK_SIZE",
+    "PRUNING_METHODS",
+    "RESUME_EVERY_S",
+    "SCAN_RATIO_THRESHOLD",
+    "SCAN_SCHEME",
+    "SCAN_SHARE_THRESHOLD",
+    "SCHEMES",
+    "SCHEME_ALIASES",
+    "SMOOTH_ALPHA",
+    "AWQConfig",
+    "CalibConfig",
+    "DistillConfig",
+    "GPTQConfig",
+    "QuantArgs",
+    "Recipe",
+    "Scheme",
+    "Strategy",
+    "build",
+    "fit_group_size",
+    "get_scheme",
+    "group_width",
+    "is_valid_group_size",
+    "parse_smooth",
+    "scheme_names",
+    "with_group_size",
+]

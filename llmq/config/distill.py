@@ -1,0 +1,72 @@
+"""How `distill` trains a student on a teacher: the loss, the data, the optimizer, the schedule.
+
+The whole object is written into the output's llmq.json, and a resumed run must have the same
+one: the result of a resumed run is then identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from llmq.texts import BUILTIN_TEXTS, DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT
+
+DistillLoss = Literal["forward-kl", "reverse-kl", "ce"]
+
+
+class DistillConfig(BaseModel):
+    """Knowledge distillation of a causal LM (Hinton et al. 2015; Minitron, arXiv 2407.14679).
+
+    loss: forward-kl KL(teacher || student) of the token distributions at `temperature`
+    (mode-covering, what Minitron uses), reverse-kl KL(student || teacher) (mode-seeking, as
+    MiniLLM), or ce: plain next-token cross-entropy on the text, no teacher (fine-tuning, the
+    baseline distillation has to beat). `ce_weight` adds cross-entropy to a KL loss and
+    `hidden_weight` a cosine loss between matched layers' hidden states (DistilBERT's triple
+    loss).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    loss: DistillLoss = "forward-kl"
+    temperature: float = Field(1.0, gt=0.0, le=100.0)
+    ce_weight: float = Field(0.0, ge=0.0)
+    hidden_weight: float = Field(0.0, ge=0.0)
+    # Training text: calibration splits of the built-ins (never the held-out ones), files, or
+    # cached datasets; packed into consecutive seq_len windows, shuffled once per epoch.
+    data: str = DEFAULT_CALIBRATION_TEXT
+    seq_len: int = Field(512, ge=8, le=131_072)
+    batch_size: int = Field(1, ge=1, le=4096)  # windows per forward pass, per process
+    grad_accum: int = Field(8, ge=1, le=4096)  # forward passes per optimizer step
+    max_steps: int = Field(ge=1)
+    # AdamW; learning rate: linear warm-up, then cosine down to min_lr_ratio x lr
+    lr: float = Field(1e-4, gt=0.0, lt=1.0)
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0, lt=1.0)
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    seed: int = 0
+    # Held-out perplexity of the student, at step 0, every eval_every steps (0: only at the
+    # end) and at the end; `keep` best writes the student with the lowest one.
+    eval_text: str = DEFAULT_EVAL_TEXT
+    eval_windows: int = Field(16, ge=1, le=100_000)
+    eval_seq_len: int = Field(512, ge=8, le=131_072)
+    eval_every: int = Field(0, ge=0)
+    keep: Literal["best", "last"] = "best"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DistillConfig:
+        if self.loss == "ce" and (self.ce_weight or self.hidden_weight):
+            raise ValueError("loss ce trains on the text alone: ce_weight and hidden_weight need a KL loss")  # fmt: skip
+        if self.loss == "ce" and self.temperature != 1.0:
+            raise ValueError("temperature softens the teacher's distribution: loss ce has none")
+        if self.warmup_steps >= self.max_steps:
+            raise ValueError(f"warmup_steps {self.warmup_steps}: must be fewer than max_steps {self.max_steps}")  # fmt: skip
+        # Built-in texts have disjoint training and held-out splits; a file has one split only.
+        if set(self.data.split("+")) & set(self.eval_text.split("+")) - set(BUILTIN_TEXTS):
+            raise ValueError(f"eval_text {self.eval_text!r} is also the training data: held-out text must not be trained on")  # fmt: skip
+        return self
+
+    @property
+    def uses_teacher(self) -> bool:
+        return self.loss != "ce"

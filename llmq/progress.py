@@ -3,11 +3,15 @@ implements (the CLI with Rich bars on stderr); the default does nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
-Advance = Callable[[int], None]
+
+class Advance(Protocol):
+    def __call__(self, steps: int = 1, status: str | None = None) -> None:
+        """Move the stage on by `steps`; `status` (loss, speed, ...) replaces the last one."""
+        ...
 
 
 class Progress(Protocol):
@@ -25,7 +29,7 @@ class NoProgress:
     def stage(
         self, description: str, total: int | None = None, *, transient: bool = False
     ) -> Iterator[Advance]:
-        yield lambda _steps=1: None
+        yield lambda steps=1, status=None: None
 
 
 NO_PROGRESS: Progress = NoProgress()

@@ -7,6 +7,7 @@ report = evaluate("out/w4a16", baseline="smollm2-135m", max_ppl_increase=0.03)
 
 from llmq.api.calibrate import CalibrateResult, calibrate
 from llmq.api.common import DEFAULT_CALIB_SAMPLES, DEFAULT_REPORT_SAMPLES, list_models
+from llmq.api.distill import DistillResult, distill
 from llmq.api.evaluate import EvalResult, evaluate, verify
 from llmq.api.quantize import make_recipe, prune, quantize
 from llmq.api.run import GenerateResult, bench, generate, load_dequantized, load_quantized
@@ -17,11 +18,13 @@ __all__ = [
     "DEFAULT_CALIB_SAMPLES",
     "DEFAULT_REPORT_SAMPLES",
     "CalibrateResult",
+    "DistillResult",
     "EvalResult",
     "GenerateResult",
     "StructuredResult",
     "bench",
     "calibrate",
+    "distill",
     "evaluate",
     "fallback_scan",
     "generate",

@@ -147,14 +147,29 @@ def evaluation_windows(
     tokenizer: TextTokenizer, text: str, *, seq_len: int, max_windows: int | None
 ) -> TokenWindows:
     """Consecutive, non-overlapping windows from the start of the held-out split."""
-    docs = [
-        doc for source in text.split("+") if source for doc in load_documents(source, "heldout")
-    ]
+    return _consecutive_windows(tokenizer, text, "heldout", seq_len, max_windows, "evaluation")
+
+
+def training_windows(tokenizer: TextTokenizer, text: str, *, seq_len: int) -> TokenWindows:
+    """Every consecutive, non-overlapping window of the calibration split (what `distill`
+    trains on; evaluation reads the held-out split, so it never scores trained-on text)."""
+    return _consecutive_windows(tokenizer, text, "calibration", seq_len, None, "training")
+
+
+def _consecutive_windows(
+    tokenizer: TextTokenizer,
+    text: str,
+    split: Split,
+    seq_len: int,
+    max_windows: int | None,
+    purpose: str,
+) -> TokenWindows:
+    docs = [doc for source in text.split("+") if source for doc in load_documents(source, split)]
     stream = _token_stream(tokenizer, docs)
     count = stream.numel() // seq_len
     if max_windows is not None:
         count = min(count, max_windows)
     if count == 0:
-        raise InputError(f"evaluation text {text!r} has fewer than --seq-len {seq_len} tokens")
+        raise InputError(f"{purpose} text {text!r} has fewer than --seq-len {seq_len} tokens")
     windows = stream[: count * seq_len].reshape(count, seq_len)
     return TokenWindows(_with_bos(windows, tokenizer), text, tokenizer.add_bos)

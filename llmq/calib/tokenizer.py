@@ -34,6 +34,11 @@ class TextTokenizer:
         """Token ids of `text`, no special tokens."""
         return self._load().encode(text)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token (added ones too) and its id: what two models must share to be compared
+        token by token (distillation). Files can differ (a chat template) and still agree."""
+        return self._load().vocabulary()
+
     @property
     def bos_token_id(self) -> int | None:
         return self._load().bos_token_id
@@ -68,6 +73,9 @@ class _FastBackend:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
+    def vocabulary(self) -> dict[str, int]:
+        return dict(self.tokenizer.get_vocab(with_added_tokens=True))
+
 
 @dataclass(slots=True)
 class _TransformersBackend:
@@ -75,6 +83,9 @@ class _TransformersBackend:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def vocabulary(self) -> dict[str, int]:
+        return dict(self.tokenizer.get_vocab())
 
     @property
     def bos_token_id(self) -> int | None:

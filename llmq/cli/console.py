@@ -103,8 +103,14 @@ class RichProgress:
         self, description: str, total: int | None = None, *, transient: bool = False
     ) -> Iterator[Any]:
         task = self.bars.add_task(description, total=total)
+
+        def advance(steps: int = 1, status: str | None = None) -> None:
+            if status is not None:
+                self.bars.update(task, description=f"{description} · {status}")
+            self.bars.advance(task, steps)
+
         try:
-            yield lambda steps=1: self.bars.advance(task, steps)
+            yield advance
         finally:
             if transient:
                 self.bars.remove_task(task)

@@ -7,6 +7,7 @@ import typer
 from llmq.cli import (
     bench,
     calibrate,
+    distill,
     evaluate,
     fallback_scan,
     generate,
@@ -28,6 +29,7 @@ app = typer.Typer(
 )
 app.command("quantize")(quantize.quantize)
 app.command("prune")(prune.prune)
+app.command("distill")(distill.distill)
 app.command("calibrate")(calibrate.calibrate)
 app.command("eval")(evaluate.evaluate)
 app.command("fallback-scan")(fallback_scan.fallback_scan)

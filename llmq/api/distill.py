@@ -1,0 +1,364 @@
+"""`distill`: train a student (usually a pruned copy of the teacher) on the teacher's token
+distributions and write it as a plain checkpoint; resumable, one process or many (torchrun)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from llmq import __version__
+from llmq.api.common import _open, _tokenizer
+from llmq.config import DistillConfig, build
+from llmq.errors import InputError
+from llmq.progress import NO_PROGRESS, Progress
+
+DISTILL_RESUME_EVERY_S = 300.0
+"""Seconds between resume points by default: one holds the student and AdamW's two moments in
+float32 (1.6 GB for the default model, a few seconds to write), so every 5 minutes costs about
+1% of the run and an interruption loses at most 5 minutes."""
+
+
+@dataclass(slots=True)
+class DistillResult:
+    out_dir: Path
+    teacher: str
+    student: str
+    config: dict[str, Any]
+    steps: int
+    tokens: int  # training tokens seen, all processes together
+    epochs: float  # passes over the training windows
+    seconds: float  # training time, interrupted runs included
+    tokens_per_s: float
+    kept_step: int  # the step whose student was written (the best one, or the last)
+    evaluations: list[dict[str, float]]  # held-out perplexity during training
+    losses: list[float]  # mean loss of every step
+    masked_linears: int  # pruned linears whose zeros were kept
+    processes: int
+    perplexity: dict[str, Any] = field(default_factory=dict)  # teacher, before, after, recovery
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "out_dir": str(self.out_dir)}
+
+
+def distill(
+    teacher: str | Path,
+    student: str | Path,
+    out: str | Path,
+    *,
+    config: DistillConfig | None = None,
+    max_tokens: int | None = None,
+    checkpoint_every: int | None = None,
+    resume_every_s: float = DISTILL_RESUME_EVERY_S,
+    resume: bool = False,
+    overwrite: bool = False,
+    evaluate: bool = True,
+    reference: bool = True,
+    space_check: bool = True,
+    progress: Progress = NO_PROGRESS,
+    device: str | None = None,
+    **options: Any,
+) -> DistillResult:
+    """Distill TEACHER into STUDENT (both float checkpoints or built-in names, sharing a
+    vocabulary) and write the trained student at OUT, shaped and typed like STUDENT.
+
+    `config` (or its fields as keyword `options`; `max_tokens` in place of `max_steps`) says
+    how. Run under `torchrun` it trains data-parallel, each process on its slice of every
+    batch. A resume point is saved every `checkpoint_every` steps (else every
+    `resume_every_s` seconds) in OUT's staging folder; `resume=True` continues from it to the
+    result an uninterrupted run gives. `evaluate`: perplexity of teacher, student and result
+    under `llmq eval`'s default protocol in the report."""
+    import torch
+
+    from llmq.calib.stream import resolve_device
+    from llmq.distillation.parallel import join_processes, leave_processes, process_device
+
+    teacher_ckpt, student_ckpt = _open(teacher, progress), _open(student, progress)
+    _check_models(teacher_ckpt, student_ckpt)
+    run_device = resolve_device(device)
+    processes = join_processes(run_device)
+    try:
+        run_device = process_device(run_device, processes)
+        config = config or _config(options, max_tokens, processes.world_size)
+        _check_run(config, checkpoint_every, resume_every_s, processes.world_size)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            result = _distill(
+                teacher_ckpt, student_ckpt, Path(out), config, processes, run_device,
+                checkpoint_every=checkpoint_every, resume_every_s=resume_every_s,
+                resume=resume, overwrite=overwrite, reference=reference,
+                space_check=space_check, progress=progress if processes.is_main else NO_PROGRESS,
+            )  # fmt: skip
+    finally:
+        leave_processes(processes)
+    if evaluate and processes.is_main:
+        result.perplexity = _perplexities(teacher_ckpt.path, student_ckpt.path, result.out_dir, progress, device)  # fmt: skip
+    return result
+
+
+def _check_models(teacher: Any, student: Any) -> None:
+    from llmq.distillation.models import check_same_vocabulary, check_trainable
+
+    check_trainable(teacher, "teacher")
+    check_trainable(student, "student")
+    check_same_vocabulary(teacher, student)
+
+
+def _config(options: dict[str, Any], max_tokens: int | None, world_size: int) -> DistillConfig:
+    """The config from keyword options, `max_tokens` turned into optimizer steps."""
+    if max_tokens is not None:
+        if options.get("max_steps") is not None:
+            raise InputError("give --max-steps or --max-tokens, not both")
+        if max_tokens < 1:
+            raise InputError(f"--max-tokens {max_tokens}: must be >= 1")
+        probe = DistillConfig(max_steps=1, **{k: v for k, v in options.items() if k in ("seq_len", "batch_size", "grad_accum")})  # fmt: skip
+        per_step = probe.seq_len * probe.batch_size * probe.grad_accum * world_size
+        options = {**options, "max_steps": math.ceil(max_tokens / per_step)}
+    if options.get("max_steps") is None:
+        raise InputError("how long to train: give --max-steps or --max-tokens")
+    config = build(DistillConfig, **{k: v for k, v in options.items() if v is not None})
+    assert isinstance(config, DistillConfig)
+    return config
+
+
+def _check_run(
+    config: DistillConfig, checkpoint_every: int | None, resume_every_s: float, world_size: int
+) -> None:
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise InputError(f"--checkpoint-every {checkpoint_every}: must be >= 1 step")
+    if not resume_every_s > 0:
+        raise InputError(f"--resume-every {resume_every_s}: must be > 0 seconds")
+    if world_size > 1 and config.eval_windows < world_size:
+        raise InputError(f"--eval-windows {config.eval_windows}: fewer than the {world_size} processes")  # fmt: skip
+
+
+def _distill(
+    teacher: Any,
+    student: Any,
+    out: Path,
+    config: DistillConfig,
+    processes: Any,
+    device: Any,
+    *,
+    checkpoint_every: int | None,
+    resume_every_s: float,
+    resume: bool,
+    overwrite: bool,
+    reference: bool,
+    space_check: bool,
+    progress: Progress,
+) -> DistillResult:
+    from contextlib import nullcontext
+
+    from llmq.io.atomic import check_free_space, check_output_dir, claim_output, staging_path
+
+    staging = staging_path(out)
+    kept = partial(_keep_if_resumable, staging)
+    claim = claim_output(out, kept=kept) if processes.is_main else nullcontext()
+    with claim:
+        if processes.is_main:
+            check_output_dir(out, overwrite=overwrite, sources=(teacher.path, student.path))
+            if space_check:
+                check_free_space(out, _disk_needed(student))
+            if not resume:
+                shutil.rmtree(staging, ignore_errors=True)
+        processes.barrier()  # the other processes read what the first one prepared
+        run, fingerprint = _prepare(teacher, student, staging, config, processes, device, resume, progress)  # fmt: skip
+        hooks = _hooks(run, staging, fingerprint, checkpoint_every, resume_every_s)
+        try:
+            from llmq.distillation.loop import train
+
+            train(run, hooks, progress)
+        except BaseException:
+            if processes.is_main and not (staging / ".distill" / "latest").is_file():
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        kept_step = _final_student(run, staging)
+        result = _result(run, teacher, student, out, kept_step)
+        if processes.is_main:
+            _write(run, student, staging, out, result, device, reference, progress)
+        processes.barrier()
+    return result
+
+
+def _prepare(
+    teacher: Any,
+    student: Any,
+    staging: Path,
+    config: DistillConfig,
+    processes: Any,
+    device: Any,
+    resume: bool,
+    progress: Progress,
+) -> tuple[Any, dict[str, Any]]:
+    """Data, models, optimizer, masks and (with `resume`) the state to continue from."""
+    import torch
+
+    from llmq.calib.data import evaluation_windows, training_windows
+    from llmq.distillation.data import BatchOrder
+    from llmq.distillation.loop import DistillRun
+    from llmq.distillation.loss import layer_pairs
+    from llmq.distillation.masks import pruning_masks
+    from llmq.distillation.models import kept_layers, load_model
+    from llmq.distillation.state import TrainState, load_state, parameters_of
+
+    tokenizer = _tokenizer(student.path)
+    with progress.stage(f"tokenizing {config.data} and {config.eval_text}"):
+        train_windows = training_windows(tokenizer, config.data, seq_len=config.seq_len)
+        eval_windows = evaluation_windows(
+            tokenizer,
+            config.eval_text,
+            seq_len=config.eval_seq_len,
+            max_windows=config.eval_windows,
+        )
+    global_batch = config.batch_size * config.grad_accum * processes.world_size
+    with progress.stage("loading teacher and student"):
+        teacher_model = None
+        if config.uses_teacher:
+            teacher_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            teacher_model = load_model(teacher, device, teacher_dtype).eval().requires_grad_(False)
+        student_model = load_model(student, device, torch.float32).train()
+    masks = pruning_masks(student_model)
+    parameters = parameters_of(student_model)
+    trained = student_model
+    if processes.distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        trained = DistributedDataParallel(student_model)
+    optimizer = torch.optim.AdamW(
+        parameters.values(), lr=config.lr, weight_decay=config.weight_decay
+    )
+    fingerprint = {
+        "config": config.model_dump(mode="json"),
+        "teacher": teacher.file_stamps(),
+        "student": student.file_stamps(),
+        "processes": processes.world_size,
+    }
+    state = None
+    if resume:
+        state = load_state(staging, parameters, optimizer, fingerprint)
+    kept = kept_layers(student, teacher.num_layers)
+    pairs = layer_pairs(student.num_layers, teacher.num_layers, kept)
+    run = DistillRun(
+        config=config, teacher=teacher_model, student=student_model, trained=trained,
+        optimizer=optimizer, order=BatchOrder(train_windows.input_ids, global_batch, config.seed),
+        eval_ids=eval_windows.input_ids, parameters=parameters, masks=masks,
+        layer_pairs=pairs, processes=processes, device=device, state=state or TrainState(),
+    )  # fmt: skip
+    return run, fingerprint
+
+
+def _hooks(
+    run: Any,
+    staging: Path,
+    fingerprint: dict[str, Any],
+    checkpoint_every: int | None,
+    resume_every_s: float,
+) -> Any:
+    """Resume points and best students are written by the first process only."""
+    from llmq.distillation.loop import Hooks
+    from llmq.distillation.state import save_best, save_state
+
+    def state() -> None:
+        if run.processes.is_main:
+            save_state(staging, run.state, run.parameters, run.optimizer, fingerprint)
+        run.processes.barrier()
+
+    def best() -> None:
+        if run.processes.is_main:
+            save_best(staging, run.parameters)
+
+    return Hooks(state, best, checkpoint_every, resume_every_s)
+
+
+def _final_student(run: Any, staging: Path) -> int:
+    """Put the student to write in place (the best one, or the last) and say which step it is."""
+    from llmq.distillation.state import load_best
+
+    state = run.state
+    if run.config.keep == "last" or state.best_step == state.step:
+        return state.step
+    load_best(staging, run.parameters)
+    return int(state.best_step)
+
+
+def _result(run: Any, teacher: Any, student: Any, out: Path, kept_step: int) -> DistillResult:
+    state = run.state
+    return DistillResult(
+        out_dir=out, teacher=str(teacher.path), student=str(student.path),
+        config=run.config.model_dump(mode="json"), steps=state.step, tokens=state.tokens,
+        epochs=round(run.order.epochs(state.step), 3), seconds=round(state.seconds, 3),
+        tokens_per_s=state.tokens / state.seconds if state.seconds else 0.0,
+        kept_step=kept_step, evaluations=state.evals, losses=state.losses,
+        masked_linears=len(run.masks), processes=run.processes.world_size,
+    )  # fmt: skip
+
+
+def _write(
+    run: Any,
+    student: Any,
+    staging: Path,
+    out: Path,
+    result: DistillResult,
+    device: Any,
+    reference: bool,
+    progress: Progress,
+) -> None:
+    from llmq.distillation.models import write_student
+    from llmq.distillation.state import remove_state
+    from llmq.io.atomic import publish
+
+    record = {
+        "llmq_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source_model": str(student.path),
+        "distillation": {
+            k: v for k, v in result.to_dict().items() if k not in ("out_dir", "perplexity")
+        },
+    }
+    staging.mkdir(parents=True, exist_ok=True)  # kept no best student nor resume point yet
+    with progress.stage("writing the student"):
+        write_student(run.student, student, staging, record, str(device), reference=reference)
+    remove_state(staging)
+    publish(staging, out)
+
+
+def _keep_if_resumable(staging: Path) -> str | None:
+    from llmq.distillation.state import has_resume_point
+
+    if has_resume_point(staging):
+        return f"training state kept in {staging}: rerun the same command with --resume"
+    shutil.rmtree(staging, ignore_errors=True)
+    return None
+
+
+def _disk_needed(student: Any) -> int:
+    """The output, plus a resume point at its peak: the new one (student and AdamW's two
+    moments, float32) written before the old one goes, and the best student."""
+    from llmq.pipeline.output import weights_size
+
+    params = sum(math.prod(info.shape) for info in student.tensors.values())
+    return weights_size(student.path) + params * 4 * (2 * 3 + 1)
+
+
+def _perplexities(
+    teacher: Path, student: Path, out: Path, progress: Progress, device: str | None
+) -> dict[str, Any]:
+    """Teacher, student before and after, under `llmq eval`'s default protocol; `recovery`:
+    the share of the student's perplexity gap to the teacher that distillation closed."""
+    from llmq.api.evaluate import evaluate
+
+    before = evaluate(student, baseline=teacher, progress=progress, device=device)
+    after = evaluate(out, progress=progress, device=device)
+    t, b, a = before.baseline.perplexity, before.model.perplexity, after.model.perplexity
+    return {
+        "teacher": t,
+        "before": b,
+        "after": a,
+        "recovery": (b - a) / (b - t) if b != t else None,
+        "protocol": before.protocol,
+    }

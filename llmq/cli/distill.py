@@ -1,0 +1,203 @@
+"""`llmq distill`: train a student on a teacher's token distributions, write it as a plain
+checkpoint. Under `torchrun` it trains data-parallel."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from llmq.cli.console import (
+    cli_errors,
+    out_console,
+    print_json,
+    progress_bars,
+    quiet_libraries,
+    resume_hint_on_interrupt,
+)
+from llmq.cli.options import Device, JsonFlag, Overwrite, Reference, Resume, SpaceCheck
+from llmq.texts import DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT
+
+DEFAULT_RESUME_EVERY_S = 300.0  # llmq.api.distill.DISTILL_RESUME_EVERY_S (no torch import here)
+
+
+def distill(
+    teacher: Annotated[
+        str,
+        typer.Option(help="The model to learn from: a float checkpoint folder or a built-in name."),
+    ],
+    student: Annotated[
+        str,
+        typer.Option(
+            help="The model to train (usually a pruned copy of the teacher): a float checkpoint folder or built-in name with the teacher's tokenizer."
+        ),
+    ],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Output folder: the trained student, shaped and typed like --student; must not exist unless --overwrite.",
+        ),
+    ],
+    loss: Annotated[
+        str,
+        typer.Option(
+            help="forward-kl: KL(teacher ‖ student) of the next-token distributions (Minitron); reverse-kl: KL(student ‖ teacher) (mode-seeking, MiniLLM); ce: plain cross-entropy on the text without a teacher (fine-tuning, the baseline)."
+        ),
+    ] = "forward-kl",
+    temperature: Annotated[
+        float,
+        typer.Option(help="Softens both distributions; the KL is scaled by T² (Hinton)."),
+    ] = 1.0,
+    ce_weight: Annotated[
+        float, typer.Option(help="Adds this much next-token cross-entropy to a KL loss.")
+    ] = 0.0,
+    hidden_weight: Annotated[
+        float,
+        typer.Option(
+            help="Adds this much 1 - cos between matched layers' hidden states (DistilBERT): the layers a depth-pruned student kept, else spread evenly."
+        ),
+    ] = 0.0,
+    data: Annotated[
+        str,
+        typer.Option(
+            help="Training text: shakespeare, pydoc, news (their calibration splits; joined with +), a .txt/.jsonl/.parquet file, or a dataset in the local HF cache. Packed into --seq-len windows, shuffled each epoch."
+        ),
+    ] = DEFAULT_CALIBRATION_TEXT,
+    seq_len: Annotated[int, typer.Option(help="Tokens per training window.")] = 512,
+    batch_size: Annotated[int, typer.Option(help="Windows per forward pass, per process.")] = 1,
+    grad_accum: Annotated[
+        int,
+        typer.Option(
+            help="Forward passes per optimizer step. Global batch: batch-size x grad-accum x processes windows."
+        ),
+    ] = 8,
+    max_steps: Annotated[int | None, typer.Option(help="Optimizer steps to train.")] = None,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option(help="Or: training tokens, turned into whole optimizer steps."),
+    ] = None,
+    lr: Annotated[float, typer.Option(help="Peak learning rate of AdamW.")] = 1e-4,
+    warmup_steps: Annotated[
+        int, typer.Option(help="Steps of linear warm-up before the cosine decay.")
+    ] = 0,
+    min_lr_ratio: Annotated[
+        float, typer.Option(help="The cosine ends at this share of --lr.")
+    ] = 0.1,
+    weight_decay: Annotated[float, typer.Option(help="AdamW's decoupled weight decay.")] = 0.0,
+    max_grad_norm: Annotated[
+        float, typer.Option(help="Clip the gradient's global norm to this; 0: no clipping.")
+    ] = 1.0,
+    seed: Annotated[int, typer.Option(help="Seed of the data order (and anything random).")] = 0,
+    eval_text: Annotated[
+        str,
+        typer.Option(
+            help="Held-out text for the student's perplexity during training (the held-out split of a built-in; never the training data)."
+        ),
+    ] = DEFAULT_EVAL_TEXT,
+    eval_windows: Annotated[
+        int, typer.Option(help="Held-out windows of 512 tokens scored at each evaluation.")
+    ] = 16,
+    eval_every: Annotated[
+        int,
+        typer.Option(help="Steps between held-out evaluations; 0: at the start and the end only."),
+    ] = 0,
+    keep: Annotated[
+        str,
+        typer.Option(
+            help="best: write the student with the lowest held-out perplexity seen; last: the final one."
+        ),
+    ] = "best",
+    checkpoint_every: Annotated[
+        int | None,
+        typer.Option(
+            help="Steps between resume points (student, optimizer, data position). Default: by time, see --resume-every."
+        ),
+    ] = None,
+    resume_every: Annotated[
+        float,
+        typer.Option(
+            help="Seconds between resume points when --checkpoint-every is not given; an interruption loses at most this much training."
+        ),
+    ] = DEFAULT_RESUME_EVERY_S,
+    resume: Resume = False,
+    overwrite: Overwrite = False,
+    evaluate: Annotated[
+        bool,
+        typer.Option(
+            help="Report teacher, student and result perplexity under `llmq eval`'s default protocol, and the share of the gap recovered."
+        ),
+    ] = True,
+    reference: Reference = True,
+    space_check: SpaceCheck = True,
+    device: Device = "auto",
+    json_out: JsonFlag = False,
+) -> None:
+    """Distill TEACHER into STUDENT: train the student on the teacher's next-token
+    distributions (KL divergence), then write it as a plain checkpoint every loader reads.
+
+    The usual chain: `llmq prune --structured` makes the student, `llmq distill` repairs it,
+    `llmq quantize` compresses it. Data-parallel on several GPUs or CPU processes:
+    `torchrun --nproc-per-node N -m llmq distill ...` (each process takes its slice of every
+    global batch). Zeros of a pruned student (linears at least 10% zeros) stay zero.
+    """
+    quiet_libraries()
+    from llmq import api
+
+    main_process = os.environ.get("RANK", "0") == "0"
+    with (
+        cli_errors(),
+        progress_bars(json_out=json_out or not main_process) as progress,
+        resume_hint_on_interrupt(out),
+    ):
+        result = api.distill(
+            teacher, student, out, max_tokens=max_tokens, checkpoint_every=checkpoint_every,
+            resume_every_s=resume_every, resume=resume, overwrite=overwrite, evaluate=evaluate,
+            reference=reference, space_check=space_check, progress=progress, device=device,
+            loss=loss, temperature=temperature, ce_weight=ce_weight, hidden_weight=hidden_weight,
+            data=data, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
+            max_steps=max_steps, lr=lr, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
+            weight_decay=weight_decay, max_grad_norm=max_grad_norm or None, seed=seed,
+            eval_text=eval_text, eval_windows=eval_windows, eval_every=eval_every, keep=keep,
+        )  # fmt: skip
+    if not main_process:
+        return
+    print_json(result.to_dict()) if json_out else render(result)
+
+
+def render(result: Any) -> None:
+    table = Table(title=f"distillation of {Path(result.student).name} from {Path(result.teacher).name}")  # fmt: skip
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    config = result.config
+    table.add_row("loss", config["loss"] + (f", T {config['temperature']}" if config["loss"] != "ce" else ""))  # fmt: skip
+    table.add_row("steps", f"{result.steps} ({result.tokens:,} tokens, {result.epochs:.2f} epochs)")
+    table.add_row("speed", f"{result.tokens_per_s:,.0f} tokens/s on {result.processes} process(es)")  # fmt: skip
+    first, kept = result.evaluations[0], _eval_at(result, result.kept_step)
+    table.add_row(
+        f"held-out ppl ({config['eval_text']}, {config['eval_windows']} windows)",
+        f"{first['perplexity']:.3f} -> {kept['perplexity']:.3f} (step {result.kept_step})",
+    )
+    if result.masked_linears:
+        table.add_row("pruned linears kept sparse", str(result.masked_linears))
+    if result.perplexity:
+        ppl = result.perplexity
+        table.add_row("perplexity: teacher", f"{ppl['teacher']:.3f}")
+        table.add_row("perplexity: student before -> after", f"{ppl['before']:.3f} -> {ppl['after']:.3f}")  # fmt: skip
+        if ppl["recovery"] is not None:
+            table.add_row("gap to the teacher recovered", f"{ppl['recovery']:.1%}")
+    out_console.print(table)
+    if result.perplexity:
+        p = result.perplexity["protocol"]
+        out_console.print(
+            f"perplexity protocol: {p['text']}, {p['windows']} x {p['seq_len']} tokens, BOS {'yes' if p['bos'] else 'no'}, {p['dtype']}"
+        )
+    out_console.print(f"wrote {result.out_dir} after {result.seconds:.1f} s of training")
+
+
+def _eval_at(result: Any, step: int) -> dict[str, float]:
+    return next(e for e in reversed(result.evaluations) if e["step"] == step)

@@ -1,0 +1,168 @@
+"""The distillation loop: teacher forward without gradients, student forward and backward,
+gradient accumulation, clipping, AdamW; held-out perplexity and resume points between steps.
+
+`DistillRun` holds what the loop works on; the API builds it (models, data, resume) and says
+what to do at a resume point and at a new best (`Hooks`), so this module writes no files.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from llmq.config import DistillConfig
+from llmq.distillation.data import BatchOrder
+from llmq.distillation.loss import distillation_loss
+from llmq.distillation.masks import mask_gradients, mask_weights
+from llmq.distillation.parallel import Processes
+from llmq.distillation.schedule import learning_rate
+from llmq.distillation.state import TrainState
+from llmq.progress import Progress
+
+
+@dataclass(slots=True)
+class DistillRun:
+    config: DistillConfig
+    teacher: nn.Module | None  # None for loss ce
+    student: nn.Module  # the model itself (parameters, evaluation, writing)
+    trained: nn.Module  # what the forward pass calls: the student, or DDP around it
+    optimizer: torch.optim.Optimizer
+    order: BatchOrder
+    eval_ids: Tensor  # [windows, eval_seq_len], held-out
+    parameters: dict[str, nn.Parameter]
+    masks: dict[str, Tensor]
+    layer_pairs: list[tuple[int, int]]  # (student, teacher) layers for the hidden-state loss
+    processes: Processes
+    device: torch.device
+    state: TrainState
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    save_state: Callable[[], None]  # write a resume point of the current state
+    save_best: Callable[[], None]  # keep the current student as the best one
+    checkpoint_every: int | None  # steps between resume points; None: by time
+    checkpoint_every_s: float  # seconds between resume points when not by steps
+
+
+def train(run: DistillRun, hooks: Hooks, progress: Progress) -> TrainState:
+    """Train from `run.state.step` to `config.max_steps`, evaluating at the start (a fresh
+    run), every `eval_every` steps and at the end."""
+    config, state = run.config, run.state
+    if not state.evals:
+        _evaluate(run, hooks)
+    started, tokens_before = time.monotonic(), state.tokens
+    last_save = started
+    with progress.stage("distilling", total=config.max_steps) as advance:
+        advance(state.step)
+        for step in range(state.step, config.max_steps):
+            loss = train_step(run, step)
+            state.step = step + 1
+            state.losses.append(loss)
+            state.tokens += run.order.global_batch * config.seq_len
+            if state.step == config.max_steps or (
+                config.eval_every and state.step % config.eval_every == 0
+            ):
+                _evaluate(run, hooks)
+            elapsed = time.monotonic() - started
+            advance(1, _status(run, loss, step, (state.tokens - tokens_before) / elapsed))
+            if state.step < config.max_steps and _resume_point_due(hooks, state.step, last_save):
+                state.seconds += time.monotonic() - last_save
+                hooks.save_state()
+                last_save = time.monotonic()
+    state.seconds += time.monotonic() - last_save
+    return state
+
+
+def train_step(run: DistillRun, step: int) -> float:
+    """One optimizer step over the step's global batch; the mean loss of all its windows."""
+    config = run.config
+    for group in run.optimizer.param_groups:
+        group["lr"] = learning_rate(step, config)
+    windows = run.order.batch(step, run.processes.rank, run.processes.world_size)
+    micro_batches = windows.to(run.device).split(config.batch_size)
+    total = 0.0
+    for i, ids in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        sync = nullcontext() if last or not run.processes.distributed else run.trained.no_sync()  # type: ignore[operator]
+        with sync:
+            loss = micro_batch_loss(run, ids) / len(micro_batches)
+            loss.backward()
+        total += loss.item()
+    if config.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(run.parameters.values(), config.max_grad_norm)
+    mask_gradients(run.parameters, run.masks)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    mask_weights(run.parameters, run.masks)
+    return run.processes.mean(total)
+
+
+def micro_batch_loss(run: DistillRun, ids: Tensor) -> Tensor:
+    config = run.config
+    hidden = bool(config.hidden_weight)
+    with _autocast(run.device):
+        teacher_out = None
+        if run.teacher is not None:
+            with torch.no_grad():
+                teacher_out = run.teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden)  # fmt: skip
+        student_out = run.trained(input_ids=ids, use_cache=False, output_hidden_states=hidden)
+    pairs = None
+    if hidden and teacher_out is not None:
+        pairs = (
+            [student_out.hidden_states[s + 1] for s, _ in run.layer_pairs],
+            [teacher_out.hidden_states[t + 1] for _, t in run.layer_pairs],
+        )
+    teacher_logits = None if teacher_out is None else teacher_out.logits
+    return distillation_loss(config, ids, student_out.logits, teacher_logits, pairs)
+
+
+@torch.no_grad()
+def heldout_perplexity(run: DistillRun) -> float:
+    """The student's token perplexity on the held-out windows (the protocol of `llmq eval`:
+    each window's next-token losses, float32), split over the processes."""
+    run.student.eval()
+    mine = run.eval_ids[run.processes.rank :: run.processes.world_size]
+    totals = torch.zeros(2, dtype=torch.float64)
+    for ids in mine.split(run.config.batch_size):
+        ids = ids.to(run.device)
+        with _autocast(run.device):
+            logits = run.student(input_ids=ids, use_cache=False).logits
+        for row in range(ids.shape[0]):  # one window at a time, as `llmq eval`
+            nll = F.cross_entropy(logits[row, :-1].float(), ids[row, 1:], reduction="sum")
+            totals += torch.tensor([float(nll.double()), ids.shape[1] - 1], dtype=torch.float64)
+    run.student.train()
+    nll, count = run.processes.sum(totals).tolist()
+    return math.exp(nll / count)
+
+
+def _evaluate(run: DistillRun, hooks: Hooks) -> None:
+    if run.state.record_eval(heldout_perplexity(run)) and run.config.keep == "best":
+        hooks.save_best()
+
+
+def _resume_point_due(hooks: Hooks, step: int, last_save: float) -> bool:
+    if hooks.checkpoint_every is not None:
+        return step % hooks.checkpoint_every == 0
+    return time.monotonic() - last_save >= hooks.checkpoint_every_s
+
+
+def _status(run: DistillRun, loss: float, step: int, tokens_per_s: float) -> str:
+    ppl = run.state.evals[-1]["perplexity"]
+    lr = learning_rate(step, run.config)
+    return f"loss {loss:.4f} · lr {lr:.2e} · {tokens_per_s:,.0f} tok/s · held-out ppl {ppl:.2f}"
+
+
+def _autocast(device: torch.device) -> Any:
+    """bf16 autocast on a GPU (float32 master weights and losses); plain float32 on the CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()

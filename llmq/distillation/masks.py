@@ -1,0 +1,39 @@
+"""The zeros of a pruned student stay zero through training.
+
+A linear weight that is at least `MASKED_MIN_ZEROS` exact zeros was pruned (by `llmq prune` or
+any other tool: the rule reads the tensors, not a record); a trained dense weight has
+practically none. Its gradient is masked before each optimizer step, so AdamW's moments of a
+pruned weight stay zero and it never moves, and the weight is masked again after the step so
+that no rounding can revive it.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+MASKED_MIN_ZEROS = 0.10
+
+
+def pruning_masks(model: nn.Module) -> dict[str, Tensor]:
+    """name of a linear weight -> bool mask of its non-zeros, for the weights that were pruned."""
+    masks = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        weight = module.weight.detach()
+        zeros = (weight == 0).sum().item() / weight.numel()
+        if zeros >= MASKED_MIN_ZEROS:
+            masks[f"{name}.weight"] = weight != 0
+    return masks
+
+
+def mask_gradients(parameters: dict[str, nn.Parameter], masks: dict[str, Tensor]) -> None:
+    for name, mask in masks.items():
+        grad = parameters[name].grad
+        if grad is not None:
+            grad.mul_(mask)
+
+
+def mask_weights(parameters: dict[str, nn.Parameter], masks: dict[str, Tensor]) -> None:
+    for name, mask in masks.items():
+        parameters[name].data.mul_(mask)

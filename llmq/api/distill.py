@@ -32,8 +32,8 @@ class DistillResult:
     steps: int
     tokens: int  # training tokens seen, all processes together
     epochs: float  # passes over the training windows
-    seconds: float  # training time, interrupted runs included
-    tokens_per_s: float
+    seconds: float  # wall time of training and evaluations, interrupted runs included
+    tokens_per_s: float  # in the training steps alone
     kept_step: int  # the step whose student was written (the best one, or the last)
     evaluations: list[dict[str, float]]  # held-out perplexity during training
     losses: list[float]  # mean loss of every step
@@ -292,7 +292,7 @@ def _result(run: Any, teacher: Any, student: Any, out: Path, kept_step: int) -> 
         out_dir=out, teacher=str(teacher.path), student=str(student.path),
         config=run.config.model_dump(mode="json"), steps=state.step, tokens=state.tokens,
         epochs=round(run.order.epochs(state.step), 3), seconds=round(state.seconds, 3),
-        tokens_per_s=state.tokens / state.seconds if state.seconds else 0.0,
+        tokens_per_s=state.tokens / state.step_seconds if state.step_seconds else 0.0,
         kept_step=kept_step, evaluations=state.evals, losses=state.losses,
         masked_linears=len(run.masks), processes=run.processes.world_size,
     )  # fmt: skip

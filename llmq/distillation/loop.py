@@ -59,12 +59,13 @@ def train(run: DistillRun, hooks: Hooks, progress: Progress) -> TrainState:
     config, state = run.config, run.state
     if not state.evals:
         _evaluate(run, hooks)
-    started, tokens_before = time.monotonic(), state.tokens
-    last_save = started
+    last_save = time.monotonic()
     with progress.stage("distilling", total=config.max_steps) as advance:
         advance(state.step)
         for step in range(state.step, config.max_steps):
+            step_started = time.monotonic()
             loss = train_step(run, step)
+            state.step_seconds += time.monotonic() - step_started
             state.step = step + 1
             state.losses.append(loss)
             state.tokens += run.order.global_batch * config.seq_len
@@ -72,8 +73,7 @@ def train(run: DistillRun, hooks: Hooks, progress: Progress) -> TrainState:
                 config.eval_every and state.step % config.eval_every == 0
             ):
                 _evaluate(run, hooks)
-            elapsed = time.monotonic() - started
-            advance(1, _status(run, loss, step, (state.tokens - tokens_before) / elapsed))
+            advance(1, _status(run, loss, step))
             if state.step < config.max_steps and _resume_point_due(hooks, state.step, last_save):
                 state.seconds += time.monotonic() - last_save
                 hooks.save_state()
@@ -155,9 +155,11 @@ def _resume_point_due(hooks: Hooks, step: int, last_save: float) -> bool:
     return time.monotonic() - last_save >= hooks.checkpoint_every_s
 
 
-def _status(run: DistillRun, loss: float, step: int, tokens_per_s: float) -> str:
-    ppl = run.state.evals[-1]["perplexity"]
+def _status(run: DistillRun, loss: float, step: int) -> str:
+    state = run.state
+    ppl = state.evals[-1]["perplexity"]
     lr = learning_rate(step, run.config)
+    tokens_per_s = state.tokens / state.step_seconds
     return f"loss {loss:.4f} · lr {lr:.2e} · {tokens_per_s:,.0f} tok/s · held-out ppl {ppl:.2f}"
 
 

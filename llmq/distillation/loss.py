@@ -25,11 +25,18 @@ def kl_divergence(
     """Mean over tokens of KL(p_t || p_s) (forward) or KL(p_s || p_t) (reverse), with both
     distributions softened by `temperature` T and the result scaled by T², so the gradient's
     size does not depend on T (Hinton et al. 2015). Logits: [..., vocab]."""
-    s = F.log_softmax(student_logits.to(ACCUM_DTYPE) / temperature, dim=-1)
-    t = F.log_softmax(teacher_logits.to(ACCUM_DTYPE) / temperature, dim=-1)
-    p, log_p, log_q = (s.exp(), s, t) if reverse else (t.exp(), t, s)
-    per_token = (p * (log_p - log_q)).sum(dim=-1)
+    s = F.log_softmax(_soften(student_logits, temperature), dim=-1)
+    t = F.log_softmax(_soften(teacher_logits, temperature), dim=-1)
+    # kl_div(input, target) = sum exp(target) · (target - input) = KL(target || input)
+    inputs, target = (t, s) if reverse else (s, t)
+    per_token = F.kl_div(inputs, target, log_target=True, reduction="none").sum(dim=-1)
     return per_token.mean() * temperature**2
+
+
+def _soften(logits: Tensor, temperature: float) -> Tensor:
+    """logits / T in float32; no copy at T = 1 (a vocab-wide tensor per window)."""
+    logits = logits.to(ACCUM_DTYPE)
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def next_token_ce(logits: Tensor, input_ids: Tensor) -> Tensor:

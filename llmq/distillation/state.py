@@ -38,7 +38,8 @@ class TrainState:
     evals: list[dict[str, float]] = field(default_factory=list)  # {step, tokens, perplexity}
     best_step: int | None = None
     best_perplexity: float | None = None
-    seconds: float = 0.0  # training time of earlier (interrupted) runs
+    seconds: float = 0.0  # wall time of the loop, evaluations and resume points included
+    step_seconds: float = 0.0  # time in training steps alone (what tokens/s is measured on)
 
     def record_eval(self, perplexity: float) -> bool:
         """Record a held-out perplexity at the current step; True when it is the best yet."""

@@ -235,3 +235,27 @@ def test_bad_input_is_refused_in_one_line_before_any_work(
     for args, fragment in cases:
         assert_bad_input(runner.invoke(app, [*base, *args]), fragment)
     assert not (tmp_path / "out").exists()
+
+
+def test_each_loss_is_what_it_says_on_the_first_batch(
+    tmp_path: Path, teacher: Path, student: Path
+) -> None:
+    """One step each from the same student and batch: plain cross-entropy equals transformers'
+    own language-model loss, and the CE and hidden-state terms add to the KL."""
+    from llmq.calib.data import training_windows
+    from llmq.calib.tokenizer import load_tokenizer
+    from llmq.distillation.data import BatchOrder
+
+    def first_loss(name: str, **options: Any) -> float:
+        result = llmq.distill(teacher, student, tmp_path / name, max_steps=1, keep="last", **{**FAST, **options})  # fmt: skip
+        return result.losses[0]
+
+    windows = training_windows(load_tokenizer(student), "shakespeare+pydoc", seq_len=64)
+    ids = BatchOrder(windows.input_ids, global_batch=4, seed=0).batch(0)
+    with torch.no_grad():
+        expected_ce = AutoModelForCausalLM.from_pretrained(student)(ids, labels=ids).loss.item()
+    assert first_loss("ce", loss="ce") == pytest.approx(expected_ce, rel=1e-5)
+    forward = first_loss("kl")
+    assert first_loss("kl-ce", ce_weight=1.0) == pytest.approx(forward + expected_ce, rel=1e-5)
+    assert first_loss("kl-hidden", hidden_weight=1.0) > forward
+    assert first_loss("reverse", loss="reverse-kl") != pytest.approx(forward, rel=1e-3)

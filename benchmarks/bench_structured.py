@@ -68,10 +68,16 @@ def main() -> None:
     layers = len(activation.blocks)
     naive = {
         "weight-norm.safetensors": Importance(
-            weight_norm_scores(model, layers), activation.kv_groups, activation.blocks
+            weight_norm_scores(model, layers),
+            activation.kv_groups,
+            activation.blocks,
+            activation.hidden,
         ),
         "last-layers.safetensors": Importance(
-            activation.channels, activation.kv_groups, -torch.arange(layers, dtype=torch.float64)
+            activation.channels,
+            activation.kv_groups,
+            -torch.arange(layers, dtype=torch.float64),
+            activation.hidden,
         ),
     }
     for name, importance in naive.items():

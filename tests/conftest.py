@@ -37,6 +37,7 @@ def make_tiny(
     shards: str | None = None,
     kv_heads: int = 1,
     heads: int = 3,
+    tied: bool = True,
 ) -> Path:
     """A small random decoder of `model_type`, saved as a Hugging Face folder.
 
@@ -54,7 +55,7 @@ def make_tiny(
         num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=512,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     # Give the weights a realistic scale and a few outlier channels.

@@ -41,6 +41,7 @@ def prune_structured(
     intermediate_size: int | None = None,
     num_kv_heads: int | None = None,
     num_layers: int | None = None,
+    hidden_size: int | None = None,
     params: float | None = None,
     importance: str | Path | None = None,
     save_importance: str | Path | None = None,
@@ -55,8 +56,8 @@ def prune_structured(
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
 ) -> StructuredResult:
-    """Remove MODEL's least important MLP channels, key-value groups (with their query heads)
-    and decoder layers down to the targets (`params`: about that share of the decoder's
+    """Remove MODEL's least important MLP channels, key-value groups (with their query heads),
+    hidden channels and decoder layers down to the targets (`params`: about that share of the decoder's
     parameters, by narrowing the MLP), the same width in every layer, and write a plain
     checkpoint at OUT. Importance is scored on the calibration windows (or read from
     `importance`, a file a previous run saved with `save_importance`). `evaluate`: held-out
@@ -80,12 +81,12 @@ def prune_structured(
     started = time.perf_counter()
     ckpt = _open(model, progress)
     _check_family(ckpt)
-    explicit = Targets(intermediate_size, num_kv_heads, num_layers)
+    explicit = Targets(intermediate_size, num_kv_heads, num_layers, hidden_size)
     if params is not None and explicit != Targets():
         raise InputError("--params chooses the sizes itself: give it or explicit targets, not both")
     targets = budget_targets(ckpt.config, params) if params is not None else explicit
     if targets == Targets():
-        raise InputError("nothing to remove", hint="give --params, --intermediate-size, --num-kv-heads or --num-layers")  # fmt: skip
+        raise InputError("nothing to remove", hint="give --params, --intermediate-size, --num-kv-heads, --hidden-size or --num-layers")  # fmt: skip
     kept_sizes(ckpt.config, targets)  # before the scoring pass
     samples = DEFAULT_CALIB_SAMPLES if num_samples is None else num_samples
     cal = build(CalibConfig, text=calib_text, num_samples=samples, seq_len=seq_len, seed=seed)
@@ -179,19 +180,20 @@ def _write(
     renumbered and sliced; then the index, config, side files and llmq.json."""
     from llmq.io.atomic import save_safetensors
     from llmq.pipeline.output import ShardNames, finish_checkpoint, non_layer_tensors
-    from llmq.pruning.structured import slice_layer
+    from llmq.pruning.structured import slice_layer, slice_outer
 
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     shards = ShardNames(len(plan.layers))
-    save_safetensors(staging / shards.name(0), non_layer_tensors(ckpt))
+    outer = slice_outer(non_layer_tensors(ckpt), plan.hidden, ckpt.layout)
+    save_safetensors(staging / shards.name(0), outer)
     with progress.stage("writing layers", total=len(plan.layers)) as advance:
         for new, (old, channels, groups) in enumerate(
             zip(plan.layers, plan.channels, plan.kv_groups, strict=True)
         ):
             source, target = ckpt.layout.layer_prefix(old), ckpt.layout.layer_prefix(new)
             tensors = {n[len(source) :]: ckpt.read(n) for n in ckpt.names_with_prefix(source)}
-            sliced = slice_layer(tensors, channels, groups, ckpt.config)
+            sliced = slice_layer(tensors, channels, groups, ckpt.config, plan.hidden)
             save_safetensors(
                 staging / shards.name(new + 1), {target + n: t for n, t in sliced.items()}
             )

@@ -87,6 +87,12 @@ def prune(
         int | None,
         typer.Option(help="--structured: decoder layers to keep (the highest Block Importance)."),
     ] = None,
+    hidden_size: Annotated[
+        int | None,
+        typer.Option(
+            help="--structured: hidden (embedding) channels to keep, the same in every layer, the embedding, the norms and lm_head (by the L2 norm of the RMSNorm outputs). The hardest axis on quality: distill afterwards."
+        ),
+    ] = None,
     importance: Annotated[
         Path | None,
         typer.Option(
@@ -137,7 +143,7 @@ def prune(
     json_out: JsonFlag = False,
 ) -> None:
     """Prune MODEL's decoder linears (--sparsity or --pattern), or with --structured remove whole
-    MLP channels, key-value groups and layers, and write a plain checkpoint that transformers
+    MLP channels, key-value groups, hidden channels and layers, and write a plain checkpoint that transformers
     and vLLM load; llmq.json records what was removed.
 
     One decoder layer at a time, as `llmq quantize`: each layer sees the already-pruned
@@ -158,7 +164,7 @@ def prune(
             with progress_bars(json_out=json_out) as progress:
                 result = api.prune_structured(
                     model, out, intermediate_size=intermediate_size, num_kv_heads=num_kv_heads,
-                    num_layers=num_layers, params=params, importance=importance,
+                    num_layers=num_layers, hidden_size=hidden_size, params=params, importance=importance,
                     save_importance=save_importance, calib_text=calib_text,
                     num_samples=num_samples, seq_len=seq_len, seed=seed,
                     evaluate=evaluate, overwrite=overwrite, space_check=space_check,

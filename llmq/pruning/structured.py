@@ -1,11 +1,14 @@
 """Structured pruning (`llmq prune --structured`): remove whole MLP channels, key-value groups
-(with their query heads) and decoder layers, the least important first, with the same width in
-every layer so that the result is a plain, smaller checkpoint every loader reads.
+(with their query heads), hidden (embedding) channels and decoder layers, the least important
+first, with the same width in every layer so that the result is a plain, smaller checkpoint
+every loader reads.
 
 Importance comes from one calibration pass over the dense model (`score_model`): per layer,
 each MLP channel's and each key-value group's L2 norm over the calibration tokens, and the
-layer's Block Importance (llmq.pruning.importance). Each layer keeps its own most important
-channels and groups; the layers kept are those of highest Block Importance, in order.
+layer's Block Importance; per model, each hidden channel's L2 norm over every RMSNorm output
+(llmq.pruning.importance). Each layer keeps its own most important channels and groups; the
+hidden channels kept are the same everywhere (the residual stream runs through every layer);
+the layers kept are those of highest Block Importance, in order.
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ from llmq.pruning.importance import (
     block_importance,
     channel_importance,
     head_importance,
+    hidden_importance,
     kept_indices,
     kv_group_importance,
 )
 
-ATTENTION_ROWS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-MLP_ROWS = ("mlp.gate_proj", "mlp.up_proj")
+# What reads and what writes the residual stream in a Llama-style layer (the only layout
+# `--structured` takes): hidden channels are columns of the readers, rows of the writers.
+HIDDEN_READERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")  # fmt: skip
+HIDDEN_WRITERS = ("self_attn.o_proj", "mlp.down_proj")
+HIDDEN_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +47,7 @@ class Targets:
     intermediate_size: int | None = None
     num_kv_heads: int | None = None
     num_layers: int | None = None
+    hidden_size: int | None = None
 
 
 @dataclass(slots=True)
@@ -50,11 +58,12 @@ class Importance:
     channels: list[Tensor]  # [intermediate] per layer
     kv_groups: list[Tensor]  # [num_kv_heads] per layer
     blocks: Tensor  # [layers] Block Importance
+    hidden: Tensor  # [hidden_size], over the whole model
 
     def save(self, path: Path) -> None:
         from llmq.io.atomic import save_safetensors
 
-        tensors = {"blocks": self.blocks.contiguous()}
+        tensors = {"blocks": self.blocks.contiguous(), "hidden": self.hidden.contiguous()}
         for index, (channels, groups) in enumerate(zip(self.channels, self.kv_groups, strict=True)):
             tensors[f"layers.{index}.channels"] = channels.contiguous()
             tensors[f"layers.{index}.kv_groups"] = groups.contiguous()
@@ -72,12 +81,13 @@ class Importance:
                 [tensors[f"layers.{i}.channels"] for i in range(layers)],
                 [tensors[f"layers.{i}.kv_groups"] for i in range(layers)],
                 tensors["blocks"],
+                tensors["hidden"],
             )
         except (OSError, KeyError, SafetensorError) as exc:
             raise InputError(f"{path}: not an importance file ({exc})") from None
 
 
-IMPORTANCE_FORMAT = "llmq-importance/1"
+IMPORTANCE_FORMAT = "llmq-importance/2"  # 2: with hidden channels
 
 
 def score_model(
@@ -95,7 +105,7 @@ def score_model(
         ckpt, input_ids, norms=True, progress=progress, device=device,
         on_layer=lambda _index, before, after: blocks.append(block_importance(before, after)),
     )  # fmt: skip
-    channels, groups = [], []
+    channels, groups, norm_outputs = [], [], []
     for index in range(ckpt.num_layers):
         prefix = ckpt.layout.layer_prefix(index)
         down, o_proj = (
@@ -105,7 +115,12 @@ def score_model(
         assert down.sq_sum is not None and o_proj.sq_sum is not None
         channels.append(channel_importance(down.sq_sum))
         groups.append(kv_group_importance(head_importance(o_proj.sq_sum, heads), kv_heads))
-    return Importance(channels, groups, torch.tensor(blocks, dtype=torch.float64))
+        for reader in ("self_attn.q_proj", "mlp.gate_proj"):  # the outputs of the two norms
+            sq_sum = stats.inputs[prefix + reader].sq_sum
+            assert sq_sum is not None
+            norm_outputs.append(sq_sum)
+    blocks_t = torch.tensor(blocks, dtype=torch.float64)
+    return Importance(channels, groups, blocks_t, hidden_importance(norm_outputs))
 
 
 @dataclass(slots=True)
@@ -113,6 +128,7 @@ class StructuredPlan:
     layers: list[int]  # the source layers kept, in order
     channels: list[Tensor]  # per kept layer: the MLP channels kept
     kv_groups: list[Tensor]  # per kept layer: the key-value groups kept
+    hidden: Tensor | None  # the hidden channels kept (None: all of them)
     config: dict[str, Any]  # config.json of the result
 
     def removed(self, source: dict[str, Any]) -> dict[str, Any]:
@@ -125,6 +141,7 @@ class StructuredPlan:
                 source["num_attention_heads"],
                 self.config["num_attention_heads"],
             ],
+            "hidden_size": [source["hidden_size"], self.config["hidden_size"]],
         }
 
 
@@ -138,15 +155,19 @@ def plan_structured(
         config["num_attention_heads"],
     )
     kv_heads = _kv_heads(config)
-    keep_layers, keep_inter, keep_groups = kept_sizes(config, targets)
-    if len(importance.blocks) != layers_n or len(importance.channels[0]) != inter:
+    keep_layers, keep_inter, keep_groups, keep_hidden = kept_sizes(config, targets)
+    if (len(importance.blocks), len(importance.channels[0]), len(importance.hidden)) != (
+        layers_n,
+        inter,
+        config["hidden_size"],
+    ):
         raise InputError("--importance: scored on a model of another shape")
     layers = kept_indices(importance.blocks, keep_layers).tolist()
     new = dict(config)
     new.update(
         num_hidden_layers=keep_layers, intermediate_size=keep_inter,
         num_key_value_heads=keep_groups, num_attention_heads=heads // kv_heads * keep_groups,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads, hidden_size=keep_hidden,
     )  # fmt: skip
     if isinstance(config.get("layer_types"), list):
         new["layer_types"] = [config["layer_types"][i] for i in layers]
@@ -154,18 +175,32 @@ def plan_structured(
         layers=layers,
         channels=[kept_indices(importance.channels[i], keep_inter) for i in layers],
         kv_groups=[kept_indices(importance.kv_groups[i], keep_groups) for i in layers],
+        hidden=_kept_hidden(importance.hidden, keep_hidden),
         config=new,
     )
 
 
-def kept_sizes(config: dict[str, Any], targets: Targets) -> tuple[int, int, int]:
-    """Layers, MLP channels and key-value groups kept (InputError for a target the model cannot
-    take): checked before the scoring pass."""
-    return (
+def _kept_hidden(scores: Tensor, keep: int) -> Tensor | None:
+    return None if keep == scores.numel() else kept_indices(scores, keep)
+
+
+def kept_sizes(config: dict[str, Any], targets: Targets) -> tuple[int, int, int, int]:
+    """Layers, MLP channels, key-value groups and hidden channels kept (InputError for a target
+    the model cannot take): checked before the scoring pass."""
+    sizes = (
         _checked("--num-layers", targets.num_layers, config["num_hidden_layers"]),
         _checked("--intermediate-size", targets.intermediate_size, config["intermediate_size"]),
         _checked("--num-kv-heads", targets.num_kv_heads, _kv_heads(config)),
+        _checked("--hidden-size", targets.hidden_size, config["hidden_size"]),
     )
+    heads = config["num_attention_heads"] // _kv_heads(config) * sizes[2]
+    if sizes[3] % heads:  # transformers refuses such a config, whatever head_dim says
+        below = sizes[3] // heads * heads
+        raise InputError(
+            f"--hidden-size {sizes[3]}: not a multiple of the {heads} attention heads kept",
+            hint=f"use a multiple of {heads}, e.g. {below or heads} or {below + heads}",
+        )
+    return sizes
 
 
 def budget_targets(config: dict[str, Any], params: float) -> Targets:
@@ -189,10 +224,14 @@ def budget_targets(config: dict[str, Any], params: float) -> Targets:
 
 
 def slice_layer(
-    tensors: dict[str, Tensor], channels: Tensor, kv_groups: Tensor, config: dict[str, Any]
+    tensors: dict[str, Tensor],
+    channels: Tensor,
+    kv_groups: Tensor,
+    config: dict[str, Any],
+    hidden: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """A layer's tensors (names relative to the layer) with only the kept MLP channels and
-    key-value groups (each with its query heads); norms and anything else as they were."""
+    """A layer's tensors (names relative to the layer) with only the kept MLP channels,
+    key-value groups (each with its query heads) and hidden channels; anything else as it was."""
     heads, kv_heads = config["num_attention_heads"], _kv_heads(config)
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     per_group = heads // kv_heads
@@ -212,7 +251,38 @@ def slice_layer(
             tensor = tensor.index_select(0, rows[module])
         elif module in columns and kind == "weight":
             tensor = tensor.index_select(1, columns[module])
-        sliced[name] = tensor.contiguous()
+        sliced[name] = tensor
+    if hidden is not None:
+        sliced = _hidden_sliced(sliced, hidden)
+    return {name: tensor.contiguous() for name, tensor in sliced.items()}
+
+
+def _hidden_sliced(tensors: dict[str, Tensor], hidden: Tensor) -> dict[str, Tensor]:
+    """Only the kept hidden channels: columns of what reads the residual stream, rows (and
+    biases) of what writes it, entries of the norms in front of the readers."""
+    sliced = {}
+    for name, tensor in tensors.items():
+        module, _, kind = name.rpartition(".")
+        if module in HIDDEN_READERS and kind == "weight":
+            tensor = tensor.index_select(1, hidden)
+        elif module in HIDDEN_WRITERS or module in HIDDEN_NORMS:
+            tensor = tensor.index_select(0, hidden)
+        sliced[name] = tensor
+    return sliced
+
+
+def slice_outer(
+    tensors: dict[str, Tensor], hidden: Tensor | None, layout: Any
+) -> dict[str, Tensor]:
+    """The tensors outside the decoder layers with only the kept hidden channels: the
+    embedding's and lm_head's columns, the final norm's entries."""
+    if hidden is None:
+        return tensors
+    by_hidden = {f"{layout.embed}.weight": 1, f"{layout.lm_head}.weight": 1, f"{layout.final_norm}.weight": 0}  # fmt: skip
+    sliced = dict(tensors)
+    for name, dim in by_hidden.items():
+        if name in sliced:  # lm_head is absent when tied to the embedding
+            sliced[name] = sliced[name].index_select(dim, hidden).contiguous()
     return sliced
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -83,6 +83,39 @@ def test_parts_left_whole_are_untouched_and_groups_stay_whole(
         assert torch.equal(kv[prefix + "mlp.up_proj.weight"], source[prefix + "mlp.up_proj.weight"])
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_hidden_channels_go_everywhere_at_once_and_the_silent_ones_first(
+    tmp_path: Path, default_model: Path, tied: bool
+) -> None:
+    """64 hidden channels that both norms of every layer zero are the ones removed; the
+    embedding, lm_head, norms and every linear lose the same ones, and transformers reloads the
+    result with the logits llmq recorded."""
+    model = make_tiny(tmp_path / "model", default_model, layers=2, heads=4, tied=tied)
+    tensors = load_file(model / "model.safetensors")
+    silent = torch.arange(64, 128)
+    for name, tensor in tensors.items():
+        if name.endswith("layernorm.weight"):
+            tensor[silent] = 0.0
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    llmq.prune_structured(model, out, hidden_size=128, **CALIB)
+    kept = torch.cat([torch.arange(64), torch.arange(128, 192)])
+    written = weights(out)
+    embed = tensors["model.embed_tokens.weight"]
+    assert torch.equal(written["model.embed_tokens.weight"], embed[:, kept])
+    assert ("lm_head.weight" in written) == (not tied)
+    if not tied:
+        assert torch.equal(written["lm_head.weight"], tensors["lm_head.weight"][:, kept])
+    q = tensors["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(written["model.layers.1.self_attn.q_proj.weight"], q[:, kept])
+    down = tensors["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(written["model.layers.0.mlp.down_proj.weight"], down[kept])
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.config.hidden_size == 128 and loaded.config.head_dim == 64
+    verified = llmq.verify(out, loaders=["transformers"])
+    assert verified.passed and verified.loaders[0].comparison.distance.max_abs == 0
+
+
 def test_saved_scores_give_the_same_checkpoint(tmp_path: Path, gqa_model: Path) -> None:
     scores = tmp_path / "scores.safetensors"
     targets = {"intermediate_size": 256, "num_layers": 2}
@@ -97,6 +130,8 @@ def test_saved_scores_give_the_same_checkpoint(tmp_path: Path, gqa_model: Path) 
     ("options", "fragment"),
     [
         (["--num-layers", "9"], "the model has 3"),
+        (["--hidden-size", "300"], "the model has 256"),
+        (["--hidden-size", "250"], "multiple of the 4 attention heads"),
         (["--intermediate-size", "0"], "keep between 1 and 512"),
         (["--params", "0"], "a share of the parameters in (0, 1)"),
         (["--params", "1.5"], "a share of the parameters in (0, 1)"),

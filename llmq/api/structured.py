@@ -42,6 +42,7 @@ def prune_structured(
     num_kv_heads: int | None = None,
     num_layers: int | None = None,
     hidden_size: int | None = None,
+    num_heads: int | None = None,
     params: float | None = None,
     importance: str | Path | None = None,
     save_importance: str | Path | None = None,
@@ -81,12 +82,12 @@ def prune_structured(
     started = time.perf_counter()
     ckpt = _open(model, progress)
     _check_family(ckpt)
-    explicit = Targets(intermediate_size, num_kv_heads, num_layers, hidden_size)
+    explicit = Targets(intermediate_size, num_kv_heads, num_layers, hidden_size, num_heads)
     if params is not None and explicit != Targets():
         raise InputError("--params chooses the sizes itself: give it or explicit targets, not both")
     targets = budget_targets(ckpt.config, params) if params is not None else explicit
     if targets == Targets():
-        raise InputError("nothing to remove", hint="give --params, --intermediate-size, --num-kv-heads, --hidden-size or --num-layers")  # fmt: skip
+        raise InputError("nothing to remove", hint="give --params, --intermediate-size, --num-kv-heads, --num-heads, --hidden-size or --num-layers")  # fmt: skip
     kept_sizes(ckpt.config, targets)  # before the scoring pass
     samples = DEFAULT_CALIB_SAMPLES if num_samples is None else num_samples
     cal = build(CalibConfig, text=calib_text, num_samples=samples, seq_len=seq_len, seed=seed)
@@ -188,12 +189,12 @@ def _write(
     outer = slice_outer(non_layer_tensors(ckpt), plan.hidden, ckpt.layout)
     save_safetensors(staging / shards.name(0), outer)
     with progress.stage("writing layers", total=len(plan.layers)) as advance:
-        for new, (old, channels, groups) in enumerate(
-            zip(plan.layers, plan.channels, plan.kv_groups, strict=True)
+        for new, (old, channels, groups, heads) in enumerate(
+            zip(plan.layers, plan.channels, plan.kv_groups, plan.query_heads, strict=True)
         ):
             source, target = ckpt.layout.layer_prefix(old), ckpt.layout.layer_prefix(new)
             tensors = {n[len(source) :]: ckpt.read(n) for n in ckpt.names_with_prefix(source)}
-            sliced = slice_layer(tensors, channels, groups, ckpt.config, plan.hidden)
+            sliced = slice_layer(tensors, channels, groups, heads, ckpt.config, plan.hidden)
             save_safetensors(
                 staging / shards.name(new + 1), {target + n: t for n, t in sliced.items()}
             )

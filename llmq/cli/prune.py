@@ -87,6 +87,12 @@ def prune(
         int | None,
         typer.Option(help="--structured: decoder layers to keep (the highest Block Importance)."),
     ] = None,
+    num_heads: Annotated[
+        int | None,
+        typer.Option(
+            help="--structured: query heads to keep, the same number in every key-value group kept (its most important ones, by the L2 norm of each head's output)."
+        ),
+    ] = None,
     hidden_size: Annotated[
         int | None,
         typer.Option(
@@ -164,7 +170,7 @@ def prune(
             with progress_bars(json_out=json_out) as progress:
                 result = api.prune_structured(
                     model, out, intermediate_size=intermediate_size, num_kv_heads=num_kv_heads,
-                    num_layers=num_layers, hidden_size=hidden_size, params=params, importance=importance,
+                    num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, params=params, importance=importance,
                     save_importance=save_importance, calib_text=calib_text,
                     num_samples=num_samples, seq_len=seq_len, seed=seed,
                     evaluate=evaluate, overwrite=overwrite, space_check=space_check,

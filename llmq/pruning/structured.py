@@ -48,6 +48,7 @@ class Targets:
     num_kv_heads: int | None = None
     num_layers: int | None = None
     hidden_size: int | None = None
+    num_heads: int | None = None  # query heads, the same number in every key-value group kept
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class Importance:
 
     channels: list[Tensor]  # [intermediate] per layer
     kv_groups: list[Tensor]  # [num_kv_heads] per layer
+    heads: list[Tensor]  # [num_attention_heads] per layer
     blocks: Tensor  # [layers] Block Importance
     hidden: Tensor  # [hidden_size], over the whole model
 
@@ -64,9 +66,12 @@ class Importance:
         from llmq.io.atomic import save_safetensors
 
         tensors = {"blocks": self.blocks.contiguous(), "hidden": self.hidden.contiguous()}
-        for index, (channels, groups) in enumerate(zip(self.channels, self.kv_groups, strict=True)):
+        for index, (channels, groups, heads) in enumerate(
+            zip(self.channels, self.kv_groups, self.heads, strict=True)
+        ):
             tensors[f"layers.{index}.channels"] = channels.contiguous()
             tensors[f"layers.{index}.kv_groups"] = groups.contiguous()
+            tensors[f"layers.{index}.heads"] = heads.contiguous()
         save_safetensors(path, tensors, {"format": IMPORTANCE_FORMAT})
 
     @classmethod
@@ -80,6 +85,7 @@ class Importance:
             return cls(
                 [tensors[f"layers.{i}.channels"] for i in range(layers)],
                 [tensors[f"layers.{i}.kv_groups"] for i in range(layers)],
+                [tensors[f"layers.{i}.heads"] for i in range(layers)],
                 tensors["blocks"],
                 tensors["hidden"],
             )
@@ -105,7 +111,7 @@ def score_model(
         ckpt, input_ids, norms=True, progress=progress, device=device,
         on_layer=lambda _index, before, after: blocks.append(block_importance(before, after)),
     )  # fmt: skip
-    channels, groups, norm_outputs = [], [], []
+    channels, groups, head_scores, norm_outputs = [], [], [], []
     for index in range(ckpt.num_layers):
         prefix = ckpt.layout.layer_prefix(index)
         down, o_proj = (
@@ -114,13 +120,14 @@ def score_model(
         )
         assert down.sq_sum is not None and o_proj.sq_sum is not None
         channels.append(channel_importance(down.sq_sum))
-        groups.append(kv_group_importance(head_importance(o_proj.sq_sum, heads), kv_heads))
+        head_scores.append(head_importance(o_proj.sq_sum, heads))
+        groups.append(kv_group_importance(head_scores[-1], kv_heads))
         for reader in ("self_attn.q_proj", "mlp.gate_proj"):  # the outputs of the two norms
             sq_sum = stats.inputs[prefix + reader].sq_sum
             assert sq_sum is not None
             norm_outputs.append(sq_sum)
     blocks_t = torch.tensor(blocks, dtype=torch.float64)
-    return Importance(channels, groups, blocks_t, hidden_importance(norm_outputs))
+    return Importance(channels, groups, head_scores, blocks_t, hidden_importance(norm_outputs))
 
 
 @dataclass(slots=True)
@@ -128,6 +135,7 @@ class StructuredPlan:
     layers: list[int]  # the source layers kept, in order
     channels: list[Tensor]  # per kept layer: the MLP channels kept
     kv_groups: list[Tensor]  # per kept layer: the key-value groups kept
+    query_heads: list[Tensor]  # per kept layer: the query heads kept, group by group
     hidden: Tensor | None  # the hidden channels kept (None: all of them)
     config: dict[str, Any]  # config.json of the result
 
@@ -155,7 +163,7 @@ def plan_structured(
         config["num_attention_heads"],
     )
     kv_heads = _kv_heads(config)
-    keep_layers, keep_inter, keep_groups, keep_hidden = kept_sizes(config, targets)
+    keep_layers, keep_inter, keep_groups, keep_hidden, keep_heads = kept_sizes(config, targets)
     if (len(importance.blocks), len(importance.channels[0]), len(importance.hidden)) != (
         layers_n,
         inter,
@@ -166,17 +174,35 @@ def plan_structured(
     new = dict(config)
     new.update(
         num_hidden_layers=keep_layers, intermediate_size=keep_inter,
-        num_key_value_heads=keep_groups, num_attention_heads=heads // kv_heads * keep_groups,
+        num_key_value_heads=keep_groups, num_attention_heads=keep_heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // heads, hidden_size=keep_hidden,
     )  # fmt: skip
     if isinstance(config.get("layer_types"), list):
         new["layer_types"] = [config["layer_types"][i] for i in layers]
+    kv_groups = [kept_indices(importance.kv_groups[i], keep_groups) for i in layers]
     return StructuredPlan(
         layers=layers,
         channels=[kept_indices(importance.channels[i], keep_inter) for i in layers],
-        kv_groups=[kept_indices(importance.kv_groups[i], keep_groups) for i in layers],
+        kv_groups=kv_groups,
+        query_heads=[
+            _kept_query_heads(
+                importance.heads[i], groups, heads // kv_heads, keep_heads // keep_groups
+            )
+            for i, groups in zip(layers, kv_groups, strict=True)
+        ],
         hidden=_kept_hidden(importance.hidden, keep_hidden),
         config=new,
+    )
+
+
+def _kept_query_heads(scores: Tensor, groups: Tensor, per_group: int, keep: int) -> Tensor:
+    """The `keep` most important query heads of each kept group, group by group (grouped-query
+    attention maps new head j to new group j // keep)."""
+    return torch.cat(
+        [
+            g * per_group + kept_indices(scores[g * per_group : (g + 1) * per_group], keep)
+            for g in groups.tolist()
+        ]
     )
 
 
@@ -184,9 +210,9 @@ def _kept_hidden(scores: Tensor, keep: int) -> Tensor | None:
     return None if keep == scores.numel() else kept_indices(scores, keep)
 
 
-def kept_sizes(config: dict[str, Any], targets: Targets) -> tuple[int, int, int, int]:
-    """Layers, MLP channels, key-value groups and hidden channels kept (InputError for a target
-    the model cannot take): checked before the scoring pass."""
+def kept_sizes(config: dict[str, Any], targets: Targets) -> tuple[int, int, int, int, int]:
+    """Layers, MLP channels, key-value groups, hidden channels and query heads kept (InputError
+    for a target the model cannot take): checked before the scoring pass."""
     sizes = (
         _checked("--num-layers", targets.num_layers, config["num_hidden_layers"]),
         _checked("--intermediate-size", targets.intermediate_size, config["intermediate_size"]),
@@ -194,13 +220,20 @@ def kept_sizes(config: dict[str, Any], targets: Targets) -> tuple[int, int, int,
         _checked("--hidden-size", targets.hidden_size, config["hidden_size"]),
     )
     heads = config["num_attention_heads"] // _kv_heads(config) * sizes[2]
+    if targets.num_heads is not None:
+        heads = _checked("--num-heads", targets.num_heads, heads)
+        if heads % sizes[2]:
+            raise InputError(
+                f"--num-heads {heads}: does not divide into the {sizes[2]} key-value groups kept",
+                hint=f"every group keeps as many query heads: use a multiple of {sizes[2]}",
+            )
     if sizes[3] % heads:  # transformers refuses such a config, whatever head_dim says
         below = sizes[3] // heads * heads
         raise InputError(
             f"--hidden-size {sizes[3]}: not a multiple of the {heads} attention heads kept",
             hint=f"use a multiple of {heads}, e.g. {below or heads} or {below + heads}",
         )
-    return sizes
+    return (*sizes, heads)
 
 
 def budget_targets(config: dict[str, Any], params: float) -> Targets:
@@ -227,15 +260,13 @@ def slice_layer(
     tensors: dict[str, Tensor],
     channels: Tensor,
     kv_groups: Tensor,
+    query_heads: Tensor,
     config: dict[str, Any],
     hidden: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """A layer's tensors (names relative to the layer) with only the kept MLP channels,
     key-value groups (each with its query heads) and hidden channels; anything else as it was."""
-    heads, kv_heads = config["num_attention_heads"], _kv_heads(config)
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    per_group = heads // kv_heads
-    query_heads = (kv_groups[:, None] * per_group + torch.arange(per_group)).flatten()
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     rows = {
         "self_attn.q_proj": _head_rows(query_heads, head_dim),
         "self_attn.k_proj": _head_rows(kv_groups, head_dim),

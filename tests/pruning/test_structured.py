@@ -116,6 +116,23 @@ def test_hidden_channels_go_everywhere_at_once_and_the_silent_ones_first(
     assert verified.passed and verified.loaders[0].comparison.distance.max_abs == 0
 
 
+def test_each_group_keeps_its_most_important_query_heads(tmp_path: Path, gqa_model: Path) -> None:
+    scores = tmp_path / "scores.safetensors"
+    out = tmp_path / "heads"
+    llmq.prune_structured(gqa_model, out, num_heads=2, save_importance=scores, **CALIB)
+    source, written, importance = weights(gqa_model), weights(out), Importance.load(scores)
+    for layer in range(3):
+        prefix = f"model.layers.{layer}.self_attn."
+        best = [g * 2 + int(importance.heads[layer][g * 2 : g * 2 + 2].argmax()) for g in (0, 1)]
+        rows = torch.cat([torch.arange(h * 64, (h + 1) * 64) for h in best])
+        assert torch.equal(written[prefix + "q_proj.weight"], source[prefix + "q_proj.weight"][rows])  # fmt: skip
+        assert torch.equal(written[prefix + "o_proj.weight"], source[prefix + "o_proj.weight"][:, rows])  # fmt: skip
+        assert torch.equal(written[prefix + "k_proj.weight"], source[prefix + "k_proj.weight"])
+    config = AutoModelForCausalLM.from_pretrained(out).config
+    assert (config.num_attention_heads, config.num_key_value_heads) == (2, 2)
+    assert llmq.verify(out, loaders=["transformers"]).passed
+
+
 def test_saved_scores_give_the_same_checkpoint(tmp_path: Path, gqa_model: Path) -> None:
     scores = tmp_path / "scores.safetensors"
     targets = {"intermediate_size": 256, "num_layers": 2}
@@ -132,6 +149,7 @@ def test_saved_scores_give_the_same_checkpoint(tmp_path: Path, gqa_model: Path) 
         (["--num-layers", "9"], "the model has 3"),
         (["--hidden-size", "300"], "the model has 256"),
         (["--hidden-size", "250"], "multiple of the 4 attention heads"),
+        (["--num-heads", "3"], "does not divide into the 2 key-value groups"),
         (["--intermediate-size", "0"], "keep between 1 and 512"),
         (["--params", "0"], "a share of the parameters in (0, 1)"),
         (["--params", "1.5"], "a share of the parameters in (0, 1)"),

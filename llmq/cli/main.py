@@ -14,6 +14,7 @@ from llmq.cli import (
     models,
     prune,
     quantize,
+    recipe,
     verify,
 )
 
@@ -35,6 +36,8 @@ app.command("eval")(evaluate.evaluate)
 app.command("fallback-scan")(fallback_scan.fallback_scan)
 app.command("generate")(generate.generate)
 app.command("bench")(bench.bench)
+app.command("run")(recipe.run)
+app.add_typer(recipe.recipe_app, name="recipe")
 app.command("models")(models.models)
 app.command("verify")(verify.verify)
 

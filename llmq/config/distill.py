@@ -60,7 +60,9 @@ class DistillConfig(BaseModel):
             raise ValueError("loss ce trains on the text alone: ce_weight and hidden_weight need a KL loss")  # fmt: skip
         if self.loss == "ce" and self.temperature != 1.0:
             raise ValueError("temperature softens the teacher's distribution: loss ce has none")
-        if self.warmup_steps >= self.max_steps:
+        if (
+            self.max_steps is not None and self.warmup_steps >= self.max_steps
+        ):  # a recipe may give tokens
             raise ValueError(f"warmup_steps {self.warmup_steps}: must be fewer than max_steps {self.max_steps}")  # fmt: skip
         # Built-in texts have disjoint training and held-out splits; a file has one split only.
         if set(self.data.split("+")) & set(self.eval_text.split("+")) - set(BUILTIN_TEXTS):

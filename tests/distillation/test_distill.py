@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 import llmq
 from llmq.cli.main import app
-from tests.conftest import assert_bad_input, make_tiny
+from tests.conftest import assert_bad_input, make_tiny, sharpen
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[2]
@@ -40,11 +40,7 @@ def teacher(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Pa
     """A tiny random model with peaked next-token distributions: its (tied) embedding scaled
     up, so a student that differs from it has a KL divergence worth learning away (a random
     model's logits are nearly uniform over the 49k tokens)."""
-    folder = make_tiny(tmp_path_factory.mktemp("distill") / "teacher", default_model)
-    tensors = load_file(folder / "model.safetensors")
-    tensors["model.embed_tokens.weight"] *= 25
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
+    return sharpen(make_tiny(tmp_path_factory.mktemp("distill") / "teacher", default_model))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,116 @@
+"""Recipe files: YAML in, a validated `ChainRecipe` out, and every error pointing at its line.
+
+`load_recipe` reports an unknown key, a wrong type or an impossible combination as
+`FILE:LINE: stages[0].quantize.group_sise: ...` (InputError, exit 2) before any work. The
+effective recipe (defaults filled in) dumps back to YAML that loads into the same object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from llmq.errors import InputError
+from llmq.recipes.schema import ChainRecipe, StageError
+
+Location = tuple[str | int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RecipeSource:
+    """A recipe and where each of its keys was written (for error messages)."""
+
+    recipe: ChainRecipe
+    path: Path | None = None
+    lines: dict[Location, int] = field(default_factory=dict)  # 1-based
+
+    def where(self, location: Location) -> str:
+        """'FILE:LINE: stages[0].quantize.key' for the deepest part of `location` written."""
+        line = next(
+            (
+                self.lines[location[:n]]
+                for n in range(len(location), -1, -1)
+                if location[:n] in self.lines
+            ),
+            None,
+        )
+        place = f"{self.path}:{line}: " if self.path is not None and line else ""
+        return place + dotted(location)
+
+
+def dotted(location: Location) -> str:
+    text = ""
+    for part in location:
+        text += f"[{part}]" if isinstance(part, int) else f".{part}" if text else str(part)
+    return text
+
+
+def load_recipe(path: Path) -> RecipeSource:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the recipe ({exc.strerror or exc})") from None
+    try:
+        data = yaml.safe_load(text)
+        lines = _key_lines(yaml.compose(text))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise InputError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None  # fmt: skip
+    return parse_recipe(data, path, lines)
+
+
+def parse_recipe(
+    data: Any, path: Path | None = None, lines: dict[Location, int] | None = None
+) -> RecipeSource:
+    """A recipe from already-parsed data (a dict, as YAML gives it)."""
+    source = RecipeSource(ChainRecipe.model_construct(stages=[]), path, lines or {})
+    if not isinstance(data, dict):
+        raise InputError(f"{path or 'recipe'}: a recipe is a mapping with a `stages` list")
+    try:
+        recipe = ChainRecipe.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        message = first["msg"].removeprefix("Value error, ")
+        error = first.get("ctx", {}).get("error")
+        location = ("stages", error.index) if isinstance(error, StageError) else _plain(first["loc"])  # fmt: skip
+        raise InputError(f"{source.where(location)}: {message}") from None
+    return RecipeSource(recipe, path, lines or {})
+
+
+def _plain(loc: tuple[Any, ...]) -> Location:
+    """pydantic's error location without the names of union members or validators."""
+    return tuple(part for part in loc if isinstance(part, int) or not str(part).startswith("function-"))  # fmt: skip
+
+
+def _key_lines(node: Any, location: Location = ()) -> dict[Location, int]:
+    """Where each mapping key and list item of a composed YAML tree starts."""
+    lines: dict[Location, int] = {}
+    if node is None:
+        return lines
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            here = (*location, key.value)
+            lines[here] = key.start_mark.line + 1
+            lines.update(_key_lines(value, here))
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            here = (*location, index)
+            lines[here] = item.start_mark.line + 1
+            lines.update(_key_lines(item, here))
+    return lines
+
+
+def effective(recipe: ChainRecipe) -> dict[str, Any]:
+    """The recipe with every default filled in, as plain data (what runs record)."""
+    return {
+        "stages": [{entry.kind: entry.stage.model_dump(mode="json")} for entry in recipe.stages]
+    }
+
+
+def dump_recipe(recipe: ChainRecipe) -> str:
+    return yaml.safe_dump(effective(recipe), sort_keys=False)

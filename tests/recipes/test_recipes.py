@@ -1,0 +1,161 @@
+"""Recipes: every example validates, round-trips through YAML and runs on a tiny model; errors
+name file, line and key; a failed gate stops the chain with exit 1; resume skips finished stages."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from llmq.api.chain import check_recipe, run
+from llmq.cli.main import app
+from llmq.errors import InputError
+from llmq.recipes.load import dump_recipe, effective, load_recipe, parse_recipe
+from llmq.recipes.schema import ChainRecipe
+from tests.conftest import assert_bad_input, make_tiny, sharpen
+
+runner = CliRunner()
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
+# What makes a stage quick on a tiny model: few, short windows and steps.
+SMALL = {
+    "quantize": {"num_samples": 4, "seq_len": 64},
+    "prune": {"num_samples": 4, "seq_len": 64},
+    "distill": {
+        "max_steps": 2,
+        "seq_len": 64,
+        "grad_accum": 2,
+        "eval_windows": 1,
+        "eval_seq_len": 64,
+        "warmup_steps": 0,
+    },
+    "eval": {"max_windows": 2, "seq_len": 64},
+}
+
+
+def small(recipe: ChainRecipe) -> ChainRecipe:
+    """The same recipe with SMALL's sizes."""
+    stages = [{kind: {**options, **SMALL[kind]}} for entry in effective(recipe)["stages"] for kind, options in entry.items()]  # fmt: skip
+    return ChainRecipe.model_validate({"stages": stages})
+
+
+def test_there_are_examples_for_every_stage_kind() -> None:
+    kinds = {entry.kind for path in EXAMPLES for entry in load_recipe(path).recipe.stages}
+    assert kinds == {"quantize", "prune", "distill", "eval"}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_each_example_round_trips_through_yaml(path: Path) -> None:
+    recipe = check_recipe(path).recipe
+    again = parse_recipe(yaml.safe_load(dump_recipe(recipe))).recipe
+    assert again == recipe
+    assert dump_recipe(again) == dump_recipe(recipe)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_each_example_runs_on_a_tiny_model(tmp_path: Path, tiny_llama: Path, path: Path) -> None:
+    recipe = small(load_recipe(path).recipe)
+    result = run(recipe, tiny_llama, tmp_path / "out")
+    gates = [s for s in result.stages if s.kind == "eval"]
+    for gate in gates:
+        threshold = gate.summary["max_ppl_increase"]
+        assert gate.passed == (threshold is None or gate.summary["increase"] <= threshold)
+    ran = len(result.stages)
+    assert ran == len(recipe.stages) or result.stages[-1].passed is False
+    for stage in result.stages:
+        assert Path(stage.output).exists(), stage.name
+    assert (tmp_path / "out" / "llmq-run.json").is_file()
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        (
+            "stages:\n  - quantize:\n      scheme: w4a16\n      group_sise: 64\n",
+            "recipe.yaml:4: stages[0].quantize.group_sise: Extra inputs",
+        ),
+        (
+            "stages:\n  - quantize:\n      seq_len: many\n",
+            "recipe.yaml:3: stages[0].quantize.seq_len: Input should be a valid integer",
+        ),
+        (
+            "stages:\n  - quantize:\n      scheme: w4a16\n      group_size: 100\n",
+            "recipe.yaml:2: stages[0].quantize: group_size 100",
+        ),
+        (
+            "stages:\n  - prune:\n      sparsity: 0.5\n  - eval:\n      baseline: distill\n  - distill:\n      max_steps: 3\n",
+            "recipe.yaml:4: stages[1]: stage eval compares with distill, which runs later",
+        ),
+        ("stages:\n  - quantise: {}\n", "recipe.yaml:2: stages[0].quantise: Extra inputs"),
+        (
+            "stages:\n  - distill:\n      lr: 0.1\n",
+            "recipe.yaml:2: stages[0].distill: how long to train",
+        ),
+        (
+            "stages:\n  - prune:\n      params: 0.5\n",
+            "stages[0].prune: params and the sizes go with structured: true",
+        ),
+        ("stages: []\n", "recipe.yaml:1: stages: List should have at least 1 item"),
+        (
+            "stages:\n  - quantize: {}\n  - eval: {}\n  - distill:\n      max_steps: 2\n",
+            "recipe.yaml:4: stages[2]: stage distill trains a float model, but quantize before it",
+        ),
+        ("stages:\n  - quantize:\n    scheme: [w4a16\n", "recipe.yaml:4: not valid YAML"),
+    ],
+)
+def test_recipe_errors_name_file_line_and_key(tmp_path: Path, text: str, fragment: str) -> None:
+    result = runner.invoke(app, ["recipe", "check", str(write(tmp_path, text))])
+    assert_bad_input(result, fragment)
+
+
+def test_a_failed_gate_stops_the_chain_with_exit_1(tmp_path: Path, default_model: Path) -> None:
+    model = sharpen(make_tiny(tmp_path / "model", default_model))
+    path = write(tmp_path, "stages:\n  - prune:\n      method: magnitude\n      sparsity: 0.9\n"
+                 "  - eval:\n      max_ppl_increase: 0.01\n      max_windows: 1\n      seq_len: 64\n"
+                 "  - quantize:\n      scheme: w8a16\n")  # fmt: skip
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["run", str(path), "--model", str(model), "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    assert "FAIL" in result.output
+    assert (out / "1-prune").is_dir() and (out / "2-eval.json").is_file()
+    assert not (out / "3-quantize").exists()
+
+
+class StopAt:
+    """A progress sink that raises KeyboardInterrupt when a given stage starts."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @contextmanager
+    def stage(self, description: str, total: int | None = None, *, transient: bool = False):
+        if description == f"stage {self.name}":
+            raise KeyboardInterrupt
+        yield lambda steps=1, status=None: None
+
+
+def test_resume_skips_finished_stages_and_refuses_another_recipe(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    text = "stages:\n  - prune:\n      method: magnitude\n      sparsity: 0.5\n      num_samples: 1\n  - quantize:\n      scheme: w8a16\n      num_samples: 1\n"  # fmt: skip
+    recipe, out = load_recipe(write(tmp_path, text)), tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        run(recipe, tiny_llama, out, progress=StopAt("quantize"))
+    first = out / "1-prune" / "llmq.json"
+    stamp = first.stat().st_mtime_ns
+    result = run(recipe, tiny_llama, out, resume=True)
+    assert [(s.name, s.resumed) for s in result.stages] == [("prune", True), ("quantize", False)]
+    assert first.stat().st_mtime_ns == stamp  # not redone
+    other = parse_recipe({"stages": [{"quantize": {"scheme": "w4a16"}}]})
+    with pytest.raises(InputError, match="another recipe or model"):
+        run(other, tiny_llama, out, resume=True)
+    with pytest.raises(InputError, match="exists"):
+        run(recipe, tiny_llama, out)

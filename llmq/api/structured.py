@@ -44,6 +44,7 @@ def prune_structured(
     hidden_size: int | None = None,
     num_heads: int | None = None,
     params: float | None = None,
+    depth_metric: str = "block",
     importance: str | Path | None = None,
     save_importance: str | Path | None = None,
     calib_text: str = DEFAULT_CALIBRATION_TEXT,
@@ -61,7 +62,9 @@ def prune_structured(
     hidden channels and decoder layers down to the targets (`params`: about that share of the decoder's
     parameters, by narrowing the MLP), the same width in every layer, and write a plain
     checkpoint at OUT. Importance is scored on the calibration windows (or read from
-    `importance`, a file a previous run saved with `save_importance`). `evaluate`: held-out
+    `importance`, a file a previous run saved with `save_importance`). `depth_metric`: layers
+    ranked by Block Importance ("block") or by the perplexity increase from dropping each alone
+    ("ppl": about layers² / 2 more layer passes, on the first 16 windows). `evaluate`: held-out
     perplexity of the source and the result (the default protocol of `evaluate`)."""
     from llmq.io.atomic import (
         check_free_space,
@@ -89,6 +92,8 @@ def prune_structured(
     if targets == Targets():
         raise InputError("nothing to remove", hint="give --params, --intermediate-size, --num-kv-heads, --num-heads, --hidden-size or --num-layers")  # fmt: skip
     kept_sizes(ckpt.config, targets)  # before the scoring pass
+    if depth_metric not in ("block", "ppl"):
+        raise InputError(f"--depth-metric {depth_metric!r}: choose block or ppl")
     samples = DEFAULT_CALIB_SAMPLES if num_samples is None else num_samples
     cal = build(CalibConfig, text=calib_text, num_samples=samples, seq_len=seq_len, seed=seed)
     assert isinstance(cal, CalibConfig)
@@ -100,7 +105,9 @@ def prune_structured(
         else:
             windows = _calibration_windows(ckpt.path, cal, progress)
             scores = _score(ckpt, windows.input_ids, progress, device)
-            source = "computed"
+            if depth_metric == "ppl":
+                scores.blocks = _depth_by_perplexity(ckpt, windows.input_ids, progress, device)
+            source = "computed" if depth_metric == "block" else "computed, layers by perplexity"
             calibration = {**cal.model_dump(), "tokens": windows.num_tokens}
             if save_importance is not None:
                 scores.save(Path(save_importance))
@@ -157,6 +164,12 @@ def _score(ckpt: Any, ids: Any, progress: Progress, device: str | None) -> Any:
 
     with progress.stage("scoring heads, channels and layers"):
         return score_model(ckpt, ids, progress=progress, device=device)
+
+
+def _depth_by_perplexity(ckpt: Any, ids: Any, progress: Progress, device: str | None) -> Any:
+    from llmq.pruning.structured import depth_by_perplexity
+
+    return depth_by_perplexity(ckpt, ids, progress=progress, device=device)
 
 
 def _output_bytes(ckpt: Any, config: dict[str, Any]) -> int:

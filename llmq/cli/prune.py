@@ -99,6 +99,12 @@ def prune(
             help="--structured: hidden (embedding) channels to keep, the same in every layer, the embedding, the norms and lm_head (by the L2 norm of the RMSNorm outputs). The hardest axis on quality: distill afterwards."
         ),
     ] = None,
+    depth_metric: Annotated[
+        str,
+        typer.Option(
+            help="--structured: rank layers by block (Block Importance, 1 - cos of a layer's input and output; ShortGPT) or ppl (the perplexity increase from dropping each layer alone, on the first 16 calibration windows: about layers²/2 more layer passes)."
+        ),
+    ] = "block",
     importance: Annotated[
         Path | None,
         typer.Option(
@@ -170,7 +176,7 @@ def prune(
             with progress_bars(json_out=json_out) as progress:
                 result = api.prune_structured(
                     model, out, intermediate_size=intermediate_size, num_kv_heads=num_kv_heads,
-                    num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, params=params, importance=importance,
+                    num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, params=params, depth_metric=depth_metric, importance=importance,
                     save_importance=save_importance, calib_text=calib_text,
                     num_samples=num_samples, seq_len=seq_len, seed=seed,
                     evaluate=evaluate, overwrite=overwrite, space_check=space_check,

@@ -13,6 +13,7 @@ the layers kept are those of highest Block Importance, in order.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,43 @@ def score_model(
             norm_outputs.append(sq_sum)
     blocks_t = torch.tensor(blocks, dtype=torch.float64)
     return Importance(channels, groups, head_scores, blocks_t, hidden_importance(norm_outputs))
+
+
+DEPTH_METRIC_WINDOWS = 16
+"""Calibration windows the `ppl` depth metric runs on: it holds one copy of their hidden states
+per layer (the default model: 31 x 19 MB), so it reads the first 16, not all of them."""
+
+
+def depth_by_perplexity(
+    ckpt: Checkpoint,
+    input_ids: Tensor,
+    *,
+    progress: Progress = NO_PROGRESS,
+    device: str | None = None,
+) -> Tensor:
+    """[layers] the relative perplexity increase from dropping each layer alone (the layer's
+    output replaced by its input), on the first DEPTH_METRIC_WINDOWS windows.
+
+    One pass over the layers, each loaded once: branch i (the model without layer i) forks
+    from the full model's hidden states just before layer i and skips it; every other layer
+    runs on every branch that exists by then, about layers² / 2 layer passes in all."""
+    from llmq.calib.stream import LayerStream
+
+    ids = input_ids[:DEPTH_METRIC_WINDOWS]
+    stream = LayerStream(ckpt, device=device)
+    full = stream.embed(ids)
+    dropped: list[Tensor] = []
+    with torch.inference_mode(), progress.stage("dropping each layer in turn", total=ckpt.num_layers) as advance:  # fmt: skip
+        for index in range(ckpt.num_layers):
+            layer = stream.load_layer(index)
+            branches = [*dropped, full]
+            dropped.append(full.clone())
+            for hidden in branches:
+                stream.run_layer(layer, hidden, in_place=True)
+            advance(1)
+    base, count = stream.token_nll(full, ids)
+    scores = [math.exp((stream.token_nll(hidden, ids)[0] - base) / count) - 1.0 for hidden in dropped]  # fmt: skip
+    return torch.tensor(scores, dtype=torch.float64)
 
 
 @dataclass(slots=True)

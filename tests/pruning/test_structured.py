@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import llmq
 from llmq.cli.main import app
 from llmq.pruning.structured import Importance
-from tests.conftest import assert_bad_input, make_tiny
+from tests.conftest import assert_bad_input, make_tiny, sharpen
 
 runner = CliRunner()
 CALIB = {"num_samples": 4, "seq_len": 64, "evaluate": False}
@@ -131,6 +131,34 @@ def test_each_group_keeps_its_most_important_query_heads(tmp_path: Path, gqa_mod
     config = AutoModelForCausalLM.from_pretrained(out).config
     assert (config.num_attention_heads, config.num_key_value_heads) == (2, 2)
     assert llmq.verify(out, loaders=["transformers"]).passed
+
+
+def test_dropping_an_identity_layer_changes_no_perplexity(
+    tmp_path: Path, default_model: Path
+) -> None:
+    """A layer whose o_proj and down_proj are zero adds nothing to the residual stream: the
+    ppl depth metric scores it exactly 0, the others not; and prune uses that metric."""
+    from llmq.io.checkpoint import open_checkpoint
+    from llmq.pruning.structured import depth_by_perplexity
+
+    model = sharpen(make_tiny(tmp_path / "model", default_model, layers=3))
+    tensors = load_file(model / "model.safetensors")
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        tensors[f"model.layers.1.{name}.weight"].zero_()
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.randint(0, 49152, (2, 32), generator=torch.Generator().manual_seed(0))
+    scores = depth_by_perplexity(open_checkpoint(model), ids)
+    assert scores[1].item() == 0.0
+    assert scores[0].item() != 0.0 and scores[2].item() != 0.0
+    out = tmp_path / "out"
+    result = llmq.prune_structured(model, out, num_layers=2, depth_metric="ppl", **CALIB)
+    assert result.importance == "computed, layers by perplexity"
+    removed = json.loads((out / "llmq.json").read_text())["structured"]["removed"]["layers"]
+    from llmq.calib.data import calibration_windows
+    from llmq.calib.tokenizer import load_tokenizer
+
+    windows = calibration_windows(load_tokenizer(model), "shakespeare+pydoc", num_samples=4, seq_len=64, seed=0)  # fmt: skip
+    assert removed == [int(depth_by_perplexity(open_checkpoint(model), windows.input_ids).argmin())]
 
 
 def test_saved_scores_give_the_same_checkpoint(tmp_path: Path, gqa_model: Path) -> None:

@@ -79,8 +79,11 @@ def quiet_libraries() -> None:
         "TRANSFORMERS_VERBOSITY": "error",
         "DATASETS_VERBOSITY": "error",
         "TOKENIZERS_PARALLELISM": "false",
+        "TQDM_DISABLE": "1",  # lm-eval's and datasets' bars: llmq draws its own
     }.items():
         os.environ.setdefault(name, value)
+    logging.getLogger("lm-eval").setLevel(logging.ERROR)  # its notices about models passed in
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
 
 
 class RichProgress:

@@ -19,16 +19,17 @@ from llmq.cli.console import (
     quiet_libraries,
 )
 from llmq.cli.options import Device, JsonFlag
+from llmq.errors import InputError
 from llmq.texts import DEFAULT_EVAL_TEXT
 
 
 def evaluate(
     models: Annotated[
-        list[str],
+        list[str] | None,
         typer.Argument(
             help="Checkpoint folders (quantized or not) or built-in names; one table for all."
         ),
-    ],
+    ] = None,
     baseline: Annotated[
         str | None,
         typer.Option(
@@ -57,13 +58,84 @@ def evaluate(
             "--no-cache", help="Score the baseline again instead of reusing a cached result."
         ),
     ] = False,
+    tasks: Annotated[
+        str | None,
+        typer.Option(
+            help="Task accuracy instead of perplexity: comma-separated lm-eval tasks, run offline (built-in: see --list-tasks; your own with --task-dir)."
+        ),
+    ] = None,
+    task_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="A folder of your own lm-eval task YAMLs (reading local files, e.g. dataset_path: json with data_files)."
+        ),
+    ] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(
+            help="--tasks: score the first N items of each task (items are spread over the source)."
+        ),
+    ] = None,
+    num_fewshot: Annotated[
+        int | None, typer.Option(help="--tasks: examples in each prompt.")
+    ] = None,
+    max_drop: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="--tasks gate: exit 1 when a task's score drops more than this below --baseline's (absolute, e.g. 0.02), and the paired drop is significant at --confidence. TASK=VALUE for one task; repeatable."
+        ),
+    ] = None,
+    min_recovery: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="--tasks gate: exit 1 when score / baseline score is below this (e.g. 0.95, the peers' convention), and the paired drop is significant. TASK=VALUE for one task; repeatable."
+        ),
+    ] = None,
+    confidence: Annotated[
+        float,
+        typer.Option(
+            help="--tasks gates: a drop fails only when significant at this level (one-sided, paired per-item differences)."
+        ),
+    ] = 0.95,
+    batch_size: Annotated[
+        int, typer.Option(help="--tasks: lm-eval requests per forward pass.")
+    ] = 8,
+    seed: Annotated[int, typer.Option(help="--tasks: lm-eval's seeds (few-shot sampling).")] = 0,
+    list_tasks: Annotated[
+        bool, typer.Option("--list-tasks", help="List the built-in tasks and exit.")
+    ] = False,
     device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:
-    """Token perplexity of MODELS on held-out text; W8A8/FP8 activations really quantized per token."""
+    """Token perplexity of MODELS on held-out text (W8A8/FP8 activations really quantized per
+    token), or with --tasks their accuracy on lm-eval tasks, gated against a baseline."""
     quiet_libraries()
     from llmq import api
+    from llmq.api.tasks import evaluate_tasks
 
+    if list_tasks:
+        _print_tasks(json_out)
+        return
+    if not models:
+        with cli_errors():
+            raise InputError("give at least one MODEL", hint="`llmq eval MODEL... [--baseline B]`")
+    if tasks is not None:
+        with cli_errors():
+            if max_ppl_increase is not None:
+                raise InputError("--max-ppl-increase gates perplexity; with --tasks use --max-drop or --min-recovery")  # fmt: skip
+            names = [t.strip() for t in tasks.split(",") if t.strip()]
+            gates = {"max_drop": _thresholds(max_drop, "--max-drop"), "min_recovery": _thresholds(min_recovery, "--min-recovery")}  # fmt: skip
+            with progress_bars(json_out=json_out) as progress:
+                task_results = evaluate_tasks(
+                    models, names, baseline=baseline, task_dir=task_dir, limit=limit,
+                    num_fewshot=num_fewshot, seed=seed, batch_size=batch_size,
+                    confidence=confidence, use_cache=not no_cache, progress=progress,
+                    device=device, **gates,
+                )  # fmt: skip
+        print_json([r.to_dict() for r in task_results]) if json_out else render_tasks(task_results)
+        if any(r.passed is False for r in task_results):
+            raise typer.Exit(1)
+        return
     with cli_errors():
         gate = parse_fraction(max_ppl_increase, "--max-ppl-increase")
         with progress_bars(json_out=json_out) as progress:
@@ -87,6 +159,59 @@ def evaluate(
         render(results)
     if any(result.passed is False for result in results):
         raise typer.Exit(1)
+
+
+def _print_tasks(json_out: bool) -> None:
+    from llmq.api.tasks import list_tasks
+
+    found = list_tasks()
+    if json_out:
+        print_json(found)
+        return
+    for task in found:  # names first, one a line: easy to read by a script
+        out_console.print(task["name"])
+    out_console.print("")
+    for task in found:
+        out_console.print(f"{task['name']}: {task['description']}")
+
+
+def _thresholds(values: list[str] | None, option: str) -> float | dict[str, float] | None:
+    """["0.02"] -> 0.02; ["hamlet_cloze=0.02", "0.05"] -> {"hamlet_cloze": 0.02, "*": 0.05}."""
+    if not values:
+        return None
+    table: dict[str, float] = {}
+    for value in values:
+        task, _, number = value.rpartition("=")
+        parsed = parse_fraction(number, option)
+        assert parsed is not None  # parse_fraction returns None only for None
+        table[task or "*"] = parsed
+    return table["*"] if list(table) == ["*"] else table
+
+
+def render_tasks(results: list[Any]) -> None:
+    verdicts = {None: "", True: labelled("PASS", "green"), False: labelled("FAIL", "bold red")}
+    for result in results:
+        against = f" against {_name(result.baseline)}" if result.baseline else ""
+        table = Table(title=f"{_name(result.model)}{against}")
+        table.add_column("task")
+        for column in ("items", "score", "baseline", "difference [CI]"):
+            table.add_column(column, justify="right")
+        table.add_column("gate")
+        for row in result.rows:
+            paired = row.paired
+            diff = "-" if paired is None else f"{paired['difference']:+.3f} [{paired['ci_low']:+.3f}, {paired['ci_high']:+.3f}]"  # fmt: skip
+            base = "-" if row.baseline is None else f"{row.baseline:.3f}"
+            table.add_row(row.task, str(row.items), f"{row.metric} {row.score:.3f}", base, diff, verdicts[row.passed])  # fmt: skip
+        out_console.print(table)
+        for row in result.rows:
+            for gate in row.gates:
+                out_console.print(f"gate {row.task}: {gate['kind'].replace('_', '-')} {gate['threshold']:g}: {'past it' if gate['beyond'] else 'within it'}, drop {'significant' if gate['significant'] else 'not significant'}")  # fmt: skip
+    p = results[0].protocol
+    items = "all items" if p["limit"] is None else f"the first {p['limit']} items"
+    out_console.print(
+        f"protocol: lm-eval {', '.join(p['tasks'])}, {p['num_fewshot']}-shot, {items}, seed {p['seed']}; "
+        f"gates: paired per-item differences, fail only when the drop is significant at {p['confidence']:.0%} and past the threshold"
+    )
 
 
 def _name(path: str) -> str:

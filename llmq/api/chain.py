@@ -225,14 +225,25 @@ def _distill(stage: Any, student: Path, teacher: Path, out: Path, resume: bool, 
 
 
 def _evaluate(stage: Any, model: Path, baseline: Path, report: Path, progress: Progress, device: str | None) -> tuple[dict[str, Any], bool | None]:  # fmt: skip
-    from llmq.api.evaluate import evaluate
     from llmq.io.atomic import write_json
 
-    result = evaluate(
-        model, baseline=baseline, text=stage.text, seq_len=stage.seq_len,
-        max_windows=stage.max_windows, max_ppl_increase=stage.max_ppl_increase,
-        progress=progress, device=device,
-    )  # fmt: skip
+    if stage.tasks is not None:
+        from llmq.api.tasks import evaluate_tasks
+
+        result = evaluate_tasks(
+            [model], stage.tasks, baseline=baseline, task_dir=stage.task_dir, limit=stage.limit,
+            num_fewshot=stage.num_fewshot, max_drop=stage.max_drop,
+            min_recovery=stage.min_recovery, confidence=stage.confidence,
+            batch_size=stage.batch_size, progress=progress, device=device,
+        )[0]  # fmt: skip
+    else:
+        from llmq.api.evaluate import evaluate
+
+        result = evaluate(
+            model, baseline=baseline, text=stage.text, seq_len=stage.seq_len,
+            max_windows=stage.max_windows, max_ppl_increase=stage.max_ppl_increase,
+            progress=progress, device=device,
+        )  # fmt: skip
     summary = result.to_dict()
     write_json(report, summary)
     return summary, result.passed

@@ -70,9 +70,12 @@ def render(result: Any) -> None:
 
 def _outcome(stage: Any) -> str:
     summary = stage.summary
+    gate = {True: " PASS", False: " FAIL", None: ""}[stage.passed]
+    if stage.kind == "eval" and "tasks" in summary:
+        scores = ", ".join(f"{row['task']} {row['score']:.3f} ({row['paired']['difference']:+.3f})" for row in summary["tasks"])  # fmt: skip
+        return scores + gate
     if stage.kind == "eval":
         increase = summary["increase"]
-        gate = {True: " PASS", False: " FAIL", None: ""}[stage.passed]
         return f"ppl {summary['model']['perplexity']:.3f} ({increase:+.2%} vs baseline){gate}"
     if stage.kind == "distill":
         return f"{summary['steps']} steps, {summary['tokens']:,} tokens"

@@ -118,13 +118,31 @@ class DistillStage(DistillConfig):
 
 
 class EvalStage(_Stage):
-    """`llmq eval` of the previous stage's output against `baseline`, as a gate."""
+    """`llmq eval` of the previous stage's output against `baseline`, as a gate: perplexity
+    (`max_ppl_increase`), or with `tasks` lm-eval accuracy (`max_drop`, `min_recovery`: one
+    value for every task, or a mapping per task)."""
 
     baseline: str = SOURCE
     text: str = DEFAULT_EVAL_TEXT
     seq_len: int = Field(512, ge=8)
     max_windows: int = Field(40, ge=1)
     max_ppl_increase: float | None = Field(None, ge=0.0, lt=100.0)
+    tasks: list[str] | None = None
+    task_dir: str | None = None
+    limit: int | None = Field(None, ge=1)
+    num_fewshot: int | None = Field(None, ge=0)
+    max_drop: float | dict[str, float] | None = None
+    min_recovery: float | dict[str, float] | None = None
+    confidence: float = Field(0.95, ge=0.5, lt=1.0)
+    batch_size: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> EvalStage:
+        if self.tasks is None and (self.max_drop is not None or self.min_recovery is not None):
+            raise ValueError("max_drop and min_recovery gate task accuracy: give tasks")
+        if self.tasks is not None and self.max_ppl_increase is not None:
+            raise ValueError("max_ppl_increase gates perplexity: with tasks use max_drop or min_recovery")  # fmt: skip
+        return self
 
 
 _NEEDS_FLOAT = {"quantize": "quantizes", "prune": "prunes", "distill": "trains"}

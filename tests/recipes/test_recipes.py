@@ -31,7 +31,7 @@ SMALL = {
         "eval_seq_len": 64,
         "warmup_steps": 0,
     },
-    "eval": {"max_windows": 2, "seq_len": 64},
+    "eval": {"max_windows": 2, "seq_len": 64, "limit": 4},
 }
 
 
@@ -60,6 +60,11 @@ def test_each_example_runs_on_a_tiny_model(tmp_path: Path, tiny_llama: Path, pat
     result = run(recipe, tiny_llama, tmp_path / "out")
     gates = [s for s in result.stages if s.kind == "eval"]
     for gate in gates:
+        if "tasks" in gate.summary:  # each gate fails only on a significant drop past it
+            verdicts = [g for row in gate.summary["tasks"] for g in row["gates"]]
+            assert all(g["passed"] == (not (g["beyond"] and g["significant"])) for g in verdicts)
+            assert gate.passed == all(g["passed"] for g in verdicts)
+            continue
         threshold = gate.summary["max_ppl_increase"]
         assert gate.passed == (threshold is None or gate.summary["increase"] <= threshold)
     ran = len(result.stages)
@@ -104,6 +109,10 @@ def write(tmp_path: Path, text: str) -> Path:
             "stages[0].prune: params and the sizes go with structured: true",
         ),
         ("stages: []\n", "recipe.yaml:1: stages: List should have at least 1 item"),
+        (
+            "stages:\n  - eval:\n      max_drop: 0.02\n",
+            "recipe.yaml:2: stages[0].eval: max_drop and min_recovery gate task accuracy",
+        ),
         (
             "stages:\n  - quantize: {}\n  - eval: {}\n  - distill:\n      max_steps: 2\n",
             "recipe.yaml:4: stages[2]: stage distill trains a float model, but quantize before it",

@@ -39,6 +39,8 @@ class DistillResult:
     losses: list[float]  # mean loss of every step
     masked_linears: int  # pruned linears whose zeros were kept
     processes: int
+    sparsity: float | None = None  # GMP: the share of zeros in the decoder's linears written
+    sparsity_schedule: list[float] = field(default_factory=list)  # GMP: the target each step
     perplexity: dict[str, Any] = field(default_factory=dict)  # teacher, before, after, recovery
 
     def to_dict(self) -> dict[str, Any]:
@@ -223,6 +225,7 @@ def _prepare(
             teacher_model = load_model(teacher, device, teacher_dtype).eval().requires_grad_(False)
         student_model = load_model(student, device, torch.float32).train()
     masks = pruning_masks(student_model)
+    _check_pattern(student_model, config)
     parameters = parameters_of(student_model)
     trained = student_model
     if processes.distributed:
@@ -241,6 +244,10 @@ def _prepare(
     state = None
     if resume:
         state = load_state(staging, parameters, optimizer, fingerprint)
+    if state is not None and config.prune == "gmp":
+        from llmq.distillation.gmp import masks_from_zeros
+
+        masks.update(masks_from_zeros(student_model, state.step, config))
     kept = kept_layers(student, teacher.num_layers)
     pairs = layer_pairs(student.num_layers, teacher.num_layers, kept)
     run = DistillRun(
@@ -295,7 +302,33 @@ def _result(run: Any, teacher: Any, student: Any, out: Path, kept_step: int) -> 
         tokens_per_s=state.tokens / state.step_seconds if state.step_seconds else 0.0,
         kept_step=kept_step, evaluations=state.evals, losses=state.losses,
         masked_linears=len(run.masks), processes=run.processes.world_size,
+        sparsity=_linear_sparsity(run.student) if run.config.prune == "gmp" else None,
+        sparsity_schedule=state.sparsity,
     )  # fmt: skip
+
+
+def _check_pattern(model: Any, config: DistillConfig) -> None:
+    """GMP's N:M groups must tile every linear's inputs."""
+    from llmq.distillation.gmp import prunable_linears
+
+    pattern = config.nm_pattern
+    if pattern is None:
+        return
+    for name, linear in prunable_linears(model).items():
+        if linear.in_features % pattern[1]:
+            module = name.removesuffix(".weight")
+            raise InputError(
+                f"--pattern {config.pattern}: {pattern[1]} does not divide the {linear.in_features} inputs of {module}",
+                hint="choose an M that divides every linear's in_features (4 and 8 usually do)",
+            )
+
+
+def _linear_sparsity(model: Any) -> float:
+    from llmq.distillation.gmp import prunable_linears
+
+    weights = [linear.weight for linear in prunable_linears(model).values()]
+    zeros = sum(int((w == 0).sum()) for w in weights)
+    return zeros / sum(w.numel() for w in weights)
 
 
 def _write(

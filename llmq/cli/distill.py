@@ -112,6 +112,30 @@ def distill(
             help="best: write the student with the lowest held-out perplexity seen; last: the final one."
         ),
     ] = "best",
+    prune: Annotated[
+        str,
+        typer.Option(
+            help="gmp: gradual magnitude pruning while training (Zhu & Gupta): the decoder linears' sparsity rises along the cubic schedule to --sparsity (or --pattern) between --prune-start and --prune-end; pruned weights stay zero. none: no pruning."
+        ),
+    ] = "none",
+    sparsity: Annotated[
+        float | None,
+        typer.Option(help="--prune gmp: the final share of each row's weights removed, in (0, 1)."),
+    ] = None,
+    pattern: Annotated[
+        str | None,
+        typer.Option(
+            help="--prune gmp: an N:M pattern to reach instead (2:4: at most 2 non-zeros in every 4 inputs); the number removed per group rises with the schedule."
+        ),
+    ] = None,
+    prune_start: Annotated[int, typer.Option(help="--prune gmp: the step pruning starts at.")] = 0,
+    prune_end: Annotated[
+        int | None,
+        typer.Option(
+            help="--prune gmp: the step the final sparsity is reached at (default: 3/4 of the steps); training goes on with the masks fixed."
+        ),
+    ] = None,
+    prune_every: Annotated[int, typer.Option(help="--prune gmp: steps between mask updates.")] = 1,
     checkpoint_every: Annotated[
         int | None,
         typer.Option(
@@ -163,6 +187,8 @@ def distill(
             max_steps=max_steps, lr=lr, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
             weight_decay=weight_decay, max_grad_norm=max_grad_norm or None, seed=seed,
             eval_text=eval_text, eval_windows=eval_windows, eval_every=eval_every, keep=keep,
+            prune=prune, sparsity=sparsity, pattern=pattern, prune_start=prune_start,
+            prune_end=prune_end, prune_every=prune_every,
         )  # fmt: skip
     if not main_process:
         return
@@ -184,6 +210,8 @@ def render(result: Any) -> None:
     )
     if result.masked_linears:
         table.add_row("pruned linears kept sparse", str(result.masked_linears))
+    if result.sparsity is not None:
+        table.add_row("sparsity of the decoder's linears (GMP)", f"{result.sparsity:.1%}")
     if result.perplexity:
         ppl = result.perplexity
         table.add_row("perplexity: teacher", f"{ppl['teacher']:.3f}")

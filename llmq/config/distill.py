@@ -53,6 +53,16 @@ class DistillConfig(BaseModel):
     eval_seq_len: int = Field(512, ge=8, le=131_072)
     eval_every: int = Field(0, ge=0)
     keep: Literal["best", "last"] = "best"
+    # Gradual magnitude pruning while training (Zhu & Gupta 2017, llmq.distillation.gmp): the
+    # decoder linears' sparsity rises along the cubic schedule from 0 at prune_start to
+    # `sparsity` (or the N:M `pattern`) at prune_end (default: 3/4 of max_steps), masks
+    # recomputed from the weights' magnitudes every prune_every steps; pruned weights stay zero.
+    prune: Literal["none", "gmp"] = "none"
+    sparsity: float | None = Field(None, gt=0.0, lt=1.0)
+    pattern: str | None = Field(None, pattern=r"^\d+:\d+$")
+    prune_start: int = Field(0, ge=0)
+    prune_end: int | None = Field(None, ge=1)
+    prune_every: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _consistent(self) -> DistillConfig:
@@ -67,8 +77,41 @@ class DistillConfig(BaseModel):
         # Built-in texts have disjoint training and held-out splits; a file has one split only.
         if set(self.data.split("+")) & set(self.eval_text.split("+")) - set(BUILTIN_TEXTS):
             raise ValueError(f"eval_text {self.eval_text!r} is also the training data: held-out text must not be trained on")  # fmt: skip
+        _check_pruning(self)
         return self
 
     @property
     def uses_teacher(self) -> bool:
         return self.loss != "ce"
+
+    @property
+    def pruning_end(self) -> int:
+        """The step at which GMP reaches its final sparsity."""
+        if self.prune_end is not None:
+            return self.prune_end
+        return max(self.prune_start + 1, (self.max_steps or 0) * 3 // 4)
+
+    @property
+    def nm_pattern(self) -> tuple[int, int] | None:
+        if self.pattern is None:
+            return None
+        n, m = self.pattern.split(":")
+        return int(n), int(m)
+
+
+def _check_pruning(config: DistillConfig) -> None:
+    given = [name for name in ("sparsity", "pattern") if getattr(config, name) is not None]
+    if config.prune == "none":
+        if given:
+            raise ValueError(f"{given[0]}: prunes only with prune gmp")
+        return
+    if len(given) != 1:
+        raise ValueError("prune gmp: give either sparsity or pattern (one of them)")
+    pattern = config.nm_pattern
+    if pattern is not None and not 0 < pattern[0] < pattern[1]:
+        raise ValueError(f"pattern {config.pattern}: N:M needs 0 < N < M")
+    if config.max_steps is not None:
+        if config.pruning_end <= config.prune_start:
+            raise ValueError(f"prune_end {config.pruning_end}: must come after prune_start {config.prune_start}")  # fmt: skip
+        if config.pruning_end > config.max_steps:
+            raise ValueError(f"prune_end {config.pruning_end}: after the last step ({config.max_steps})")  # fmt: skip

@@ -64,6 +64,8 @@ def train(run: DistillRun, hooks: Hooks, progress: Progress) -> TrainState:
         advance(state.step)
         for step in range(state.step, config.max_steps):
             step_started = time.monotonic()
+            if config.prune == "gmp":
+                _prune(run, step)
             loss = train_step(run, step)
             state.step_seconds += time.monotonic() - step_started
             state.step = step + 1
@@ -142,6 +144,15 @@ def heldout_perplexity(run: DistillRun) -> float:
     run.student.train()
     nll, count = run.processes.sum(totals).tolist()
     return math.exp(nll / count)
+
+
+def _prune(run: DistillRun, step: int) -> None:
+    """GMP: prune to the schedule's sparsity at its pruning steps, and log the target."""
+    from llmq.distillation.gmp import is_pruning_step, prune_step, scheduled_sparsity
+
+    if is_pruning_step(step, run.config):
+        prune_step(run.student, run.masks, step, run.config)
+    run.state.sparsity.append(scheduled_sparsity(step, run.config))
 
 
 def _evaluate(run: DistillRun, hooks: Hooks) -> None:

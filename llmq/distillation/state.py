@@ -35,6 +35,7 @@ class TrainState:
     step: int = 0  # optimizer steps done
     tokens: int = 0  # training tokens seen, all processes together
     losses: list[float] = field(default_factory=list)  # mean loss of each step
+    sparsity: list[float] = field(default_factory=list)  # GMP: the schedule's target each step
     evals: list[dict[str, float]] = field(default_factory=list)  # {step, tokens, perplexity}
     best_step: int | None = None
     best_perplexity: float | None = None

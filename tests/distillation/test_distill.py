@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 import llmq
 from llmq.cli.main import app
-from tests.conftest import assert_bad_input, make_tiny, sharpen
+from tests.conftest import assert_bad_input
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[2]
@@ -33,24 +33,6 @@ FAST = {"seq_len": 64, "batch_size": 2, "grad_accum": 2, "eval_windows": 2, "eva
         "evaluate": False, "reference": False}  # fmt: skip
 FAST_CLI = ["--seq-len", "64", "--batch-size", "2", "--grad-accum", "2", "--eval-windows", "2",
             "--no-evaluate", "--no-reference"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Path:
-    """A tiny random model with peaked next-token distributions: its (tied) embedding scaled
-    up, so a student that differs from it has a KL divergence worth learning away (a random
-    model's logits are nearly uniform over the 49k tokens)."""
-    return sharpen(make_tiny(tmp_path_factory.mktemp("distill") / "teacher", default_model))
-
-
-@pytest.fixture(scope="module")
-def student(tmp_path_factory: pytest.TempPathFactory, teacher: Path) -> Path:
-    """The teacher with half its MLP channels removed: what `prune --structured` hands over."""
-    out = tmp_path_factory.mktemp("distill") / "student"
-    llmq.prune_structured(
-        teacher, out, intermediate_size=256, num_samples=4, seq_len=64, evaluate=False
-    )
-    return out
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:

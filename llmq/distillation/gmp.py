@@ -1,0 +1,81 @@
+"""Gradual magnitude pruning during distillation (Zhu & Gupta 2017, arXiv 1710.01878).
+
+The target sparsity follows the cubic schedule s(t) = s_f · (1 - (1 - (t - t0) / (t1 - t0))³),
+recomputed at steps t0, t0 + Δ, ... and reached at t1, constant in between and after. At each
+pruning step every decoder linear drops its rows' smallest-magnitude weights down to s(t)
+(llmq.pruning.masks, per row as `llmq prune` does) or, for an N:M pattern, the smallest
+round(s(t) · M) of every M consecutive inputs, up to M - N. A weight once pruned stays pruned
+(masks only shrink) and zero: llmq.distillation.masks masks its gradient and its value.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from llmq.config import DistillConfig
+from llmq.pruning.masks import Sparsity, magnitude_scores, pruned_mask
+
+
+def scheduled_sparsity(step: int, config: DistillConfig) -> float:
+    """s(step) of the cubic schedule, as a share of each row's weights (for N:M, of M)."""
+    final = _final(config)
+    start, end = config.prune_start, config.pruning_end
+    if step < start:
+        return 0.0
+    last_pruning = start + (min(step, end) - start) // config.prune_every * config.prune_every
+    progress = 1.0 if step >= end else (last_pruning - start) / (end - start)
+    return final * (1.0 - (1.0 - progress) ** 3)
+
+
+def is_pruning_step(step: int, config: DistillConfig) -> bool:
+    start, end = config.prune_start, config.pruning_end
+    return start <= step <= end and ((step - start) % config.prune_every == 0 or step == end)
+
+
+def prunable_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The decoder's linears (not lm_head, which every llmq pruner leaves dense)."""
+    return {
+        f"{name}.weight": module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and not name.endswith("lm_head")
+    }
+
+
+def prune_step(model: nn.Module, masks: dict[str, Tensor], step: int, config: DistillConfig) -> None:  # fmt: skip
+    """Bring every prunable linear to the schedule's sparsity at `step`, updating `masks`
+    (name -> True where a weight stays) and zeroing what they drop."""
+    sparsity = _sparsity(scheduled_sparsity(step, config), config)
+    if sparsity is None:
+        return
+    for name, linear in prunable_linears(model).items():
+        weight = linear.weight.data
+        keep = ~pruned_mask(magnitude_scores(weight), sparsity)
+        if name in masks:
+            keep &= masks[name]
+        masks[name] = keep
+        weight.mul_(keep)
+
+
+def masks_from_zeros(model: nn.Module, step: int, config: DistillConfig) -> dict[str, Tensor]:
+    """The GMP masks of a run resumed at `step`: the zeros of the weights it saved (training
+    makes no exact zeros, so these are exactly the pruned weights)."""
+    if step <= config.prune_start:
+        return {}
+    return {name: linear.weight.data != 0 for name, linear in prunable_linears(model).items()}
+
+
+def _final(config: DistillConfig) -> float:
+    pattern = config.nm_pattern
+    if pattern is not None:
+        return (pattern[1] - pattern[0]) / pattern[1]
+    return float(config.sparsity or 0.0)
+
+
+def _sparsity(share: float, config: DistillConfig) -> Sparsity | None:
+    """What a pruning step removes at `share`: a fraction of each row, or for N:M the
+    round(share · M) smallest of every M inputs."""
+    pattern = config.nm_pattern
+    if pattern is None:
+        return Sparsity(fraction=share) if share > 0 else None
+    dropped = round(share * pattern[1])
+    return Sparsity(pattern=(pattern[1] - dropped, pattern[1])) if dropped > 0 else None

@@ -1,0 +1,106 @@
+"""Gradual magnitude pruning on the distillation loop: the cubic schedule against its formula,
+masks that only shrink, exact zeros in the written student, resume, and bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from typer.testing import CliRunner
+
+import llmq
+from llmq.cli.main import app
+from llmq.config import DistillConfig
+from llmq.distillation.gmp import is_pruning_step, prune_step, scheduled_sparsity
+from tests.conftest import assert_bad_input
+from tests.distillation.test_distill import FAST, InterruptAfter, assert_same_weights
+
+runner = CliRunner()
+
+
+def test_the_schedule_is_zhu_and_guptas_cubic() -> None:
+    config = DistillConfig(max_steps=20, prune="gmp", sparsity=0.6, prune_start=2, prune_end=12, prune_every=3)  # fmt: skip
+    for step in range(20):
+        if step < 2:
+            expected = 0.0
+        elif step >= 12:
+            expected = 0.6
+        else:
+            last = 2 + (step - 2) // 3 * 3  # the pruning step at or before this one
+            expected = 0.6 * (1 - (1 - (last - 2) / 10) ** 3)
+        assert scheduled_sparsity(step, config) == pytest.approx(expected, abs=1e-15), step
+    assert [s for s in range(20) if is_pruning_step(s, config)] == [2, 5, 8, 11, 12]
+
+
+def test_masks_only_shrink_and_each_row_loses_its_share() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4))
+    config = DistillConfig(max_steps=10, prune="gmp", sparsity=0.5, prune_end=8)
+    masks: dict[str, torch.Tensor] = {}
+    previous: dict[str, torch.Tensor] = {}
+    for step in range(9):
+        with torch.no_grad():  # training moves the surviving weights between pruning steps
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.3 * (p != 0))
+        prune_step(model, masks, step, config)
+        for name, keep in masks.items():
+            if name in previous:
+                assert not (keep & ~previous[name]).any(), "a pruned weight came back"
+            columns = keep.shape[1]
+            expected = round(scheduled_sparsity(step, config) * columns)
+            assert ((~keep).sum(dim=1) == expected).all()
+        previous = {k: v.clone() for k, v in masks.items()}
+    assert all((~keep).float().mean() == 0.5 for keep in masks.values())
+
+
+def test_an_nm_pattern_is_reached_group_by_group() -> None:
+    model = nn.Sequential(nn.Linear(8, 3))
+    config = DistillConfig(max_steps=4, prune="gmp", pattern="2:4", prune_end=2)
+    masks: dict[str, torch.Tensor] = {}
+    for step in range(3):
+        prune_step(model, masks, step, config)
+    groups = model[0].weight.detach().reshape(3, 2, 4)
+    assert ((groups == 0).sum(dim=-1) == 2).all()
+
+
+def test_gmp_distillation_writes_exact_zeros_and_resumes_identically(
+    tmp_path: Path, teacher: Path, student: Path
+) -> None:
+    options = {**FAST, "max_steps": 6, "lr": 1e-3, "prune": "gmp", "sparsity": 0.5,
+               "prune_end": 4, "checkpoint_every": 2, "keep": "last"}  # fmt: skip
+    whole = llmq.distill(teacher, student, tmp_path / "whole", **options)
+    config = DistillConfig(**{k: v for k, v in options.items() if k in DistillConfig.model_fields})
+    assert whole.sparsity_schedule == [scheduled_sparsity(s, config) for s in range(6)]
+    assert whole.sparsity == 0.5
+    written = load_file(next((tmp_path / "whole").glob("*00002-of-*.safetensors")))
+    q = written["model.layers.0.self_attn.q_proj.weight"]
+    assert ((q == 0).sum(dim=1) == q.shape[1] // 2).all()
+    with pytest.raises(KeyboardInterrupt):
+        llmq.distill(teacher, student, tmp_path / "resumed", progress=InterruptAfter(3), **options)
+    resumed = llmq.distill(teacher, student, tmp_path / "resumed", resume=True, **options)
+    assert resumed.losses == whole.losses
+    assert_same_weights(tmp_path / "whole", tmp_path / "resumed")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--prune", "gmp"], "give either sparsity or pattern"),
+        (
+            ["--prune", "gmp", "--sparsity", "0.5", "--prune-start", "3", "--prune-end", "2"],
+            "must come after prune_start",
+        ),
+        (["--sparsity", "0.5"], "prunes only with prune gmp"),
+        (["--prune", "gmp", "--pattern", "3:7"], "7 does not divide the 192 inputs"),
+        (["--prune", "magnitude", "--sparsity", "0.5"], "prune"),
+    ],
+)
+def test_bad_pruning_options_exit_2(
+    tmp_path: Path, teacher: Path, student: Path, args: list[str], fragment: str
+) -> None:
+    base = ["distill", "--teacher", str(teacher), "--student", str(student), "--out", str(tmp_path / "o"), "--max-steps", "4"]  # fmt: skip
+    assert_bad_input(runner.invoke(app, [*base, *args]), fragment)
+    assert not (tmp_path / "o").exists()

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from llmq.config.quant import nm_pattern
 from llmq.texts import BUILTIN_TEXTS, DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT
 
 DistillLoss = Literal["forward-kl", "reverse-kl", "ce"]
@@ -93,10 +94,7 @@ class DistillConfig(BaseModel):
 
     @property
     def nm_pattern(self) -> tuple[int, int] | None:
-        if self.pattern is None:
-            return None
-        n, m = self.pattern.split(":")
-        return int(n), int(m)
+        return nm_pattern(self.pattern)
 
 
 def _check_pruning(config: DistillConfig) -> None:
@@ -107,9 +105,7 @@ def _check_pruning(config: DistillConfig) -> None:
         return
     if len(given) != 1:
         raise ValueError("prune gmp: give either sparsity or pattern (one of them)")
-    pattern = config.nm_pattern
-    if pattern is not None and not 0 < pattern[0] < pattern[1]:
-        raise ValueError(f"pattern {config.pattern}: N:M needs 0 < N < M")
+    nm_pattern(config.pattern)  # 0 < N < M
     if config.max_steps is not None:
         if config.pruning_end <= config.prune_start:
             raise ValueError(f"prune_end {config.pruning_end}: must come after prune_start {config.prune_start}")  # fmt: skip

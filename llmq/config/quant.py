@@ -199,3 +199,13 @@ SCAN_RATIO_THRESHOLD = 60.0
 SCAN_SHARE_THRESHOLD = 0.05
 """With calibration statistics: flag a linear that causes over 5% of the estimated output error
 of all the scanned linears together (the average share is 1 / their number)."""
+
+
+def nm_pattern(pattern: str | None) -> tuple[int, int] | None:
+    """An "N:M" sparsity pattern as (n, m), checked: at most N non-zeros in every M."""
+    if pattern is None:
+        return None
+    n, m = (int(part) for part in pattern.split(":"))
+    if not 0 < n < m:
+        raise ValueError(f"pattern {pattern}: N:M needs 0 < N < M")
+    return n, m

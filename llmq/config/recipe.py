@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from llmq.config.quant import QuantArgs, Scheme, is_valid_group_size
+from llmq.config.quant import QuantArgs, Scheme, is_valid_group_size, nm_pattern
 from llmq.errors import InputError
 
 
@@ -100,10 +100,7 @@ class Recipe(BaseModel):
     @property
     def nm_pattern(self) -> tuple[int, int] | None:
         """The N:M pattern as (n, m)."""
-        if self.pattern is None:
-            return None
-        n, m = self.pattern.split(":")
-        return int(n), int(m)
+        return nm_pattern(self.pattern)
 
     @property
     def weight_args(self) -> QuantArgs | None:
@@ -175,9 +172,7 @@ def _check_pruning(recipe: Recipe) -> None:
         return
     if len(given) != 1:
         raise ValueError(f"method {recipe.method}: give either sparsity or pattern (not both)")
-    pattern = recipe.nm_pattern
-    if pattern is not None and not 0 < pattern[0] < pattern[1]:
-        raise ValueError(f"pattern {recipe.pattern}: N:M needs 0 < N < M")
+    nm_pattern(recipe.pattern)  # 0 < N < M
     if recipe.sparsity_profile != "uniform":
         if recipe.sparsity is None:
             raise ValueError("sparsity_profile: spreads a --sparsity; an N:M pattern is per group")

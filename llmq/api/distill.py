@@ -117,12 +117,14 @@ def _config(options: dict[str, Any], max_tokens: int | None, world_size: int) ->
             raise InputError("give --max-steps or --max-tokens, not both")
         if max_tokens < 1:
             raise InputError(f"--max-tokens {max_tokens}: must be >= 1")
-        probe = DistillConfig(max_steps=1, **{k: v for k, v in options.items() if k in ("seq_len", "batch_size", "grad_accum")})  # fmt: skip
+        sizes = {k: v for k, v in options.items() if k in ("seq_len", "batch_size", "grad_accum")}
+        probe = build(DistillConfig, max_steps=1, **sizes)
+        assert isinstance(probe, DistillConfig)
         per_step = probe.seq_len * probe.batch_size * probe.grad_accum * world_size
         options = {**options, "max_steps": math.ceil(max_tokens / per_step)}
     if options.get("max_steps") is None:
         raise InputError("how long to train: give --max-steps or --max-tokens")
-    config = build(DistillConfig, **{k: v for k, v in options.items() if v is not None})
+    config = build(DistillConfig, **options)  # None is meaningful: max_grad_norm None, no clipping
     assert isinstance(config, DistillConfig)
     return config
 

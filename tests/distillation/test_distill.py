@@ -237,3 +237,11 @@ def test_each_loss_is_what_it_says_on_the_first_batch(
     assert first_loss("kl-ce", ce_weight=1.0) == pytest.approx(forward + expected_ce, rel=1e-5)
     assert first_loss("kl-hidden", hidden_weight=1.0) > forward
     assert first_loss("reverse", loss="reverse-kl") != pytest.approx(forward, rel=1e-3)
+
+
+def test_max_grad_norm_0_turns_clipping_off(tmp_path: Path, teacher: Path, student: Path) -> None:
+    args = ["distill", "--teacher", str(teacher), "--student", str(student), "--out", str(tmp_path / "o"),
+            *FAST_CLI, "--max-steps", "1", "--max-grad-norm", "0", "--json"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["config"]["max_grad_norm"] is None

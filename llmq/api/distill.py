@@ -14,13 +14,9 @@ from typing import Any
 from llmq import __version__
 from llmq.api.common import _open, _tokenizer
 from llmq.config import DistillConfig, build
+from llmq.config.distill import DISTILL_RESUME_EVERY_S
 from llmq.errors import InputError
 from llmq.progress import NO_PROGRESS, Progress
-
-DISTILL_RESUME_EVERY_S = 300.0
-"""Seconds between resume points by default: one holds the student and AdamW's two moments in
-float32 (1.6 GB for the default model, a few seconds to write), so every 5 minutes costs about
-1% of the run and an interruption loses at most 5 minutes."""
 
 
 @dataclass(slots=True)

@@ -19,9 +19,8 @@ from llmq.cli.console import (
     resume_hint_on_interrupt,
 )
 from llmq.cli.options import Device, JsonFlag, Overwrite, Reference, Resume, SpaceCheck
+from llmq.config.distill import DISTILL_RESUME_EVERY_S
 from llmq.texts import DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT
-
-DEFAULT_RESUME_EVERY_S = 300.0  # llmq.api.distill.DISTILL_RESUME_EVERY_S (no torch import here)
 
 
 def distill(
@@ -147,7 +146,7 @@ def distill(
         typer.Option(
             help="Seconds between resume points when --checkpoint-every is not given; an interruption loses at most this much training."
         ),
-    ] = DEFAULT_RESUME_EVERY_S,
+    ] = DISTILL_RESUME_EVERY_S,
     resume: Resume = False,
     overwrite: Overwrite = False,
     evaluate: Annotated[

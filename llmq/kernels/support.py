@@ -70,6 +70,12 @@ class TileConfig:
     num_stages: int = 3
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in plain Python: `triton.cdiv` is a JIT builtin in Triton 3.6 and costs
+    several microseconds a call, paid on every launch of a batch-1 decode."""
+    return -(-a // b)
+
+
 def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

@@ -25,6 +25,7 @@ from llmq.kernels.support import (
     DECODE_MAX_M,
     DECODE_WAVES,
     TileConfig,
+    cdiv,
     check_matrix,
     check_same_device,
     dot_dtype,
@@ -161,12 +162,12 @@ def _check(x: Tensor, weight: W4A16Weight) -> None:
     k = weight.in_features
     if x.shape[1] != k:
         raise InputError(f"x has {x.shape[1]} columns but the weight has {k} inputs")
-    if weight.packed.shape[1] != triton.cdiv(k, INT4_PER_WORD):
+    if weight.packed.shape[1] != cdiv(k, INT4_PER_WORD):
         raise InputError(
             f"weight.packed: {weight.packed.shape[1]} words per row for {k} inputs "
-            f"(expected {triton.cdiv(k, INT4_PER_WORD)})"
+            f"(expected {cdiv(k, INT4_PER_WORD)})"
         )
-    groups = 1 if weight.group_size >= k else triton.cdiv(k, weight.group_size)
+    groups = 1 if weight.group_size >= k else cdiv(k, weight.group_size)
     if weight.g_idx is None and tuple(weight.scale.shape) != (weight.out_features, groups):
         raise InputError(
             f"weight.scale: shape {tuple(weight.scale.shape)}, expected "
@@ -203,7 +204,7 @@ def dequantize(weight: W4A16Weight, dtype: torch.dtype, block_k: int = 64) -> Te
     block_k = min(block_k, weight.group_size) if weight.group_size < k else block_k
     out = torch.empty(n, k, dtype=dtype, device=weight.packed.device)
     (*pointers, strides), constexprs = _weight_args(weight, block_k)
-    grid = (triton.cdiv(k, block_k), triton.cdiv(n, 64))
+    grid = (cdiv(k, block_k), cdiv(n, 64))
     _dequantize_kernel[grid](
         *pointers, out, n, k, *strides, out.stride(0), out.stride(1),
         BLOCK_N=64, BLOCK_K=block_k, **constexprs,
@@ -230,7 +231,7 @@ def w4a16_matmul(
         return out.copy_(x.to(w.dtype) @ w.T)
     target = out if config.split_k == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
     (*pointers, strides), constexprs = _weight_args(weight, config.block_k)
-    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), config.split_k)
+    grid = (cdiv(m, config.block_m), cdiv(n, config.block_n), config.split_k)
     _w4a16_kernel[grid](
         x, *pointers, target, m, n, k, x.stride(0), x.stride(1), *strides,
         target.stride(0), target.stride(1),

@@ -31,6 +31,7 @@ from llmq.kernels.support import (
     DECODE_MAX_M,
     DECODE_WAVES,
     TileConfig,
+    cdiv,
     check_matrix,
     check_same_device,
     launch_stages,
@@ -200,7 +201,7 @@ def w8a8_matmul(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     codes, x_scale = quantize_rows(x, weight.is_fp8, weight.input_scale)
     target = out if config.split_k == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), config.split_k)
+    grid = (cdiv(m, config.block_m), cdiv(n, config.block_n), config.split_k)
     w = weight.codes
     _w8a8_kernel[grid](
         codes, w, x_scale, weight.scale, target, m, n, k,

@@ -167,7 +167,8 @@ def quantized_linear(
     bias = tensors.get("bias")
     bias = None if bias is None else bias.to(device, dtype)
     if kernel == "w4a16":
-        return W4A16Linear(w4a16_weight(tensors, args).to(device, dtype), bias, triton=triton)
+        weight = w4a16_weight(tensors, args).to(device, dtype)
+        return W4A16Linear(weight.k_major() if triton else weight, bias, triton=triton)
     return W8A8Linear(w8a8_weight(tensors).to(device), bias, triton=triton)
 
 

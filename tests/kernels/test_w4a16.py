@@ -79,6 +79,28 @@ def test_kernel_matches_float64(m, n, k, group, asym, act_order, dtype, path) ->
     assert_within_bound(out, exact, magnitude, dtype)
 
 
+@pytest.mark.parametrize(
+    ("m", "config"),
+    [
+        (1, TileConfig("decode", 1, 64, 32, split_k=2)),  # one row: the batch-1 dot product
+        (17, TileConfig("decode", 16, 64, 32, split_k=3)),
+        (17, TileConfig("tiled", 32, 64, 32)),
+        (17, TileConfig("dequant", 0, 64, 32)),
+    ],
+)
+@pytest.mark.parametrize(("asym", "act_order"), [(False, False), (True, True)])
+def test_k_major_words_give_the_same_product(m, config, asym, act_order) -> None:
+    """What the loader hands the kernels: the packed words stored K-major, read by stride."""
+    weight = random_weight(200, 1000, 32, asym=asym, act_order=act_order)
+    k_major = weight.k_major()
+    assert k_major.packed.stride() == (1, weight.out_features)
+    assert torch.equal(k_major.packed, weight.packed)
+    x = torch.randn(m, 1000, generator=torch.Generator().manual_seed(2)).half()
+    out = w4a16_matmul(x, k_major, config=config, out=poisoned(m, 200, F16))
+    exact, magnitude = exact_product(x, weight)
+    assert_within_bound(out, exact, magnitude, F16)
+
+
 def test_default_dispatch_runs_each_path() -> None:
     weight = random_weight(96, 256, 64, asym=False, act_order=False)
     for m in (1, 40, DEQUANT_MIN_M):

@@ -53,6 +53,11 @@ def test_triton_kernels_run_the_model_in_the_interpreter(tiny_quantized, scheme:
     ckpt = open_checkpoint(tiny_quantized(scheme))
     triton = load_quantized(ckpt, kernels="triton")
     assert all(m.triton for m in triton.modules() if isinstance(m, (W4A16Linear, W8A8Linear)))
+    # int4 words K-major for the kernels (one transpose at load), row-major as stored otherwise
+    for kernels, contiguous in (("triton", False), ("torch", True)):
+        model = triton if kernels == "triton" else load_quantized(ckpt, kernels=kernels)
+        packed = [m.packed for m in model.modules() if isinstance(m, W4A16Linear)]
+        assert all(p.is_contiguous() == contiguous for p in packed)
     torch.testing.assert_close(
         logits(triton), logits(load_quantized(ckpt, kernels="torch")), rtol=1e-3, atol=2e-3
     )

@@ -7,6 +7,7 @@ inside a CUDA graph. It answers, in one run:
   kernels compiled during the timed steps;
 - eager cost of one call of the largest quantized linear at M = 1 against `x @ W^T`: time to
   enqueue (CPU) and wall time per call, and the CPU cost of the launch decision alone;
+- decode with each step replayed from a CUDA graph (`llmq.runtime.generate`), both models;
 - torch.profiler's top operations by self CPU and by GPU time for the quantized decode.
 
     python benchmarks/profile_decode.py CHECKPOINT [--tokens 32] [--out FILE.json]
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import llmq
 from llmq.api.run import _open
 from llmq.kernels import w4a16, w8a8
-from llmq.runtime.generate import greedy_decode
+from llmq.runtime.generate import GraphCaptureError, graphed_greedy_decode, greedy_decode
 from llmq.runtime.load import load_dequantized
 from llmq.runtime.modules import QuantizedLinear, W4A16Linear
 
@@ -112,63 +113,24 @@ def python_profile(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) ->
 
 
 @torch.inference_mode()
-def graphed_decode(
-    model: torch.nn.Module, prompt: torch.Tensor, tokens: int
-) -> tuple[list[float], list[int]]:
-    """Batch-1 greedy decode with each step replayed from one CUDA graph (a static KV cache, the
-    token and its position in fixed buffers): what vLLM-style serving does, no per-call launch
-    cost left. Returns each step's seconds and the tokens (to check against eager decode)."""
-    import inspect
-
-    from transformers import StaticCache
-
-    cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + tokens + 4)
-    out = model(prompt, past_key_values=cache, use_cache=True)
-    token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
-    ids = token.clone()
-    position = torch.full((1, 1), prompt.shape[1], device=prompt.device)
-    takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
-
-    def step() -> torch.Tensor:
-        extra = {"cache_position": position[0]} if takes_cache_position else {}
-        return model(
-            ids, past_key_values=cache, position_ids=position, use_cache=True, **extra
-        ).logits
-
-    produced = [int(token)]
-    logits = step()  # one eager step on the side: compiles, allocates, advances the cache
-    ids.copy_(logits[:, -1].argmax(dim=-1, keepdim=True))
-    position.add_(1)
-    produced.append(int(ids))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_logits = step()
-    steps = []
-    for _ in range(tokens - 2):
-        started = time.perf_counter()
-        graph.replay()
-        ids.copy_(static_logits[:, -1].argmax(dim=-1, keepdim=True))
-        position.add_(1)
-        produced.append(int(ids))
-        steps.append(time.perf_counter() - started)
-    return steps, produced
-
-
-@torch.inference_mode()
 def eager_tokens(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) -> list[int]:
     return greedy_decode(model, prompt, max_new_tokens=tokens).tokens
 
 
 def graphed(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) -> dict[str, object]:
-    """Graph-replayed decode step statistics, or why capture failed."""
+    """Graph-replayed decode (llmq's, as `llmq bench` times it): step statistics, or why the
+    capture failed; and whether its tokens are eager decode's."""
     try:
-        steps, produced = graphed_decode(model, prompt, tokens)
-    except Exception as exc:  # an experiment: report it, do not stop the profile
-        return {"failed": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        graphed_greedy_decode(model, prompt, max_new_tokens=tokens)  # warm-up
+        run = graphed_greedy_decode(model, prompt, max_new_tokens=tokens)
+    except GraphCaptureError as exc:
+        return {"failed": str(exc)}
     expected = eager_tokens(model, prompt, tokens)
     return {
-        **summary_ms(steps),
-        "tokens_match_eager": sum(a == b for a, b in zip(produced, expected, strict=False)),
+        "step_ms": run.decode_seconds / run.decode_steps * 1e3,
+        "tokens_per_second": run.decode_tokens_per_second,
+        "capture_ms": run.capture_seconds * 1e3,
+        "tokens_match_eager": sum(a == b for a, b in zip(run.tokens, expected, strict=True)),
         "of": len(expected),
     }
 

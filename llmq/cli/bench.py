@@ -97,6 +97,7 @@ def _to_dict(report: Any) -> dict[str, Any]:
     if report.end_to_end is not None:
         data["end_to_end"]["decode_speedup"] = report.end_to_end.decode_speedup
         data["end_to_end"]["prefill_speedup"] = report.end_to_end.prefill_speedup
+        data["end_to_end"]["graph_decode_speedup"] = report.end_to_end.graph_decode_speedup
     return data
 
 
@@ -136,4 +137,11 @@ def render(report: Any) -> None:
         f"decode ({e2e.new_tokens} tokens)", f"{e2e.quantized_decode_tps:.1f}",
         f"{e2e.dense_decode_tps:.1f}", f"{e2e.decode_speedup:.2f}x",
     )  # fmt: skip
+    if e2e.graph_decode_speedup is not None:
+        table.add_row(
+            "decode, CUDA graph", f"{e2e.quantized_graph_decode_tps:.1f}",
+            f"{e2e.dense_graph_decode_tps:.1f}", f"{e2e.graph_decode_speedup:.2f}x",
+        )  # fmt: skip
     out_console.print(table)
+    if e2e.graph_note:
+        err_console.print(labelled("note:", "yellow", e2e.graph_note))

@@ -12,6 +12,7 @@ says so.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from llmq.pack.format import PackFormat, compress
 from llmq.pack.reader import LinearScheme
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.quant.primitives import quantize_weight
-from llmq.runtime.generate import greedy_decode
+from llmq.runtime.generate import GraphCaptureError, graphed_greedy_decode, greedy_decode
 from llmq.runtime.load import Kernel, kernel_for, quantized_linear
 from llmq.runtime.modules import QuantizedLinear
 from llmq.runtime.timing import copies_for, median_seconds, read_bandwidth
@@ -72,12 +73,23 @@ class EndToEnd:
     new_tokens: int
     quantized_prefill_tps: float
     dense_prefill_tps: float
-    quantized_decode_tps: float
+    quantized_decode_tps: float  # eager: every kernel launched from Python, as transformers runs
     dense_decode_tps: float
+    # on a GPU, decode steps replayed from a CUDA graph (as serving engines run them); None on
+    # the CPU, or with the reason in graph_note when the capture failed
+    quantized_graph_decode_tps: float | None = None
+    dense_graph_decode_tps: float | None = None
+    graph_note: str | None = None
 
     @property
     def decode_speedup(self) -> float:
         return self.quantized_decode_tps / self.dense_decode_tps
+
+    @property
+    def graph_decode_speedup(self) -> float | None:
+        if self.quantized_graph_decode_tps is None or self.dense_graph_decode_tps is None:
+            return None
+        return self.quantized_graph_decode_tps / self.dense_graph_decode_tps
 
     @property
     def prefill_speedup(self) -> float:
@@ -161,7 +173,9 @@ def end_to_end(
     The warm-up must cover every step, not just the first: some work is done once per key
     length and cached process-wide (the profile shows cuDNN's SDPA), so whichever model decodes
     first pays for it at every step and the second gets it free. On an H100 that order effect
-    alone made a quantized model look 11x slower than its dense twin (38.5 vs 3.5 ms a step)."""
+    alone made a quantized model look 11x slower than its dense twin (38.5 vs 3.5 ms a step).
+    On a GPU the decode is also timed replayed from a CUDA graph (`graphed_greedy_decode`):
+    eager decode of a small model is bound by kernel launches, which graphs remove."""
     generator = torch.Generator().manual_seed(seed)
     vocab = quantized.config.vocab_size
     prompt = torch.randint(0, vocab, (1, prompt_tokens), generator=generator)
@@ -172,7 +186,22 @@ def end_to_end(
         run = greedy_decode(model, prompt, max_new_tokens=new_tokens)
         rates.append((prompt_tokens / run.prefill_seconds, run.decode_tokens_per_second))
     (q_prefill, q_decode), (d_prefill, d_decode) = rates
-    return EndToEnd(prompt_tokens, new_tokens, q_prefill, d_prefill, q_decode, d_decode)
+    eager = EndToEnd(prompt_tokens, new_tokens, q_prefill, d_prefill, q_decode, d_decode)
+    if next(quantized.parameters()).device.type != "cuda":
+        return eager
+    try:
+        graphed = [graph_decode_rate(m, prompt, new_tokens) for m in (quantized, dense)]
+    except GraphCaptureError as exc:
+        return dataclasses.replace(eager, graph_note=f"CUDA graph decode failed: {exc}")
+    return dataclasses.replace(
+        eager, quantized_graph_decode_tps=graphed[0], dense_graph_decode_tps=graphed[1]
+    )
+
+
+def graph_decode_rate(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> float:
+    """Decode tokens/s with steps replayed from a CUDA graph, after one warm-up run."""
+    graphed_greedy_decode(model, prompt, max_new_tokens=new_tokens)
+    return graphed_greedy_decode(model, prompt, max_new_tokens=new_tokens).decode_tokens_per_second
 
 
 def synthetic_linear(

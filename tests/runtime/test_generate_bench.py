@@ -16,7 +16,12 @@ from llmq.config import get_scheme
 from llmq.errors import InputError
 from llmq.io.checkpoint import open_checkpoint
 from llmq.runtime.bench import Shape, bench_shapes
-from llmq.runtime.generate import greedy_decode
+from llmq.runtime.generate import (
+    GraphCaptureError,
+    _StaticStep,
+    graphed_greedy_decode,
+    greedy_decode,
+)
 from llmq.runtime.load import load_dequantized
 from tests.conftest import assert_bad_input
 
@@ -56,6 +61,28 @@ def test_greedy_decode_uses_the_cache_like_a_full_forward(tiny_quantized) -> Non
     assert run.tokens == ids[0, 6:].tolist()
 
 
+def test_the_static_step_graphs_replay_decodes_what_the_dynamic_cache_does(tiny_quantized):
+    """The step a CUDA graph records (a static KV cache; token and position in fixed buffers,
+    advanced between calls) run eagerly here: the same tokens as greedy_decode."""
+    from transformers import StaticCache
+
+    model = llmq.load_quantized(tiny_quantized("w4a16"))
+    prompt = torch.randint(0, 49152, (1, 6), generator=torch.Generator().manual_seed(4))
+    expected = greedy_decode(model, prompt, max_new_tokens=6).tokens
+    with torch.inference_mode():
+        cache = StaticCache(config=model.config, max_cache_len=6 + 6)
+        token = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, True)
+        step = _StaticStep(model, cache, token, position=6)
+        tokens = [int(token)] + [step.advance(step()) for _ in range(5)]
+    assert tokens == expected
+
+
+def test_graph_decode_needs_a_gpu(tiny_quantized) -> None:
+    model = llmq.load_quantized(tiny_quantized("w4a16"))
+    with pytest.raises(GraphCaptureError, match="needs a GPU"):
+        graphed_greedy_decode(model, torch.zeros(1, 4, dtype=torch.long), max_new_tokens=8)
+
+
 def test_bench_a_checkpoint(tiny_quantized) -> None:
     path = tiny_quantized("w4a16")
     result = runner.invoke(
@@ -77,6 +104,7 @@ def test_bench_a_checkpoint(tiny_quantized) -> None:
         e2e["quantized_decode_tps"] / e2e["dense_decode_tps"]
     )
     assert e2e["prompt_tokens"] == 8 and e2e["new_tokens"] == 3
+    assert e2e["quantized_graph_decode_tps"] is None and e2e["graph_decode_speedup"] is None
     assert report["load_seconds"] > 0
 
 

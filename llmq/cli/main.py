@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from llmq.cli import (
+    batch,
     bench,
     calibrate,
     distill,
@@ -38,6 +39,7 @@ app.command("generate")(generate.generate)
 app.command("bench")(bench.bench)
 app.command("run")(recipe.run)
 app.add_typer(recipe.recipe_app, name="recipe")
+app.command("batch")(batch.batch)
 app.command("models")(models.models)
 app.command("verify")(verify.verify)
 

@@ -29,17 +29,17 @@ class RecipeSource:
     lines: dict[Location, int] = field(default_factory=dict)  # 1-based
 
     def where(self, location: Location) -> str:
-        """'FILE:LINE: stages[0].quantize.key' for the deepest part of `location` written."""
-        line = next(
-            (
-                self.lines[location[:n]]
-                for n in range(len(location), -1, -1)
-                if location[:n] in self.lines
-            ),
-            None,
-        )
-        place = f"{self.path}:{line}: " if self.path is not None and line else ""
-        return place + dotted(location)
+        return locate(self.path, self.lines, location)
+
+
+def locate(path: Path | None, lines: dict[Location, int], location: Location) -> str:
+    """'FILE:LINE: stages[0].quantize.key' for the deepest part of `location` written."""
+    line = next(
+        (lines[location[:n]] for n in range(len(location), -1, -1) if location[:n] in lines),
+        None,
+    )
+    place = f"{path}:{line}: " if path is not None and line else ""
+    return place + dotted(location)
 
 
 def dotted(location: Location) -> str:
@@ -56,7 +56,7 @@ def load_recipe(path: Path) -> RecipeSource:
         raise InputError(f"{path}: cannot read the recipe ({exc.strerror or exc})") from None
     try:
         data = yaml.safe_load(text)
-        lines = _key_lines(yaml.compose(text))
+        lines = key_lines(yaml.compose(text))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
@@ -87,7 +87,7 @@ def _plain(loc: tuple[Any, ...]) -> Location:
     return tuple(part for part in loc if isinstance(part, int) or not str(part).startswith("function-"))  # fmt: skip
 
 
-def _key_lines(node: Any, location: Location = ()) -> dict[Location, int]:
+def key_lines(node: Any, location: Location = ()) -> dict[Location, int]:
     """Where each mapping key and list item of a composed YAML tree starts."""
     lines: dict[Location, int] = {}
     if node is None:
@@ -96,12 +96,12 @@ def _key_lines(node: Any, location: Location = ()) -> dict[Location, int]:
         for key, value in node.value:
             here = (*location, key.value)
             lines[here] = key.start_mark.line + 1
-            lines.update(_key_lines(value, here))
+            lines.update(key_lines(value, here))
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             here = (*location, index)
             lines[here] = item.start_mark.line + 1
-            lines.update(_key_lines(item, here))
+            lines.update(key_lines(item, here))
     return lines
 
 

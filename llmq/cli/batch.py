@@ -1,0 +1,139 @@
+"""`llmq batch JOBS --out DIR`: models x recipes, resumable, on this machine or on Ray."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from llmq.cli.console import (
+    cli_errors,
+    counted,
+    err_console,
+    out_console,
+    print_json,
+    quiet_libraries,
+)
+from llmq.cli.options import JsonFlag, Overwrite
+from llmq.errors import InputError
+
+UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_memory(text: str | None) -> int | None:
+    """'24GiB', '512M', '2g', or bytes."""
+    if text is None:
+        return None
+    found = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not found:
+        raise InputError(f"--max-memory {text!r}: expected a size such as 16GiB or 512MiB")
+    return int(float(found.group(1)) * UNITS[found.group(2)])
+
+
+def batch(
+    jobs_file: Annotated[
+        Path,
+        typer.Argument(
+            help="Jobs file (YAML): `models:` (folders or built-in names), `recipes:` (recipe files, or inline `{name, stages}`), optional `only: {model: [recipe names]}`."
+        ),
+    ],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Output folder: OUT/MODEL/RECIPE/ per job, logs/, summary.json and summary.md.",
+        ),
+    ],
+    jobs: Annotated[
+        int, typer.Option("--jobs", "-j", help="Jobs run at the same time (on this machine).")
+    ] = 1,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="Memory the running jobs may use together, e.g. 16GiB (default 90% of this machine's). A job waits until its estimated peak fits; one that can never fit is refused before any work."
+        ),
+    ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            help="Continue an earlier batch into OUT: finished jobs whose model files and recipe are unchanged are skipped, interrupted ones continue from their resume points, changed ones run again."
+        ),
+    ] = False,
+    overwrite: Overwrite = False,
+    dry_run: Annotated[
+        bool, typer.Option(help="Show the jobs, their memory estimates and actions; run nothing.")
+    ] = False,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            help="Run the jobs as Ray tasks: `local` (a Ray instance on this machine), `auto` (the running cluster) or the cluster's address. Needs `pip install llmq[ray]`."
+        ),
+    ] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Run every model x recipe of JOBS_FILE into OUT, each job atomically into its own folder.
+    A failing job is recorded and the others go on. Exit 0 when every job passed, 1 when a gate
+    failed, 2 when a job could not run (its error is in summary.md and its log)."""
+    quiet_libraries()
+    from llmq.api.batch import plan_batch, run_plan
+
+    with cli_errors():
+        plan = plan_batch(
+            jobs_file, out, parallel=jobs, max_memory=parse_memory(max_memory), resume=resume,
+            overwrite=overwrite,
+        )  # fmt: skip
+    if not json_out:
+        out_console.print(plan_table(plan))
+    if dry_run:
+        if json_out:
+            print_json([_planned(item) for item in plan.jobs])
+        return
+    with cli_errors():
+        if json_out:
+            result = run_plan(plan, ray=ray)
+        else:  # the live table is the progress display (one Rich live display at a time)
+            with Live(live_table({}), console=err_console, refresh_per_second=4) as live:
+                result = run_plan(
+                    plan, ray=ray, on_update=lambda states: live.update(live_table(states))
+                )
+    if json_out:
+        print_json(result.to_dict())
+    else:
+        counts = ", ".join(f"{n} {s}" for s, n in sorted(result.summary["counts"].items()))
+        out_console.print(f"{counted(len(result.summary['jobs']), 'job')}: {counts}; wrote {out / 'summary.md'}")  # fmt: skip
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
+
+
+def _planned(item: Any) -> dict[str, Any]:
+    return {"id": item.spec.id, "action": item.action, "reason": item.reason,
+            "estimated_peak_bytes": item.peak_bytes, "key": item.spec.key}  # fmt: skip
+
+
+def plan_table(plan: Any) -> Table:
+    table = Table(title=f"{counted(len(plan.jobs), 'job')} from {plan.jobs_file.path}")
+    for column in ("job", "stages", "est. peak", "action"):
+        table.add_column(column)
+    for item in plan.jobs:
+        stages = " > ".join(entry.kind for entry in item.spec.recipe.stages)
+        action = item.action + (f" ({item.reason})" if item.reason else "")
+        table.add_row(item.spec.id, stages, f"{item.peak_bytes / 2**30:.1f} GiB", action)
+    return table
+
+
+def live_table(states: dict[str, dict[str, Any]]) -> Table:
+    table = Table(title="jobs")
+    for column in ("job", "status", "stage", "progress", "elapsed"):
+        table.add_column(column)
+    for job_id, state in states.items():
+        total = state.get("total")
+        done = f"{state.get('done', 0)}/{total}" if total else ""
+        seconds = state.get("seconds")
+        table.add_row(job_id, state["status"], state.get("stage", ""), done,
+                      "" if seconds is None else f"{seconds:.0f} s")  # fmt: skip
+    return table

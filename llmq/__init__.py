@@ -9,6 +9,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 __all__ = [
+    "batch",
     "bench",
     "calibrate",
     "distill",

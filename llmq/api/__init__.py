@@ -5,6 +5,7 @@ result = quantize("smollm2-135m", "out/w4a16", scheme="w4a16")
 report = evaluate("out/w4a16", baseline="smollm2-135m", max_ppl_increase=0.03)
 """
 
+from llmq.api.batch import BatchResult, batch
 from llmq.api.calibrate import CalibrateResult, calibrate
 from llmq.api.common import DEFAULT_CALIB_SAMPLES, DEFAULT_REPORT_SAMPLES, list_models
 from llmq.api.distill import DistillResult, distill
@@ -17,11 +18,13 @@ from llmq.api.structured import StructuredResult, prune_structured
 __all__ = [
     "DEFAULT_CALIB_SAMPLES",
     "DEFAULT_REPORT_SAMPLES",
+    "BatchResult",
     "CalibrateResult",
     "DistillResult",
     "EvalResult",
     "GenerateResult",
     "StructuredResult",
+    "batch",
     "bench",
     "calibrate",
     "distill",

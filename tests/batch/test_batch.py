@@ -188,3 +188,15 @@ def test_sigint_stops_cleanly(tmp_path, batch_models) -> None:
     resumed = batch(jobs, out, resume=True)
     assert resumed.exit_code == 0
     assert os.path.isfile(out / "summary.md")
+
+
+def test_dry_run_shows_the_plan_and_writes_nothing(tmp_path, batch_models) -> None:
+    jobs = write_jobs(tmp_path, batch_models)
+    result = runner.invoke(app, ["batch", str(jobs), "--out", str(tmp_path / "o"), "--dry-run", "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    planned = json.loads(result.stdout)
+    assert [job["id"] for job in planned] == [
+        "tiny-a/w8a16", "tiny-a/w4a16-gptq", "tiny-b/w8a16", "tiny-b/w4a16-gptq",
+    ]  # fmt: skip
+    assert all(job["action"] == "run" and job["estimated_peak_bytes"] > 2**30 for job in planned)
+    assert not (tmp_path / "o").exists()

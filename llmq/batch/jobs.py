@@ -21,10 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from llmq.errors import InputError
-from llmq.recipes.load import Location, RecipeSource, effective, key_lines, locate, parse_recipe
+from llmq.recipes.load import Location, RecipeSource, effective, locate, parse_recipe, read_yaml
 
 JOBS_KEYS = ("models", "recipes", "only")
 
@@ -70,17 +68,7 @@ def load_jobs(path: Path) -> JobsFile:
     """Parse and validate a jobs file (recipes loaded and checked stage by stage)."""
     from llmq.api.chain import check_recipe
 
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read the jobs file ({exc.strerror or exc})") from None
-    try:
-        data = yaml.safe_load(text)
-        lines = key_lines(yaml.compose(text))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise InputError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None  # fmt: skip
+    data, _, lines = read_yaml(path, "jobs file")
     here = _Where(path, lines)
     if not isinstance(data, dict) or not data.get("models") or not data.get("recipes"):
         raise InputError(f"{path}: a jobs file is a mapping with `models` and `recipes` lists")

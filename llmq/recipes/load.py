@@ -50,18 +50,21 @@ def dotted(location: Location) -> str:
 
 
 def load_recipe(path: Path) -> RecipeSource:
+    return parse_recipe(*read_yaml(path, "recipe"))
+
+
+def read_yaml(path: Path, what: str) -> tuple[Any, Path, dict[Location, int]]:
+    """A YAML file's data, its path, and the line of each key (errors name FILE:LINE)."""
     try:
         text = path.read_text()
     except OSError as exc:
-        raise InputError(f"{path}: cannot read the recipe ({exc.strerror or exc})") from None
+        raise InputError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
     try:
-        data = yaml.safe_load(text)
-        lines = key_lines(yaml.compose(text))
+        return yaml.safe_load(text), path, key_lines(yaml.compose(text))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
         raise InputError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None  # fmt: skip
-    return parse_recipe(data, path, lines)
 
 
 def parse_recipe(

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import math
 import shutil
-import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from llmq import __version__
 from llmq.api.common import _open, _tokenizer
 from llmq.config import DistillConfig, build
 from llmq.config.distill import DISTILL_RESUME_EVERY_S
@@ -180,7 +178,9 @@ def _distill(
         kept_step = _final_student(run, staging)
         result = _result(run, teacher, student, out, kept_step)
         if processes.is_main:
-            _write(run, student, staging, out, result, device, reference, progress)
+            from llmq.distillation.output import write_result
+
+            write_result(run, student, staging, out, result.to_dict(), device, reference, progress)
         processes.barrier()
     return result
 
@@ -222,6 +222,10 @@ def _prepare(
             teacher_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             teacher_model = load_model(teacher, device, teacher_dtype).eval().requires_grad_(False)
         student_model = load_model(student, device, torch.float32).train()
+    if config.qat is not None:
+        from llmq.distillation.qat import apply_qat, linear_args
+
+        apply_qat(student_model, linear_args(student, config.qat, config.qat_group_size))
     masks = pruning_masks(student_model)
     _check_pattern(student_model, config)
     parameters = parameters_of(student_model)
@@ -327,35 +331,6 @@ def _linear_sparsity(model: Any) -> float:
     weights = [linear.weight for linear in prunable_linears(model).values()]
     zeros = sum(int((w == 0).sum()) for w in weights)
     return zeros / sum(w.numel() for w in weights)
-
-
-def _write(
-    run: Any,
-    student: Any,
-    staging: Path,
-    out: Path,
-    result: DistillResult,
-    device: Any,
-    reference: bool,
-    progress: Progress,
-) -> None:
-    from llmq.distillation.models import write_student
-    from llmq.distillation.state import remove_state
-    from llmq.io.atomic import publish
-
-    record = {
-        "llmq_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source_model": str(student.path),
-        "distillation": {
-            k: v for k, v in result.to_dict().items() if k not in ("out_dir", "perplexity")
-        },
-    }
-    staging.mkdir(parents=True, exist_ok=True)  # kept no best student nor resume point yet
-    with progress.stage("writing the student"):
-        write_student(run.student, student, staging, record, str(device), reference=reference)
-    remove_state(staging)
-    publish(staging, out)
 
 
 def _keep_if_resumable(staging: Path) -> str | None:

@@ -135,6 +135,18 @@ def distill(
         ),
     ] = None,
     prune_every: Annotated[int, typer.Option(help="--prune gmp: steps between mask updates.")] = 1,
+    qat: Annotated[
+        str | None,
+        typer.Option(
+            help="Quantization-aware distillation: train on this scheme's fake-quantized weights (w4a16, w4a16-asym, w8a16; straight-through gradients, scales recomputed from the weights each step) and write OUT as that scheme's compressed-tensors checkpoint, whose codes reproduce the trained forward exactly."
+        ),
+    ] = None,
+    qat_group_size: Annotated[
+        int | None,
+        typer.Option(
+            help="--qat: the group size (default the scheme's, with `llmq quantize`'s fallback where it does not divide a layer)."
+        ),
+    ] = None,
     checkpoint_every: Annotated[
         int | None,
         typer.Option(
@@ -187,7 +199,7 @@ def distill(
             weight_decay=weight_decay, max_grad_norm=max_grad_norm or None, seed=seed,
             eval_text=eval_text, eval_windows=eval_windows, eval_every=eval_every, keep=keep,
             prune=prune, sparsity=sparsity, pattern=pattern, prune_start=prune_start,
-            prune_end=prune_end, prune_every=prune_every,
+            prune_end=prune_end, prune_every=prune_every, qat=qat, qat_group_size=qat_group_size,
         )  # fmt: skip
     if not main_process:
         return

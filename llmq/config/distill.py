@@ -69,6 +69,11 @@ class DistillConfig(BaseModel):
     prune_start: int = Field(0, ge=0)
     prune_end: int | None = Field(None, ge=1)
     prune_every: int = Field(1, ge=1)
+    # Quantization-aware distillation (llmq.distillation.qat): the decoder linears run on the
+    # scheme's fake-quantized weights (straight-through gradients) and the result is written
+    # as that scheme's compressed-tensors checkpoint, by `llmq quantize`'s RTN.
+    qat: Literal["w4a16", "w4a16-asym", "w8a16"] | None = None
+    qat_group_size: int | None = Field(None, ge=16)
 
     @model_validator(mode="after")
     def _consistent(self) -> DistillConfig:
@@ -84,6 +89,8 @@ class DistillConfig(BaseModel):
         if set(self.data.split("+")) & set(self.eval_text.split("+")) - set(BUILTIN_TEXTS):
             raise ValueError(f"eval_text {self.eval_text!r} is also the training data: held-out text must not be trained on")  # fmt: skip
         _check_pruning(self)
+        if self.qat_group_size is not None and self.qat is None:
+            raise ValueError("qat_group_size: sets the group size of qat; give qat")
         return self
 
     @property

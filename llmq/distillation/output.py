@@ -1,0 +1,57 @@
+"""Writing a distillation's result: the trained student under the source checkpoint's names
+and dtypes, or with QAT the scheme's compressed-tensors checkpoint; published whole."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from llmq import __version__
+from llmq.config import DistillConfig
+from llmq.distillation.models import write_student
+from llmq.distillation.state import remove_state
+from llmq.io.atomic import publish, write_json
+from llmq.progress import Progress
+
+
+def write_result(
+    run: Any,
+    student: Any,
+    staging: Path,
+    out: Path,
+    result: dict[str, Any],
+    device: Any,
+    reference: bool,
+    progress: Progress,
+) -> None:
+    """Write the student (`result`: the run's summary, kept in llmq.json) into `staging` and
+    publish it at `out`; with QAT, quantize it first (export_qat)."""
+    record = {
+        "llmq_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source_model": str(student.path),
+        "distillation": {k: v for k, v in result.items() if k not in ("out_dir", "perplexity")},
+    }
+    staging.mkdir(parents=True, exist_ok=True)  # kept no best student nor resume point yet
+    with progress.stage("writing the student"):
+        write_student(run.student, student, staging, record, str(device), reference=reference)
+    remove_state(staging)
+    if run.config.qat is not None:  # the float student becomes the quantized checkpoint
+        staging = export_qat(run.config, staging, record, progress)
+    publish(staging, out)
+
+
+def export_qat(config: DistillConfig, float_student: Path, record: dict[str, Any], progress: Progress) -> Path:  # fmt: skip
+    """The trained student quantized by RTN into a staging folder of its own (the codes the
+    fake-quantized forward used), with the distillation's record; the float one removed."""
+    from llmq.distillation.qat import export
+
+    quantized = float_student.with_name(float_student.name + "-qat")
+    export(float_student, quantized, config.qat, config.qat_group_size, progress)
+    saved = json.loads((quantized / "llmq.json").read_text())
+    write_json(quantized / "llmq.json", {**saved, "distillation": record["distillation"]})
+    shutil.rmtree(float_student)
+    return quantized

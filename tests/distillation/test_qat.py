@@ -1,0 +1,98 @@
+"""Quantization-aware distillation: the straight-through estimator, and an export whose codes
+reproduce the fake-quantized forward exactly (reloaded through the compressed-tensors reader)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from llmq.cli.main import app
+from llmq.config import QuantArgs
+from llmq.distillation.models import load_model, write_student
+from llmq.distillation.qat import apply_qat, export, fake_quantized, linear_args
+from llmq.io.checkpoint import open_checkpoint
+from llmq.progress import NO_PROGRESS
+from llmq.runtime.load import load_dequantized
+from tests.conftest import assert_bad_input
+
+runner = CliRunner()
+
+
+def test_straight_through_gradient_on_a_hand_example() -> None:
+    """int4 symmetric per channel: w = [0.7, -0.33, 0.12, 0.26] has scale 0.7 / 7 = 0.1, so the
+    forward sees [0.7, -0.3, 0.1, 0.3], and the gradient of sum(c * fq(w)) is c itself, as if
+    the rounding were not there."""
+    args = QuantArgs(num_bits=4, type="int", symmetric=True, strategy="channel")
+    w = torch.tensor([[0.7, -0.33, 0.12, 0.26]], requires_grad=True)
+    out = fake_quantized(w, args, torch.float32)
+    torch.testing.assert_close(out.detach(), torch.tensor([[0.7, -0.3, 0.1, 0.3]]))
+    c = torch.tensor([[1.0, 2.0, -3.0, 0.5]])
+    (out * c).sum().backward()
+    assert torch.equal(w.grad, c)
+
+
+@pytest.mark.parametrize(("scheme", "group_size"), [("w4a16", 64), ("w4a16-asym", 64), ("w8a16", None)])  # fmt: skip
+def test_export_reproduces_the_fake_quantized_forward(tmp_path, tiny_llama, scheme, group_size):
+    """Train-like weights (the tiny model moved off its grid), the fake-quantized logits, then
+    the export: reloaded from the compressed-tensors files, the same logits."""
+    student = open_checkpoint(tiny_llama)
+    model = load_model(student, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    plan = linear_args(student, scheme, group_size)
+    assert apply_qat(model, plan) == len(student.decoder_linears)
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    (tmp_path / "float").mkdir()
+    write_student(model, student, tmp_path / "float", {}, "cpu", reference=False)
+    export(tmp_path / "float", tmp_path / "q", scheme, group_size, progress=NO_PROGRESS)
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["quantization_config"]["format"] in ("pack-quantized", "int-quantized")
+    with torch.no_grad():
+        reloaded = load_dequantized(open_checkpoint(tmp_path / "q"))(input_ids=ids).logits
+    torch.testing.assert_close(reloaded, expected, rtol=0, atol=1e-5)
+
+
+FAST = {"seq_len": 64, "batch_size": 2, "grad_accum": 2, "eval_windows": 2, "eval_seq_len": 64,
+        "evaluate": False, "reference": False}  # fmt: skip
+
+
+def test_qat_distillation_writes_the_scheme_and_resumes_identically(tmp_path, teacher, student):
+    """`llmq distill --qat w4a16`: OUT is a pack-quantized checkpoint with the distillation's
+    record, the student trains (held-out perplexity of the fake-quantized model falls), and a
+    run interrupted after step 2 and resumed writes the same codes as an uninterrupted one."""
+    import llmq
+    from tests.distillation.test_distill import InterruptAfter, assert_same_weights
+
+    options = {**FAST, "max_steps": 4, "lr": 3e-3, "keep": "last", "eval_every": 4,
+               "checkpoint_every": 2, "qat": "w4a16", "qat_group_size": 64}  # fmt: skip
+    whole = llmq.distill(teacher, student, tmp_path / "whole", **options)
+    config = json.loads((tmp_path / "whole" / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "pack-quantized"
+    record = json.loads((tmp_path / "whole" / "llmq.json").read_text())
+    assert record["distillation"]["config"]["qat"] == "w4a16"
+    assert whole.evaluations[-1]["perplexity"] < whole.evaluations[0]["perplexity"]
+    with pytest.raises(KeyboardInterrupt):
+        llmq.distill(teacher, student, tmp_path / "resumed", progress=InterruptAfter(3), **options)  # fmt: skip
+    llmq.distill(teacher, student, tmp_path / "resumed", resume=True, **options)
+    assert_same_weights(tmp_path / "whole", tmp_path / "resumed")
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        (["--qat", "w5a16"], "qat: Input should be 'w4a16', 'w4a16-asym' or 'w8a16'"),
+        (["--qat-group-size", "64"], "qat_group_size: sets the group size of qat; give qat"),
+    ],
+)
+def test_bad_qat_options_are_refused_in_one_line(tmp_path, teacher, student, options, fragment):
+    result = runner.invoke(
+        app, ["distill", "--teacher", str(teacher), "--student", str(student), "--out",
+              str(tmp_path / "o"), "--max-steps", "1", *options],
+    )  # fmt: skip
+    assert_bad_input(result, fragment)

@@ -66,8 +66,8 @@ class StatusProgress:
 
         def advance(steps: int = 1, status: str | None = None) -> None:
             self.state["done"] += steps
-            if status is not None:
-                self.state["status"] = status
+            if status is not None:  # loss, speed: not the job's status
+                self.state["detail"] = status
             self._write()
 
         try:

@@ -12,6 +12,7 @@ from typing import Any
 
 from llmq.batch.plan import BatchPlan, plan_batch
 from llmq.batch.summary import summary, write_summary
+from llmq.errors import InputError
 from llmq.progress import NO_PROGRESS, Progress
 
 __all__ = ["BatchResult", "batch", "plan_batch", "run_plan"]
@@ -38,39 +39,46 @@ def batch(
     resume: bool = False,
     overwrite: bool = False,
     ray: str | None = None,
+    gpus_per_job: float = 0.0,
     on_update: Callable[[dict[str, dict[str, Any]]], None] | None = None,
     progress: Progress = NO_PROGRESS,
 ) -> BatchResult:
     """Run every job of JOBS_FILE (models x recipes) into OUT/<model>/<recipe>/: up to
     `parallel` at a time within `max_memory` bytes on this machine, or as Ray tasks (`ray`:
-    "local", "auto" or a cluster address). `resume` skips finished jobs whose model and recipe
-    are unchanged and continues interrupted ones. Returns the summary also written to OUT."""
+    "local", "auto" or a cluster address; `gpus_per_job` GPUs reserved for each). `resume`
+    skips finished jobs whose model and recipe are unchanged and continues interrupted ones.
+    Returns the summary also written to OUT."""
     plan = plan_batch(
         jobs_file, out, parallel=parallel, max_memory=max_memory, resume=resume,
         overwrite=overwrite,
     )  # fmt: skip
-    return run_plan(plan, ray=ray, on_update=on_update, progress=progress)
+    return run_plan(
+        plan, ray=ray, gpus_per_job=gpus_per_job, on_update=on_update, progress=progress
+    )
 
 
 def run_plan(
     plan: BatchPlan,
     *,
     ray: str | None = None,
+    gpus_per_job: float = 0.0,
     on_update: Callable[[dict[str, dict[str, Any]]], None] | None = None,
     progress: Progress = NO_PROGRESS,
 ) -> BatchResult:
     started = time.time()
+    if gpus_per_job < 0 or (gpus_per_job and ray is None):
+        raise InputError(f"--gpus-per-job {gpus_per_job}: reserves GPUs for Ray tasks (--ray), >= 0")  # fmt: skip
     if ray is not None:
         from llmq.batch.ray_runner import check_ready
 
-        check_ready(plan, ray)
+        check_ready(plan, ray, gpus_per_job)
     (plan.state / "jobs").mkdir(parents=True, exist_ok=True)
     computed = share_windows(plan, progress)
     update = on_update or (lambda states: None)
     if ray is not None:
         from llmq.batch.ray_runner import run_on_ray
 
-        results = run_on_ray(plan, ray, update)
+        results = run_on_ray(plan, ray, update, gpus_per_job)
     else:
         from llmq.batch.local import run_local
 

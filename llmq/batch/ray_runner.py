@@ -1,8 +1,8 @@
 """Jobs as Ray tasks on an existing cluster (`--ray ADDRESS` or `auto`) or on a Ray instance
 started for the batch (`--ray local`). `pip install llmq[ray]`.
 
-Each job is one task with the resources its estimate asks for (CPUs, memory; a GPU when the
-driver's jobs run on one). Policy: a worker or node that dies is retried by Ray up to
+Each job is one task with the resources its estimate asks for (CPUs, memory) and the GPUs
+`--gpus-per-job` gives it (Ray then sets CUDA_VISIBLE_DEVICES, and the job runs on its GPU). Policy: a worker or node that dies is retried by Ray up to
 `MAX_RETRIES` times (the retry resumes from the job's resume points, as `--resume` does); an
 application error (bad model, failing stage) is recorded in the job's result and never retried,
 since it would fail again. Outputs go to OUT, which every worker must see: checked up front by
@@ -68,7 +68,7 @@ def _run_job(spec: JobSpec) -> dict[str, Any]:
     return execute(spec, child=False)
 
 
-def check_ready(plan: BatchPlan, address: str) -> None:
+def check_ready(plan: BatchPlan, address: str, gpus_per_job: float = 0.0) -> None:
     """Before anything is written: Ray connects, a worker can write OUT, every job fits."""
     ray = connect(address)
     problem = ray.get(ray.remote(_probe).options(num_cpus=0).remote(str(plan.out.resolve())))
@@ -76,9 +76,14 @@ def check_ready(plan: BatchPlan, address: str) -> None:
         raise InputError(f"{plan.out}: a Ray worker cannot write there: {problem}",
                          hint="put --out on storage every node mounts at the same path")  # fmt: skip
     _check_memory(ray, plan)
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus_per_job > gpus:
+        raise InputError(f"--gpus-per-job {gpus_per_job:g}: more than the Ray cluster's {gpus:g} GPUs")  # fmt: skip
 
 
-def run_on_ray(plan: BatchPlan, address: str, on_update: Update) -> list[dict[str, Any]]:
+def run_on_ray(
+    plan: BatchPlan, address: str, on_update: Update, gpus_per_job: float = 0.0
+) -> list[dict[str, Any]]:
     """The plan's runnable jobs as Ray tasks (after check_ready); their results, in the plan's
     order."""
     ray = connect(address)
@@ -87,7 +92,7 @@ def run_on_ray(plan: BatchPlan, address: str, on_update: Update) -> list[dict[st
     for item in plan.jobs:
         if item.action in ("run", "resume"):
             write_json(Path(item.spec.started), {"key": item.spec.key, "id": item.spec.id})
-            options = {"num_cpus": item.spec.threads, "memory": item.peak_bytes,
+            options = {"num_cpus": item.spec.threads, "num_gpus": gpus_per_job, "memory": item.peak_bytes,
                        "max_retries": MAX_RETRIES, "retry_exceptions": False, "name": item.spec.id}  # fmt: skip
             refs[task.options(**options).remote(item.spec)] = (item, time.monotonic())
     results: dict[str, dict[str, Any]] = {}

@@ -74,6 +74,12 @@ def batch(
             help="Run the jobs as Ray tasks: `local` (a Ray instance on this machine), `auto` (the running cluster) or the cluster's address. Needs `pip install llmq[ray]`."
         ),
     ] = None,
+    gpus_per_job: Annotated[
+        float,
+        typer.Option(
+            help="--ray: GPUs each job's task reserves (Ray gives the task those GPUs; fractions share one)."
+        ),
+    ] = 0.0,
     json_out: JsonFlag = False,
 ) -> None:
     """Run every model x recipe of JOBS_FILE into OUT, each job atomically into its own folder.
@@ -95,12 +101,13 @@ def batch(
         return
     with cli_errors():
         if json_out:
-            result = run_plan(plan, ray=ray)
+            result = run_plan(plan, ray=ray, gpus_per_job=gpus_per_job)
         else:  # the live table is the progress display (one Rich live display at a time)
             with Live(live_table({}), console=err_console, refresh_per_second=4) as live:
                 result = run_plan(
-                    plan, ray=ray, on_update=lambda states: live.update(live_table(states))
-                )
+                    plan, ray=ray, gpus_per_job=gpus_per_job,
+                    on_update=lambda states: live.update(live_table(states)),
+                )  # fmt: skip
     if json_out:
         print_json(result.to_dict())
     else:

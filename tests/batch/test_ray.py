@@ -92,3 +92,11 @@ def test_an_output_path_a_worker_cannot_write_is_refused(tmp_path, batch_models,
         app, ["batch", str(write_jobs(tmp_path, batch_models)), "--out", str(out), "--ray", "local"]
     )
     assert_bad_input(result, "a Ray worker cannot write there")
+
+
+def test_gpus_per_job_needs_ray_and_gpus_the_cluster_has(tmp_path, batch_models, ray_local):
+    jobs, out = str(write_jobs(tmp_path, batch_models)), str(tmp_path / "o")
+    result = runner.invoke(app, ["batch", jobs, "--out", out, "--gpus-per-job", "1"])
+    assert_bad_input(result, "reserves GPUs for Ray tasks")
+    result = runner.invoke(app, ["batch", jobs, "--out", out, "--ray", "local", "--gpus-per-job", "1"])  # fmt: skip
+    assert_bad_input(result, "more than the Ray cluster's 0 GPUs")

@@ -34,12 +34,12 @@ shared_window_reads = 0  # how many times this process took windows from that fo
 
 
 def _calibration_windows(model_dir: Path, cal: CalibConfig, progress: Progress) -> Any:
+    global shared_window_reads
     from llmq.calib.data import calibration_windows
 
     shared = os.environ.get(SHARED_WINDOWS_ENV)
     entry = Path(shared) / f"{windows_key(model_dir, cal)}.pt" if shared else None
     if entry is not None and (windows := read_cached(entry, _load_windows)) is not None:
-        global shared_window_reads
         shared_window_reads += 1
         return windows
     with progress.stage(f"sampling calibration text {cal.text}"):

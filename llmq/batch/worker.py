@@ -103,6 +103,7 @@ def _run(spec: JobSpec, log: Any) -> dict[str, Any]:
     from llmq.errors import LlmqError
 
     torch.set_num_threads(spec.threads)
+    reads_before = common.shared_window_reads  # a Ray worker runs many jobs in one process
     started = time.perf_counter()
     print(f"== {spec.id}: {time.strftime('%Y-%m-%d %H:%M:%S')}, resume={spec.resume}", file=log)
     result: dict[str, Any] = {"id": spec.id, "key": spec.key, "out": spec.out, "log": spec.log}
@@ -123,7 +124,7 @@ def _run(spec: JobSpec, log: Any) -> dict[str, Any]:
     result["seconds"] = round(time.perf_counter() - started, 3)
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result["output_bytes"] = _tree_bytes(Path(spec.out))
-    result["shared_windows_reads"] = common.shared_window_reads
+    result["shared_windows_reads"] = common.shared_window_reads - reads_before
     write_json(Path(spec.result), result)
     print(f"== {spec.id}: {result['status']} in {result['seconds']:.1f} s", file=log)
     return result

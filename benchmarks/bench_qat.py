@@ -1,14 +1,15 @@
 """Quantization-aware distillation against post-training quantization on the default model
 (issue 37's QAT target), in one run on this machine's CPU.
 
-    python benchmarks/bench_qat.py [--steps 40 --lr 2e-5 --windows 20]
+    python benchmarks/bench_qat.py [--steps 40 --lr 2e-5 --windows 20] [--reuse]
 
 Model: SmolLM2-135M-Instruct, float32, W4A16 groups of 64 (its hidden size 576 is not a
 multiple of 128). Post-training: `llmq quantize --method rtn` and `--method gptq` (128 x 512
 calibration windows of the default mixed text). QAT: `llmq distill --teacher M --student M
 --qat w4a16 --qat-group-size 64` (forward KL to the float model, 512-token windows of the
 calibration splits of shakespeare+pydoc, 4 a step, warm-up 3 steps then cosine, the last step
-kept), which starts from the float weights: its step-0 model is exactly RTN. Perplexity
+kept), once from the float weights (its step-0 model is exactly RTN) and once from GPTQ's
+solution (`--qat-init gptq`). Perplexity
 protocol: token perplexity, first --windows 512-token windows of the held-out splits of news and
 Hamlet, no BOS, float32, every checkpoint read back from its compressed-tensors files. Recovery:
 (PTQ - QAT) / (PTQ - float) per text.
@@ -36,12 +37,21 @@ def held_out(model: Path | str, windows: int) -> dict[str, float]:
     }
 
 
+def _earlier(path: Path) -> dict:
+    import json
+
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--windows", type=int, default=20, help="512-token windows per text")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/qat"))
+    parser.add_argument(
+        "--reuse", action="store_true", help="keep outputs (and their times) of an earlier run"
+    )
     args = parser.parse_args()
     from llmq.models import builtin_model_path
 
@@ -56,13 +66,21 @@ def main() -> None:
                 "--group-size", "64", "--method", "rtn", "--overwrite", "--json"],
         "gptq": [*llmq, "quantize", str(model), "--out", str(out / "gptq"), "--scheme", "w4a16",
                  "--group-size", "64", "--method", "gptq", "--overwrite", "--json"],
-        "qat": [*llmq, "distill", "--teacher", str(model), "--student", str(model),
-                "--out", str(out / "qat"), "--qat", "w4a16", "--qat-group-size", "64",
-                "--max-steps", str(args.steps), "--lr", str(args.lr), "--warmup-steps", "3",
-                "--grad-accum", "4", "--keep", "last", "--no-evaluate", "--overwrite", "--json"],
     }  # fmt: skip
+    for init in ("float", "gptq"):
+        runs[f"qat-{init}"] = [
+            *llmq, "distill", "--teacher", str(model), "--student", str(model),
+            "--out", str(out / f"qat-{init}"), "--qat", "w4a16", "--qat-group-size", "64",
+            "--qat-init", init, "--max-steps", str(args.steps), "--lr", str(args.lr),
+            "--warmup-steps", "3", "--grad-accum", "4", "--keep", "last", "--no-evaluate",
+            "--overwrite", "--json",
+        ]  # fmt: skip
+    earlier = _earlier(out / "results.json") if args.reuse else {}
     seconds = {}
     for name, command in runs.items():
+        if name in earlier.get("seconds", {}) and (out / name / "config.json").is_file():
+            seconds[name] = earlier["seconds"][name]  # --reuse: kept from the earlier run
+            continue
         measured = run_measured(command)
         seconds[name] = measured.wall_s
         print(f"{name}: {measured.wall_s:.1f} s", flush=True)
@@ -73,11 +91,12 @@ def main() -> None:
         print(f"{name}: {perplexity[name]}", flush=True)
     report["perplexity"] = perplexity
     report["recovery"] = {
-        base: {
-            text: (perplexity[base][text] - perplexity["qat"][text])
+        f"{qat} vs {base}": {
+            text: (perplexity[base][text] - perplexity[qat][text])
             / (perplexity[base][text] - perplexity["float"][text])
             for text in TEXTS
         }
+        for qat in ("qat-float", "qat-gptq")
         for base in ("rtn", "gptq")
     }
     print(report["recovery"])

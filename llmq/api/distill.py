@@ -164,6 +164,7 @@ def _distill(
                 check_free_space(out, _disk_needed(student))
             if not resume:
                 shutil.rmtree(staging, ignore_errors=True)
+            _qat_start(config, student, staging, progress, device)
         processes.barrier()  # the other processes read what the first one prepared
         run, fingerprint = _prepare(teacher, student, staging, config, processes, device, resume, progress)  # fmt: skip
         hooks = _hooks(run, staging, fingerprint, checkpoint_every, resume_every_s)
@@ -183,6 +184,17 @@ def _distill(
             write_result(run, student, staging, out, result.to_dict(), device, reference, progress)
         processes.barrier()
     return result
+
+
+def _qat_start(config: DistillConfig, student: Any, staging: Path, progress: Progress, device: Any) -> None:  # fmt: skip
+    """`qat_init gptq`: GPTQ's solution for the student, computed once (a resumed run keeps
+    it), removed when the run is written."""
+    if config.qat is None or config.qat_init != "gptq":
+        return
+    from llmq.distillation.qat import gptq_start, gptq_start_folder
+
+    folder = gptq_start_folder(staging)
+    gptq_start(student.path, folder, config.qat, config.qat_group_size, progress, str(device))
 
 
 def _prepare(
@@ -223,9 +235,11 @@ def _prepare(
             teacher_model = load_model(teacher, device, teacher_dtype).eval().requires_grad_(False)
         student_model = load_model(student, device, torch.float32).train()
     if config.qat is not None:
-        from llmq.distillation.qat import apply_qat, linear_args
+        from llmq.distillation.qat import apply_qat, gptq_start_folder, linear_args, load_start
 
         apply_qat(student_model, linear_args(student, config.qat, config.qat_group_size))
+        if config.qat_init == "gptq":  # a resumed run's state replaces these weights below
+            load_start(student_model, gptq_start_folder(staging))
     masks = pruning_masks(student_model)
     _check_pattern(student_model, config)
     parameters = parameters_of(student_model)

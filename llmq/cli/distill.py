@@ -147,6 +147,12 @@ def distill(
             help="--qat: the group size (default the scheme's, with `llmq quantize`'s fallback where it does not divide a layer)."
         ),
     ] = None,
+    qat_init: Annotated[
+        str,
+        typer.Option(
+            help="--qat: start from the float weights (float) or from GPTQ's solution for the scheme (gptq: `llmq quantize --method gptq` first, default calibration)."
+        ),
+    ] = "float",
     checkpoint_every: Annotated[
         int | None,
         typer.Option(
@@ -200,6 +206,7 @@ def distill(
             eval_text=eval_text, eval_windows=eval_windows, eval_every=eval_every, keep=keep,
             prune=prune, sparsity=sparsity, pattern=pattern, prune_start=prune_start,
             prune_end=prune_end, prune_every=prune_every, qat=qat, qat_group_size=qat_group_size,
+            qat_init=qat_init,
         )  # fmt: skip
     if not main_process:
         return

@@ -74,6 +74,7 @@ class DistillConfig(BaseModel):
     # as that scheme's compressed-tensors checkpoint, by `llmq quantize`'s RTN.
     qat: Literal["w4a16", "w4a16-asym", "w8a16"] | None = None
     qat_group_size: int | None = Field(None, ge=16)
+    qat_init: Literal["float", "gptq"] = "float"  # start from the float weights or GPTQ's solution
 
     @model_validator(mode="after")
     def _consistent(self) -> DistillConfig:
@@ -89,8 +90,8 @@ class DistillConfig(BaseModel):
         if set(self.data.split("+")) & set(self.eval_text.split("+")) - set(BUILTIN_TEXTS):
             raise ValueError(f"eval_text {self.eval_text!r} is also the training data: held-out text must not be trained on")  # fmt: skip
         _check_pruning(self)
-        if self.qat_group_size is not None and self.qat is None:
-            raise ValueError("qat_group_size: sets the group size of qat; give qat")
+        if self.qat is None and (self.qat_group_size is not None or self.qat_init != "float"):
+            raise ValueError("qat_group_size and qat_init set up qat: give qat")
         return self
 
     @property

@@ -78,6 +78,33 @@ def _forward(args: QuantArgs, dtype: torch.dtype):
     return forward
 
 
+def gptq_start_folder(staging: Path) -> Path:
+    """Where `--qat-init gptq` keeps GPTQ's solution: beside the staging folder, so that it is
+    never published, and kept until the run ends (a resumed run does not redo it)."""
+    return staging.with_name(staging.name + "-gptq-init")
+
+
+def gptq_start(student: Path, folder: Path, scheme: str, group_size: int | None, progress: Any, device: str) -> None:  # fmt: skip
+    """GPTQ's solution for the student (`llmq quantize --method gptq`, default calibration),
+    once."""
+    from llmq.api.quantize import make_recipe, quantize
+
+    if (folder / "config.json").is_file():
+        return
+    recipe = make_recipe(scheme=scheme, group_size=group_size, method="gptq")
+    quantize(student, folder, recipe=recipe, overwrite=True, progress=progress, device=device)
+
+
+def load_start(model: nn.Module, folder: Path) -> None:
+    """The student's weights set to GPTQ's dequantized ones. Training then recomputes each
+    group's scale from them (min/max), so step 0 is GPTQ's grid up to groups whose extreme
+    took the code -8."""
+    from llmq.io.checkpoint import open_checkpoint
+    from llmq.runtime.load import load_dequantized
+
+    model.load_state_dict(load_dequantized(open_checkpoint(folder)).state_dict())
+
+
 def export(
     float_folder: Path, out: Path, scheme: str, group_size: int | None, progress: Any
 ) -> dict[str, Any]:

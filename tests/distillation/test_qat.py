@@ -87,7 +87,7 @@ def test_qat_distillation_writes_the_scheme_and_resumes_identically(tmp_path, te
     ("options", "fragment"),
     [
         (["--qat", "w5a16"], "qat: Input should be 'w4a16', 'w4a16-asym' or 'w8a16'"),
-        (["--qat-group-size", "64"], "qat_group_size: sets the group size of qat; give qat"),
+        (["--qat-group-size", "64"], "qat_group_size and qat_init set up qat: give qat"),
     ],
 )
 def test_bad_qat_options_are_refused_in_one_line(tmp_path, teacher, student, options, fragment):
@@ -96,3 +96,32 @@ def test_bad_qat_options_are_refused_in_one_line(tmp_path, teacher, student, opt
               str(tmp_path / "o"), "--max-steps", "1", *options],
     )  # fmt: skip
     assert_bad_input(result, fragment)
+
+
+def test_qat_init_gptq_starts_from_gptqs_solution(tmp_path, teacher, student) -> None:
+    """With a learning rate too small to move a weight, the run's export is GPTQ's checkpoint:
+    the same packed words (up to groups whose extreme took the code -8, rescaled from the
+    weights), far from RTN's; and GPTQ's folder is neither published nor left behind."""
+    from safetensors.torch import load_file
+
+    import llmq
+
+    options = {**FAST, "max_steps": 1, "lr": 1e-12, "keep": "last", "qat": "w4a16",
+               "qat_group_size": 64, "qat_init": "gptq"}  # fmt: skip
+    llmq.distill(teacher, student, tmp_path / "qat", **options)
+    llmq.quantize(student, tmp_path / "gptq", scheme="w4a16", group_size=64, method="gptq")
+    llmq.quantize(student, tmp_path / "rtn", scheme="w4a16", group_size=64, method="rtn")
+
+    def words(folder):
+        found = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            found.update({k: v for k, v in load_file(path).items() if k.endswith("weight_packed")})
+        return found
+
+    def agreement(a, b):
+        same = sum(int((a[k] == b[k]).sum()) for k in a)
+        return same / sum(a[k].numel() for k in a)
+
+    qat, gptq, rtn = words(tmp_path / "qat"), words(tmp_path / "gptq"), words(tmp_path / "rtn")
+    assert agreement(qat, gptq) > 0.95 > agreement(qat, rtn)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gptq", "qat", "rtn"]

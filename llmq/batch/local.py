@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from llmq.batch.plan import BatchPlan, PlannedJob
-from llmq.batch.worker import execute, read_result
+from llmq.batch.worker import execute, failed_result, read_result
 from llmq.io.atomic import write_json
 
 POLL_S = 0.2
@@ -116,10 +116,7 @@ def _outcome(item: PlannedJob, exitcode: int | None, started: float) -> dict[str
     reason = f"the job's process ended with exit code {exitcode}"
     if exitcode is not None and exitcode < 0:
         reason = f"the job's process was killed by {signal.Signals(-exitcode).name}"
-    return {
-        "id": item.spec.id, "key": item.spec.key, "out": item.spec.out, "log": item.spec.log,
-        "status": "failed", "error": reason, "seconds": round(time.monotonic() - started, 3),
-    }  # fmt: skip
+    return failed_result(item.spec, reason, time.monotonic() - started)
 
 
 def _live(

@@ -18,7 +18,7 @@ from typing import Any
 
 from llmq.batch.local import Update, _live
 from llmq.batch.plan import BatchPlan, PlannedJob
-from llmq.batch.worker import JobSpec, execute
+from llmq.batch.worker import JobSpec, execute, failed_result
 from llmq.errors import InputError
 from llmq.io.atomic import write_json
 
@@ -124,8 +124,5 @@ def _collect(ray: Any, ref: Any, item: PlannedJob, started: float) -> dict[str, 
     try:
         return ray.get(ref)
     except ray.exceptions.RayError as exc:
-        return {
-            "id": item.spec.id, "key": item.spec.key, "out": item.spec.out, "log": item.spec.log,
-            "status": "failed", "error": f"Ray: {type(exc).__name__}: {str(exc).splitlines()[0]}",
-            "seconds": round(time.monotonic() - started, 3),
-        }  # fmt: skip
+        error = f"Ray: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+        return failed_result(item.spec, error, time.monotonic() - started)

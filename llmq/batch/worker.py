@@ -170,6 +170,13 @@ def _redirected(log: Any, child: bool):
     yield
 
 
+def failed_result(spec: JobSpec, error: str, seconds: float) -> dict[str, Any]:
+    """The result of a job whose worker died before writing its own (process killed, Ray
+    task lost past its retries)."""
+    return {"id": spec.id, "key": spec.key, "out": spec.out, "log": spec.log,
+            "status": "failed", "error": error, "seconds": round(seconds, 3)}  # fmt: skip
+
+
 def read_result(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())

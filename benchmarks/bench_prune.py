@@ -16,7 +16,7 @@ checkpoint is scored by the same code on the same held-out windows of two texts:
 Also llmq's magnitude pruning (no data, no peer row), llmq's SparseGPT and Wanda at 50% on its
 default mixed calibration text (Shakespeare + pydoc, as many windows): the setting that targets
 the out-of-domain Hamlet, held against the same peer rows; and both at 70% with a uniform and an
-OWL sparsity profile (llmq alone: the peer has no profile).
+OWL and scan sparsity profiles (llmq alone: the peer has no profile).
 
 Perplexity protocol: token perplexity, first --windows non-overlapping 512-token windows of the
 held-out splits, no BOS (the tokenizer adds none), float32 compute.
@@ -63,7 +63,7 @@ def jobs(samples: int, seq_len: int) -> list[Job]:
         rows.append(Job(LLMQ, f"{name} 50% default calib shakespeare+pydoc {main}",
                         ["--method", method, *SHAPES["50%"], *mixed], None, same, same))  # fmt: skip
     for method, name in METHODS.items():  # OWL's published effect, at 70%: llmq alone
-        for profile in ("uniform", "owl"):
+        for profile in ("uniform", "owl", "scan"):
             rows.append(Job(LLMQ, f"{name} 70% {profile} default calib {main}",
                             ["--method", method, "--sparsity", "0.7", "--sparsity-profile", profile,
                              *mixed]))  # fmt: skip

@@ -67,8 +67,9 @@ def make_recipe(
     kv_cache: "fp8" or "int8" (calibrated k_scale / v_scale per layer), or None.
     Pruning methods (magnitude, wanda, sparsegpt): `sparsity` (share of each row's weights
     removed) or `pattern` ("2:4"); the pruned weights are quantized to exactly zero.
-    sparsity_profile: "uniform", or "owl" (layers with more outliers keep more weights, the
-    same total; measured on the dense model in one more calibration pass).
+    sparsity_profile: "uniform", "owl" (layers with more outliers keep more weights) or "scan"
+    (layers whose pruning costs more output error keep more weights); the same total, measured
+    on the dense model in one more calibration pass.
     """
     from llmq.quant.methods import get_method
 
@@ -224,8 +225,8 @@ def quantize(
         if fallback_record is not None:
             record["fallback"] = fallback_record
         sparsities = None
-        if recipe.sparsity_profile == "owl":
-            sparsities = _owl_profile(ckpt, plan, recipe, ids, progress, device)
+        if recipe.sparsity_profile != "uniform":
+            sparsities = _layer_profile(ckpt, plan, recipe, ids, progress, device)
             record["sparsity_profile"] = sparsities
         return run_quantization(
             ckpt, plan, recipe, out,
@@ -235,19 +236,23 @@ def quantize(
         )  # fmt: skip
 
 
-def _owl_profile(
+def _layer_profile(
     ckpt: Any, plan: Any, recipe: Recipe, ids: Any, progress: Progress, device: str | None
 ) -> dict[str, Any]:
-    """OWL's per-layer sparsities and the outlier ratios they come from, measured on the dense
-    model's activations (one calibration pass: `collect_stats` with sums of squares)."""
+    """The per-layer sparsities of the recipe's profile and the measure they come from, taken
+    on the dense model's activations (one calibration pass: `collect_stats` with sums of
+    squares): OWL's outlier ratios, or the scan's shares of the pruning error."""
     from llmq.calib.collect import collect_stats
-    from llmq.pruning.profile import owl_sparsities
+    from llmq.pruning.profile import owl_sparsities, scan_sparsities
 
     assert recipe.sparsity is not None and ids is not None  # the recipe requires both
     stats = collect_stats(ckpt, ids, norms=True, progress=progress, device=device)
     layers = [[linear.name for linear in linears] for linears in plan.layers]
-    sparsity, ratios = owl_sparsities(ckpt, stats, layers, recipe.sparsity)
-    return {"profile": "owl", "sparsity": sparsity, "outlier_ratio": ratios}
+    if recipe.sparsity_profile == "owl":
+        sparsity, ratios = owl_sparsities(ckpt, stats, layers, recipe.sparsity)
+        return {"profile": "owl", "sparsity": sparsity, "outlier_ratio": ratios}
+    sparsity, shares = scan_sparsities(ckpt, stats, layers, recipe.sparsity, recipe.method)
+    return {"profile": "scan", "sparsity": sparsity, "error_share": shares}
 
 
 def _apply_fallback(

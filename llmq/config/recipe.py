@@ -77,9 +77,10 @@ class Recipe(BaseModel):
     # an N:M pattern ("2:4": at most 2 non-zeros in every 4 consecutive inputs)
     sparsity: float | None = Field(None, gt=0.0, lt=1.0)
     pattern: str | None = Field(None, pattern=r"^\d+:\d+$")
-    # How `sparsity` is spread over the decoder layers: the same everywhere, or OWL's
-    # outlier-weighed shares (llmq.pruning.profile), measured on the dense model first
-    sparsity_profile: Literal["uniform", "owl"] = "uniform"
+    # How `sparsity` is spread over the decoder layers: the same everywhere, by OWL's outlier
+    # ratios, or by the layers' shares of the pruning error (llmq.pruning.profile), both
+    # measured on the dense model first
+    sparsity_profile: Literal["uniform", "owl", "scan"] = "uniform"
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
@@ -177,7 +178,9 @@ def _check_pruning(recipe: Recipe) -> None:
         if recipe.sparsity is None:
             raise ValueError("sparsity_profile: spreads a --sparsity; an N:M pattern is per group")
         if recipe.calibration is None:
-            raise ValueError("sparsity_profile owl: weighs outliers on calibration data")
+            raise ValueError(
+                f"sparsity_profile {recipe.sparsity_profile}: measures the dense model on calibration data"
+            )
 
 
 def _check_activation_options(recipe: Recipe) -> None:

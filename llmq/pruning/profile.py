@@ -1,10 +1,17 @@
 """Non-uniform sparsity: how much of each decoder layer to prune, for the same total.
 
-OWL (outlier-weighed layer-wise sparsity, arXiv 2310.05175): a layer whose weights hold more
-outliers (Wanda scores |W_ij|·‖x_j‖ above `OWL_THRESHOLD` times the layer's mean score, on the
-dense model's activations) keeps more of them. The outlier ratios are mapped linearly onto
-densities spanning 2·`OWL_SPREAD`, centred on the target density, so every layer's sparsity is
-target ± OWL_SPREAD and, decoder layers being the same size, the total is the target.
+Two profiles, both measured on the dense model's activations (sums of squares of each linear's
+inputs, one calibration pass), both mapping a per-layer measure linearly onto densities spanning
+2·`PROFILE_SPREAD`, centred on the target density, so every layer's sparsity is target ±
+PROFILE_SPREAD and, decoder layers being the same size, the total is the target:
+
+- OWL (outlier-weighed layer-wise sparsity, arXiv 2310.05175): a layer whose weights hold more
+  outliers (Wanda scores |W_ij|·‖x_j‖ above `OWL_THRESHOLD` times the layer's mean score) keeps
+  more of them.
+- scan: a layer whose pruning costs more keeps more. The cost is `llmq fallback-scan`'s output
+  error estimate Σ_j ‖ΔW_:j‖² E[x_j²] (the diagonal approximation of E‖ΔW x‖²), with ΔW the
+  weights the method's own score drops at the target sparsity; a layer's measure is its share
+  of the model's total. OWL counts outliers; this weighs what pruning actually removes.
 """
 
 from __future__ import annotations
@@ -15,9 +22,10 @@ import torch
 
 from llmq.calib.stats import CalibStats
 from llmq.io.checkpoint import Checkpoint
+from llmq.pruning.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scores
 
 OWL_THRESHOLD = 5.0  # the paper's M for LLaMA models
-OWL_SPREAD = 0.08  # the paper's lambda
+PROFILE_SPREAD = 0.08  # OWL's lambda
 
 
 def owl_sparsities(
@@ -26,7 +34,36 @@ def owl_sparsities(
     """Per decoder layer, the sparsity OWL gives it and its outlier ratio. `layers`: the
     names of the linears pruned in each layer; `stats` hold their inputs' sums of squares."""
     ratios = [outlier_ratio(ckpt, stats, names) for names in layers]
-    return owl_allocation(ratios, target), ratios
+    return spread_allocation(ratios, target), ratios
+
+
+def scan_sparsities(
+    ckpt: Checkpoint,
+    stats: CalibStats,
+    layers: Sequence[Sequence[str]],
+    target: float,
+    method: str,
+) -> tuple[list[float], list[float]]:
+    """Per decoder layer, the sparsity the scan profile gives it and its share of the output
+    error of pruning every layer to `target` with `method`'s score."""
+    errors = [sum(pruning_error(ckpt, stats, name, target, method) for name in names) for names in layers]  # fmt: skip
+    total = sum(errors)
+    shares = [error / total if total else 0.0 for error in errors]
+    return spread_allocation(shares, target), shares
+
+
+def pruning_error(
+    ckpt: Checkpoint, stats: CalibStats, name: str, target: float, method: str
+) -> float:
+    """Σ_j ‖ΔW_:j‖² Σ_tokens x_j² for ΔW the weights of linear `name` that `method`'s score
+    (magnitude, or Wanda's for wanda and sparsegpt, whose mask Wanda's approximates) drops at
+    `target`: the squared output error per calibration pass, up to one constant."""
+    squares = _input_squares(stats, name)
+    weight = ckpt.read(f"{name}.weight").float()
+    norms = squares.sqrt().to(weight)
+    scores = magnitude_scores(weight) if method == "magnitude" else wanda_scores(weight, norms)
+    dropped = pruned_mask(scores, Sparsity(fraction=target))
+    return float((weight.square() * squares.to(weight))[dropped].double().sum())
 
 
 def outlier_ratio(
@@ -36,23 +73,28 @@ def outlier_ratio(
     `threshold` times the layer's mean score."""
     scores = []
     for name in names:
-        squares = stats.inputs[name].sq_sum
-        if squares is None:
-            raise ValueError(f"{name}: statistics without sums of squares")
+        norms = _input_squares(stats, name).sqrt()
         weight = ckpt.read(f"{name}.weight").float()
-        scores.append((weight.abs() * squares.sqrt().to(weight)).flatten())
+        scores.append(wanda_scores(weight, norms).flatten())
     if not scores:
         return 0.0
     every = torch.cat(scores)
     return float((every > threshold * every.mean()).double().mean())
 
 
-def owl_allocation(
-    ratios: Sequence[float], target: float, spread: float = OWL_SPREAD
+def _input_squares(stats: CalibStats, name: str) -> torch.Tensor:
+    squares = stats.inputs[name].sq_sum
+    if squares is None:
+        raise ValueError(f"{name}: statistics without sums of squares")
+    return squares
+
+
+def spread_allocation(
+    measures: Sequence[float], target: float, spread: float = PROFILE_SPREAD
 ) -> list[float]:
-    """Sparsities target ± spread, the lowest where the outlier ratio is highest (equal
-    ratios: the target everywhere)."""
-    d = torch.tensor(ratios, dtype=torch.float64)
+    """Sparsities target ± spread, the lowest where the measure is highest (equal measures:
+    the target everywhere)."""
+    d = torch.tensor(measures, dtype=torch.float64)
     if len(d) == 0 or float(d.max() - d.min()) == 0.0:
         return [target] * len(d)
     density = (d - d.min()) / (d.max() - d.min()) * 2 * spread

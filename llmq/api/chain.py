@@ -60,11 +60,14 @@ def run(
     *,
     resume: bool = False,
     overwrite: bool = False,
+    keep_stages: bool = True,
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
 ) -> RunResult:
     """Run RECIPE's stages on MODEL into OUT (a folder per stage). Everything is validated
-    before the first stage starts: the recipe, every stage's options, the model."""
+    before the first stage starts: the recipe, every stage's options, the model.
+    `keep_stages` False removes a stage's model folder once the next model is written (for
+    recipes whose stages compare only with the source or outside folders)."""
     from llmq.io.atomic import claim_output, write_json
 
     chain = check_recipe(recipe).recipe
@@ -89,6 +92,8 @@ def run(
             if stage.passed is False:
                 break
             if entry.kind != "eval":
+                if not keep_stages and current != source:
+                    shutil.rmtree(current, ignore_errors=True)
                 current = target
     return result
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from llmq.api.common import _open, _tokenizer
 from llmq.config import DistillConfig, build
-from llmq.config.distill import DISTILL_RESUME_EVERY_S
+from llmq.config.distill import DISTILL_RESUME_EVERY_S, ITERATIVE_ROUNDS
 from llmq.errors import InputError
 from llmq.progress import NO_PROGRESS, Progress
 
@@ -35,6 +35,7 @@ class DistillResult:
     processes: int
     sparsity: float | None = None  # GMP: the share of zeros in the decoder's linears written
     sparsity_schedule: list[float] = field(default_factory=list)  # GMP: the target each step
+    rounds: list[dict[str, Any]] = field(default_factory=list)  # iterative: each round's report
     perplexity: dict[str, Any] = field(default_factory=dict)  # teacher, before, after, recovery
 
     def to_dict(self) -> dict[str, Any]:
@@ -81,14 +82,22 @@ def distill(
         run_device = process_device(run_device, processes)
         config = config or _config(options, max_tokens, processes.world_size)
         _check_run(config, checkpoint_every, resume_every_s, processes.world_size)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed)
-            result = _distill(
-                teacher_ckpt, student_ckpt, Path(out), config, processes, run_device,
-                checkpoint_every=checkpoint_every, resume_every_s=resume_every_s,
-                resume=resume, overwrite=overwrite, reference=reference,
-                space_check=space_check, progress=progress if processes.is_main else NO_PROGRESS,
+        if config.prune == "iterative":
+            from llmq.api.iterative import distill_iterative
+
+            result = distill_iterative(
+                teacher_ckpt, student_ckpt, Path(out), config, checkpoint_every=checkpoint_every,
+                resume=resume, overwrite=overwrite, progress=progress, device=device,
             )  # fmt: skip
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(config.seed)
+                result = _distill(
+                    teacher_ckpt, student_ckpt, Path(out), config, processes, run_device,
+                    checkpoint_every=checkpoint_every, resume_every_s=resume_every_s,
+                    resume=resume, overwrite=overwrite, reference=reference,
+                    space_check=space_check, progress=progress if processes.is_main else NO_PROGRESS,
+                )  # fmt: skip
     finally:
         leave_processes(processes)
     if evaluate and processes.is_main:
@@ -105,7 +114,9 @@ def _check_models(teacher: Any, student: Any) -> None:
 
 
 def _config(options: dict[str, Any], max_tokens: int | None, world_size: int) -> DistillConfig:
-    """The config from keyword options, `max_tokens` turned into optimizer steps."""
+    """The config from keyword options, `max_tokens` (or iterative pruning's
+    `steps_per_round`) turned into optimizer steps."""
+    options = _steps_per_round(dict(options))
     if max_tokens is not None:
         if options.get("max_steps") is not None:
             raise InputError("give --max-steps or --max-tokens, not both")
@@ -115,12 +126,30 @@ def _config(options: dict[str, Any], max_tokens: int | None, world_size: int) ->
         probe = build(DistillConfig, max_steps=1, **sizes)
         assert isinstance(probe, DistillConfig)
         per_step = probe.seq_len * probe.batch_size * probe.grad_accum * world_size
-        options = {**options, "max_steps": math.ceil(max_tokens / per_step)}
+        steps = math.ceil(max_tokens / per_step)
+        if options.get("prune") == "iterative":  # whole rounds
+            rounds = options.get("rounds", ITERATIVE_ROUNDS)
+            steps = math.ceil(steps / rounds) * rounds
+        options = {**options, "max_steps": steps}
     if options.get("max_steps") is None:
         raise InputError("how long to train: give --max-steps or --max-tokens")
     config = build(DistillConfig, **options)  # None is meaningful: max_grad_norm None, no clipping
     assert isinstance(config, DistillConfig)
     return config
+
+
+def _steps_per_round(options: dict[str, Any]) -> dict[str, Any]:
+    """`steps_per_round` N of iterative pruning is `max_steps` N x rounds."""
+    per_round = options.pop("steps_per_round", None)
+    if per_round is None:
+        return options
+    if options.get("prune") != "iterative":
+        raise InputError("--steps-per-round: goes with --prune iterative")
+    if options.get("max_steps") is not None:
+        raise InputError("give --steps-per-round or --max-steps, not both")
+    if per_round < 1:
+        raise InputError(f"--steps-per-round {per_round}: must be >= 1")
+    return {**options, "max_steps": per_round * options.get("rounds", ITERATIVE_ROUNDS)}
 
 
 def _check_run(
@@ -130,6 +159,8 @@ def _check_run(
         raise InputError(f"--checkpoint-every {checkpoint_every}: must be >= 1 step")
     if not resume_every_s > 0:
         raise InputError(f"--resume-every {resume_every_s}: must be > 0 seconds")
+    if world_size > 1 and config.prune == "iterative":
+        raise InputError("--prune iterative: runs in one process (its one-shot pruning is not data-parallel)")  # fmt: skip
     if world_size > 1 and config.eval_windows < world_size:
         raise InputError(f"--eval-windows {config.eval_windows}: fewer than the {world_size} processes")  # fmt: skip
 
@@ -257,9 +288,11 @@ def _prepare(
         "student": student.file_stamps(),
         "processes": processes.world_size,
     }
+    norms = _input_norms(student_model, config)
     state = None
     if resume:
-        state = load_state(staging, parameters, optimizer, fingerprint)
+        buffers = None if norms is None else norms.squares
+        state = load_state(staging, parameters, optimizer, fingerprint, buffers)
     if state is not None and config.prune == "gmp":
         from llmq.distillation.gmp import masks_from_zeros
 
@@ -271,8 +304,18 @@ def _prepare(
         optimizer=optimizer, order=BatchOrder(train_windows.input_ids, global_batch, config.seed),
         eval_ids=eval_windows.input_ids, parameters=parameters, masks=masks,
         layer_pairs=pairs, processes=processes, device=device, state=state or TrainState(),
+        input_norms=norms,
     )  # fmt: skip
     return run, fingerprint
+
+
+def _input_norms(model: Any, config: DistillConfig) -> Any:
+    """GMP by Wanda's metric counts the inputs of every prunable linear while training."""
+    if config.prune != "gmp" or config.prune_method != "wanda":
+        return None
+    from llmq.distillation.gmp import InputNorms
+
+    return InputNorms(model)
 
 
 def _hooks(
@@ -288,7 +331,8 @@ def _hooks(
 
     def state() -> None:
         if run.processes.is_main:
-            save_state(staging, run.state, run.parameters, run.optimizer, fingerprint)
+            norms = None if run.input_norms is None else run.input_norms.state()
+            save_state(staging, run.state, run.parameters, run.optimizer, fingerprint, norms)
         run.processes.barrier()
 
     def best() -> None:

@@ -19,7 +19,7 @@ from llmq.cli.console import (
     resume_hint_on_interrupt,
 )
 from llmq.cli.options import Device, JsonFlag, Overwrite, Reference, Resume, SpaceCheck
-from llmq.config.distill import DISTILL_RESUME_EVERY_S
+from llmq.config.distill import DISTILL_RESUME_EVERY_S, ITERATIVE_ROUNDS
 from llmq.texts import DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT
 
 
@@ -114,12 +114,20 @@ def distill(
     prune: Annotated[
         str,
         typer.Option(
-            help="gmp: gradual magnitude pruning while training (Zhu & Gupta): the decoder linears' sparsity rises along the cubic schedule to --sparsity (or --pattern) between --prune-start and --prune-end; pruned weights stay zero. none: no pruning."
+            help="gmp: gradual pruning while training (Zhu & Gupta): the decoder linears' sparsity rises along the cubic schedule to --sparsity (or --pattern) between --prune-start and --prune-end. iterative: --rounds of one-shot `llmq prune --method PRUNE_METHOD` then distillation (--steps-per-round each), every round removing the same share of the remaining weights; perplexity after each. Pruned weights stay zero. none: no pruning."
         ),
     ] = "none",
+    prune_method: Annotated[
+        str,
+        typer.Option(
+            help="How pruning scores weights: magnitude (|w|), wanda (|w|·‖x‖; with gmp from the running norms of the training inputs since the previous mask update) or sparsegpt (iterative only: the one-shot solver, which updates the remaining weights)."
+        ),
+    ] = "magnitude",
     sparsity: Annotated[
         float | None,
-        typer.Option(help="--prune gmp: the final share of each row's weights removed, in (0, 1)."),
+        typer.Option(
+            help="--prune gmp or iterative: the final share of each row's weights removed, in (0, 1)."
+        ),
     ] = None,
     pattern: Annotated[
         str | None,
@@ -135,6 +143,15 @@ def distill(
         ),
     ] = None,
     prune_every: Annotated[int, typer.Option(help="--prune gmp: steps between mask updates.")] = 1,
+    rounds: Annotated[
+        int, typer.Option(help="--prune iterative: prune-then-distill rounds.")
+    ] = ITERATIVE_ROUNDS,
+    steps_per_round: Annotated[
+        int | None,
+        typer.Option(
+            help="--prune iterative: optimizer steps of distillation after each pruning (in place of --max-steps, which is split evenly over the rounds)."
+        ),
+    ] = None,
     qat: Annotated[
         str | None,
         typer.Option(
@@ -204,8 +221,9 @@ def distill(
             max_steps=max_steps, lr=lr, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
             weight_decay=weight_decay, max_grad_norm=max_grad_norm or None, seed=seed,
             eval_text=eval_text, eval_windows=eval_windows, eval_every=eval_every, keep=keep,
-            prune=prune, sparsity=sparsity, pattern=pattern, prune_start=prune_start,
-            prune_end=prune_end, prune_every=prune_every, qat=qat, qat_group_size=qat_group_size,
+            prune=prune, prune_method=prune_method, sparsity=sparsity, pattern=pattern,
+            prune_start=prune_start, prune_end=prune_end, prune_every=prune_every, rounds=rounds,
+            steps_per_round=steps_per_round, qat=qat, qat_group_size=qat_group_size,
             qat_init=qat_init,
         )  # fmt: skip
     if not main_process:
@@ -229,7 +247,12 @@ def render(result: Any) -> None:
     if result.masked_linears:
         table.add_row("pruned linears kept sparse", str(result.masked_linears))
     if result.sparsity is not None:
-        table.add_row("sparsity of the decoder's linears (GMP)", f"{result.sparsity:.1%}")
+        table.add_row(f"sparsity of the decoder's linears ({config['prune']})", f"{result.sparsity:.1%}")  # fmt: skip
+    for r in result.rounds:
+        table.add_row(
+            f"round {r['round']}: sparsity, held-out ppl pruned -> distilled",
+            f"{r['sparsity']:.1%}, {r['perplexity_pruned']:.3f} -> {r['perplexity_kept']:.3f}",
+        )
     if result.perplexity:
         ppl = result.perplexity
         table.add_row("perplexity: teacher", f"{ppl['teacher']:.3f}")

@@ -18,6 +18,10 @@ DISTILL_RESUME_EVERY_S = 300.0
 moments in float32 (1.6 GB for the default model, a few seconds to write), so every 5 minutes
 costs about 1% of the run and an interruption loses at most 5 minutes."""
 
+ITERATIVE_ROUNDS = 3
+"""Rounds of `prune iterative` by default: ModelOpt's advice above 50% sparsity is to prune
+about 30% at a time; three rounds reach 70% by removing 33% of the remaining weights in each."""
+
 DistillLoss = Literal["forward-kl", "reverse-kl", "ce"]
 
 
@@ -59,16 +63,21 @@ class DistillConfig(BaseModel):
     eval_seq_len: int = Field(512, ge=8, le=131_072)
     eval_every: int = Field(0, ge=0)
     keep: Literal["best", "last"] = "best"
-    # Gradual magnitude pruning while training (Zhu & Gupta 2017, llmq.distillation.gmp): the
-    # decoder linears' sparsity rises along the cubic schedule from 0 at prune_start to
-    # `sparsity` (or the N:M `pattern`) at prune_end (default: 3/4 of max_steps), masks
-    # recomputed from the weights' magnitudes every prune_every steps; pruned weights stay zero.
-    prune: Literal["none", "gmp"] = "none"
+    # Pruning while training, to `sparsity` (or the N:M `pattern`); pruned weights stay zero.
+    # gmp: gradual pruning (Zhu & Gupta 2017, llmq.distillation.gmp): the decoder linears'
+    # sparsity rises along the cubic schedule from 0 at prune_start to the target at prune_end
+    # (default: 3/4 of max_steps), masks recomputed every prune_every steps from the weights'
+    # magnitudes or Wanda's metric on running input norms (prune_method).
+    # iterative: `rounds` of one-shot pruning by `llmq prune --method prune_method` then
+    # distillation for max_steps / rounds steps (llmq.api.iterative).
+    prune: Literal["none", "gmp", "iterative"] = "none"
+    prune_method: Literal["magnitude", "wanda", "sparsegpt"] = "magnitude"
     sparsity: float | None = Field(None, gt=0.0, lt=1.0)
     pattern: str | None = Field(None, pattern=r"^\d+:\d+$")
     prune_start: int = Field(0, ge=0)
     prune_end: int | None = Field(None, ge=1)
     prune_every: int = Field(1, ge=1)
+    rounds: int = Field(ITERATIVE_ROUNDS, ge=1, le=100)
     # Quantization-aware distillation (llmq.distillation.qat): the decoder linears run on the
     # scheme's fake-quantized weights (straight-through gradients) and the result is written
     # as that scheme's compressed-tensors checkpoint, by `llmq quantize`'s RTN.
@@ -110,17 +119,40 @@ class DistillConfig(BaseModel):
         return nm_pattern(self.pattern)
 
 
+_GMP_ONLY = {"prune_start": 0, "prune_end": None, "prune_every": 1}
+
+
 def _check_pruning(config: DistillConfig) -> None:
     given = [name for name in ("sparsity", "pattern") if getattr(config, name) is not None]
+    if config.prune != "iterative" and config.rounds != ITERATIVE_ROUNDS:
+        raise ValueError("rounds: prunes only with prune iterative")
     if config.prune == "none":
-        if given:
-            raise ValueError(f"{given[0]}: prunes only with prune gmp")
+        changed = [*given, *(["prune_method"] if config.prune_method != "magnitude" else [])]
+        if changed:
+            raise ValueError(f"{changed[0]}: prunes only with prune gmp or iterative")
+        return
+    if config.prune == "iterative":
+        _check_iterative(config)
         return
     if len(given) != 1:
         raise ValueError("prune gmp: give either sparsity or pattern (one of them)")
     nm_pattern(config.pattern)  # 0 < N < M
+    if config.prune_method == "sparsegpt":
+        raise ValueError("prune gmp: scores by magnitude or wanda; sparsegpt solves on calibration Hessians (use prune iterative)")  # fmt: skip
     if config.max_steps is not None:
         if config.pruning_end <= config.prune_start:
             raise ValueError(f"prune_end {config.pruning_end}: must come after prune_start {config.prune_start}")  # fmt: skip
         if config.pruning_end > config.max_steps:
             raise ValueError(f"prune_end {config.pruning_end}: after the last step ({config.max_steps})")  # fmt: skip
+
+
+def _check_iterative(config: DistillConfig) -> None:
+    if config.sparsity is None:
+        raise ValueError("prune iterative: give sparsity (an N:M pattern has no steps in between)")
+    gmp_options = [k for k, default in _GMP_ONLY.items() if getattr(config, k) != default]
+    if gmp_options:
+        raise ValueError(f"{gmp_options[0]}: sets GMP's schedule; prune iterative prunes once a round")  # fmt: skip
+    if config.qat is not None:
+        raise ValueError("prune iterative: not with qat (quantize the pruned result afterwards)")
+    if config.max_steps is not None and config.max_steps % config.rounds:
+        raise ValueError(f"max_steps {config.max_steps}: not a multiple of rounds {config.rounds}")  # fmt: skip

@@ -43,6 +43,7 @@ class DistillRun:
     processes: Processes
     device: torch.device
     state: TrainState
+    input_norms: Any = None  # GMP with Wanda's metric: llmq.distillation.gmp.InputNorms
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +152,25 @@ def _prune(run: DistillRun, step: int) -> None:
     from llmq.distillation.gmp import is_pruning_step, prune_step, scheduled_sparsity
 
     if is_pruning_step(step, run.config):
-        prune_step(run.student, run.masks, step, run.config)
+        norms = run.input_norms
+        if norms is not None:
+            if norms.empty:  # no training input seen since the start: measure this batch
+                _forward_without_gradients(run, step)
+            norms.reduce(run.processes.sum)
+        prune_step(run.student, run.masks, step, run.config, norms)
+        if norms is not None:
+            norms.reset()
     run.state.sparsity.append(scheduled_sparsity(step, run.config))
+
+
+@torch.no_grad()
+def _forward_without_gradients(run: DistillRun, step: int) -> None:
+    """The student's forward pass over this process's windows of `step`, in training mode (so
+    that forward hooks count it), with no gradient and no update."""
+    windows = run.order.batch(step, run.processes.rank, run.processes.world_size)
+    for ids in windows.to(run.device).split(run.config.batch_size):
+        with _autocast(run.device):
+            run.student(input_ids=ids, use_cache=False)
 
 
 def _evaluate(run: DistillRun, hooks: Hooks) -> None:

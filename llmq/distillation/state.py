@@ -62,7 +62,10 @@ def save_state(
     parameters: dict[str, nn.Parameter],
     optimizer: torch.optim.Optimizer,
     fingerprint: dict[str, Any],
+    buffers: dict[str, Tensor] | None = None,
 ) -> None:
+    """Write a resume point; `buffers`: other tensors the loop carries between steps (GMP's
+    running input norms)."""
     root = staging / STATE_DIR
     point = root / f"step-{state.step:07d}"
     shutil.rmtree(point, ignore_errors=True)
@@ -71,7 +74,8 @@ def save_state(
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save({"optimizer": optimizer.state_dict(), "rng": rng}, point / "optimizer.pt")
+    extra = {"optimizer": optimizer.state_dict(), "rng": rng, "buffers": buffers or {}}
+    torch.save(extra, point / "optimizer.pt")
     write_json(point / "state.json", {"fingerprint": fingerprint, "state": asdict(state)})
     write_text(root / _POINTER, point.name)
     for old in root.glob("step-*"):
@@ -84,9 +88,11 @@ def load_state(
     parameters: dict[str, nn.Parameter],
     optimizer: torch.optim.Optimizer,
     fingerprint: dict[str, Any],
+    buffers: dict[str, Tensor] | None = None,
 ) -> TrainState | None:
-    """Restore the newest resume point into the student and the optimizer; None when there is
-    none. A point from another configuration or other models is refused."""
+    """Restore the newest resume point into the student, the optimizer and `buffers` (in
+    place); None when there is none. A point from another configuration or other models is
+    refused."""
     root = staging / STATE_DIR
     if not (root / _POINTER).is_file():
         return None
@@ -108,6 +114,8 @@ def load_state(
         for name, param in parameters.items():
             param.copy_(weights[name])
     optimizer.load_state_dict(extra["optimizer"])
+    for name, buffer in (buffers or {}).items():
+        buffer.copy_(extra["buffers"][name])
     torch.set_rng_state(extra["rng"]["cpu"])
     if "cuda" in extra["rng"]:
         torch.cuda.set_rng_state_all(extra["rng"]["cuda"])

@@ -1,5 +1,6 @@
-"""Gradual magnitude pruning on the distillation loop: the cubic schedule against its formula,
-masks that only shrink, exact zeros in the written student, resume, and bad input."""
+"""Gradual pruning on the distillation loop: the cubic schedule against its formula, masks that
+only shrink, Wanda's metric from running input norms, exact zeros in the written student,
+resume, and bad input."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typer.testing import CliRunner
 import llmq
 from llmq.cli.main import app
 from llmq.config import DistillConfig
-from llmq.distillation.gmp import is_pruning_step, prune_step, scheduled_sparsity
+from llmq.distillation.gmp import InputNorms, is_pruning_step, prune_step, scheduled_sparsity
 from tests.conftest import assert_bad_input
 from tests.distillation.test_distill import FAST, InterruptAfter, assert_same_weights
 
@@ -66,11 +67,50 @@ def test_an_nm_pattern_is_reached_group_by_group() -> None:
     assert ((groups == 0).sum(dim=-1) == 2).all()
 
 
+def test_input_norms_sum_the_squares_of_training_inputs_only() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    norms = InputNorms(model)
+    x = [torch.randn(4, 5, 3) for _ in range(2)]
+    for batch in x:
+        model(batch)
+    model.eval()
+    model(torch.randn(4, 5, 3) * 100)  # evaluation does not count
+    expected = sum(batch.double().square().sum(dim=(0, 1)) for batch in x)
+    assert torch.allclose(norms.squares["0.weight"].double(), expected, rtol=1e-6)
+    assert not norms.empty
+    norms.reset()
+    assert norms.empty
+
+
+def test_wanda_gmp_drops_the_smallest_weight_times_input_norm() -> None:
+    model = nn.Sequential(nn.Linear(2, 1, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[1.0, 3.0]]))
+    norms = InputNorms(model)
+    model(torch.tensor([[4.0, 1.0]]))  # ||x|| = [4, 1]: scores 4 and 3, magnitude says 1 and 3
+    config = DistillConfig(
+        max_steps=2, prune="gmp", prune_method="wanda", sparsity=0.5, prune_end=1
+    )
+    masks: dict[str, torch.Tensor] = {}
+    prune_step(model, masks, 1, config, norms)
+    assert model[0].weight.tolist() == [[1.0, 0.0]]
+
+
+def test_a_reduction_over_processes_replaces_the_sums() -> None:
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    norms = InputNorms(model)
+    model(torch.ones(1, 2))
+    norms.reduce(lambda flat: flat * 2)  # two processes that saw the same input
+    assert norms.squares["0.weight"].tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda"])
 def test_gmp_distillation_writes_exact_zeros_and_resumes_identically(
-    tmp_path: Path, teacher: Path, student: Path
+    tmp_path: Path, teacher: Path, student: Path, method: str
 ) -> None:
     options = {**FAST, "max_steps": 6, "lr": 1e-3, "prune": "gmp", "sparsity": 0.5,
-               "prune_end": 4, "checkpoint_every": 2, "keep": "last"}  # fmt: skip
+               "prune_end": 4, "checkpoint_every": 2, "keep": "last", "prune_method": method}  # fmt: skip
     whole = llmq.distill(teacher, student, tmp_path / "whole", **options)
     config = DistillConfig(**{k: v for k, v in options.items() if k in DistillConfig.model_fields})
     assert whole.sparsity_schedule == [scheduled_sparsity(s, config) for s in range(6)]
@@ -94,6 +134,11 @@ def test_gmp_distillation_writes_exact_zeros_and_resumes_identically(
             "must come after prune_start",
         ),
         (["--sparsity", "0.5"], "prunes only with prune gmp"),
+        (
+            ["--prune", "gmp", "--sparsity", "0.5", "--prune-method", "sparsegpt"],
+            "use prune iterative",
+        ),
+        (["--prune-method", "wanda"], "prunes only with prune gmp"),
         (["--prune", "gmp", "--pattern", "3:7"], "7 does not divide the 192 inputs"),
         (["--prune", "magnitude", "--sparsity", "0.5"], "prune"),
     ],

@@ -1,0 +1,112 @@
+"""Iterative pruning on the distillation loop: rounds of one-shot pruning and distillation,
+their sparsity schedule, zeros that never come back, the per-round report, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import llmq
+from llmq.api.iterative import round_sparsities
+from llmq.cli.main import app
+from tests.conftest import assert_bad_input
+from tests.distillation.test_distill import FAST, InterruptAfter, assert_same_weights, weights
+
+runner = CliRunner()
+ITERATIVE = {**FAST, "lr": 1e-3, "prune": "iterative", "prune_method": "wanda", "sparsity": 0.5,
+             "rounds": 2, "steps_per_round": 2, "keep": "last"}  # fmt: skip
+
+
+def decoder_linears(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in weights(folder).items() if k.endswith("proj.weight")}
+
+
+def test_every_round_removes_the_same_share_of_what_remains() -> None:
+    got = round_sparsities(0.7, 3)
+    densities = [1.0] + [1 - s for s in got]
+    shares = [1 - densities[r + 1] / densities[r] for r in range(3)]
+    assert shares == pytest.approx([shares[0]] * 3, abs=1e-12)
+    assert got[-1] == pytest.approx(0.7, abs=1e-12)
+    assert round_sparsities(0.5, 1) == [0.5]
+
+
+def test_rounds_prune_then_distill_and_report_each(
+    tmp_path: Path, teacher: Path, student: Path
+) -> None:
+    out = tmp_path / "out"
+    result = llmq.distill(teacher, student, out, **ITERATIVE)
+    assert [r["round"] for r in result.rounds] == [1, 2]
+    # each row loses round(s x in_features) weights: within one weight of the target
+    assert result.rounds[0]["sparsity"] == pytest.approx(1 - 0.5**0.5, abs=1 / 128)
+    assert result.rounds[1]["sparsity"] == pytest.approx(0.5, abs=1 / 128)
+    assert result.steps == 4 and [e["step"] for e in result.evaluations] == [0, 2, 2, 4]
+    for r in result.rounds:  # the report is the rounds' own held-out evaluations
+        assert r["perplexity_pruned"] > 1 and r["perplexity_kept"] == r["perplexity_distilled"]
+    for name, weight in decoder_linears(out).items():
+        assert (weight == 0).float().mean() == pytest.approx(0.5, abs=1 / 128), name
+    record = json.loads((out / "llmq.json").read_text())["distillation"]
+    assert record["rounds"] == result.rounds
+    assert not list(tmp_path.glob(".out.*")), "the staging folder is removed"
+
+
+def test_an_interrupted_run_resumes_in_its_round_to_the_same_weights(
+    tmp_path: Path, teacher: Path, student: Path
+) -> None:
+    options = {**ITERATIVE, "checkpoint_every": 1}
+    llmq.distill(teacher, student, tmp_path / "whole", **options)
+    resumed = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):  # in round 2's distillation, after its first step
+        llmq.distill(teacher, student, resumed, progress=InterruptAfter(3), **options)
+    staging = next(tmp_path.glob(".resumed.*"))
+    pruned = decoder_linears(staging / "3-prune-2")  # round 1's distilled student: removed
+    assert not (staging / "2-distill-1").exists()
+    llmq.distill(teacher, student, resumed, resume=True, **options)
+    assert_same_weights(tmp_path / "whole", resumed)
+    final = decoder_linears(resumed)
+    for name, weight in pruned.items():  # round 2's zeros survived its distillation
+        assert (final[name][weight == 0] == 0).all(), name
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--prune", "iterative"], "give sparsity"),
+        (["--prune", "iterative", "--pattern", "2:4"], "give sparsity"),
+        (
+            ["--prune", "iterative", "--sparsity", "0.5", "--max-steps", "5"],
+            "not a multiple of rounds 3",
+        ),
+        (["--prune", "iterative", "--sparsity", "0.5", "--prune-end", "2"], "prunes once a round"),
+        (["--prune", "iterative", "--sparsity", "0.2"], "the first round prunes 7.2%"),
+        (
+            ["--prune", "gmp", "--sparsity", "0.5", "--rounds", "2"],
+            "rounds: prunes only with prune iterative",
+        ),
+        (["--steps-per-round", "2", "--max-steps", "4"], "goes with --prune iterative"),
+        (
+            [
+                "--prune",
+                "iterative",
+                "--sparsity",
+                "0.5",
+                "--steps-per-round",
+                "2",
+                "--max-steps",
+                "6",
+            ],
+            "not both",
+        ),
+    ],
+)
+def test_bad_iterative_options_exit_2(
+    tmp_path: Path, teacher: Path, student: Path, args: list[str], fragment: str
+) -> None:
+    base = ["distill", "--teacher", str(teacher), "--student", str(student), "--out", str(tmp_path / "o")]  # fmt: skip
+    if "--max-steps" not in args and "--steps-per-round" not in args:
+        base += ["--max-steps", "6"]
+    assert_bad_input(runner.invoke(app, [*base, *args]), fragment)
+    assert not (tmp_path / "o").exists()

@@ -218,14 +218,14 @@ def _distill(
 
 
 def _qat_start(config: DistillConfig, student: Any, staging: Path, progress: Progress, device: Any) -> None:  # fmt: skip
-    """`qat_init gptq`: GPTQ's solution for the student, computed once (a resumed run keeps
+    """`qat_init gptq|awq`: that method's solution for the student, computed once (a resumed run keeps
     it), removed when the run is written."""
-    if config.qat is None or config.qat_init != "gptq":
+    if config.qat is None or config.qat_init == "float":
         return
-    from llmq.distillation.qat import gptq_start, gptq_start_folder
+    from llmq.distillation.qat import ptq_start, start_folder
 
-    folder = gptq_start_folder(staging)
-    gptq_start(student.path, folder, config.qat, config.qat_group_size, progress, str(device))
+    folder = start_folder(staging)
+    ptq_start(student.path, folder, config.qat_init, config.qat, config.qat_group_size, progress, str(device))  # fmt: skip
 
 
 def _prepare(
@@ -266,11 +266,11 @@ def _prepare(
             teacher_model = load_model(teacher, device, teacher_dtype).eval().requires_grad_(False)
         student_model = load_model(student, device, torch.float32).train()
     if config.qat is not None:
-        from llmq.distillation.qat import apply_qat, gptq_start_folder, linear_args, load_start
+        from llmq.distillation.qat import apply_qat, linear_args, load_start, start_folder
 
         apply_qat(student_model, linear_args(student, config.qat, config.qat_group_size))
-        if config.qat_init == "gptq":  # a resumed run's state replaces these weights below
-            load_start(student_model, gptq_start_folder(staging))
+        if config.qat_init != "float":  # a resumed run's state replaces these weights below
+            load_start(student_model, start_folder(staging))
     masks = pruning_masks(student_model)
     _check_pattern(student_model, config)
     parameters = parameters_of(student_model)

@@ -167,7 +167,7 @@ def distill(
     qat_init: Annotated[
         str,
         typer.Option(
-            help="--qat: start from the float weights (float) or from GPTQ's solution for the scheme (gptq: `llmq quantize --method gptq` first, default calibration)."
+            help="--qat: start from the float weights (float) or from a post-training solution for the scheme (gptq or awq: `llmq quantize --method gptq|awq` first, default calibration; AWQ's scales folded into the norms come with it)."
         ),
     ] = "float",
     checkpoint_every: Annotated[

@@ -83,7 +83,8 @@ class DistillConfig(BaseModel):
     # as that scheme's compressed-tensors checkpoint, by `llmq quantize`'s RTN.
     qat: Literal["w4a16", "w4a16-asym", "w8a16"] | None = None
     qat_group_size: int | None = Field(None, ge=16)
-    qat_init: Literal["float", "gptq"] = "float"  # start from the float weights or GPTQ's solution
+    # start from the float weights or `llmq quantize --method gptq|awq`'s solution
+    qat_init: Literal["float", "gptq", "awq"] = "float"
 
     @model_validator(mode="after")
     def _consistent(self) -> DistillConfig:

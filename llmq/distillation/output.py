@@ -40,9 +40,9 @@ def write_result(
         write_student(run.student, student, staging, record, str(device), reference=reference)
     remove_state(staging)
     if run.config.qat is not None:  # the float student becomes the quantized checkpoint
-        from llmq.distillation.qat import gptq_start_folder
+        from llmq.distillation.qat import start_folder
 
-        shutil.rmtree(gptq_start_folder(staging), ignore_errors=True)
+        shutil.rmtree(start_folder(staging), ignore_errors=True)
         staging = export_qat(run.config, staging, record, progress)
     publish(staging, out)
 

@@ -78,27 +78,27 @@ def _forward(args: QuantArgs, dtype: torch.dtype):
     return forward
 
 
-def gptq_start_folder(staging: Path) -> Path:
-    """Where `--qat-init gptq` keeps GPTQ's solution: beside the staging folder, so that it is
-    never published, and kept until the run ends (a resumed run does not redo it)."""
-    return staging.with_name(staging.name + "-gptq-init")
+def start_folder(staging: Path) -> Path:
+    """Where `--qat-init gptq|awq` keeps the post-training solution: beside the staging folder,
+    so that it is never published, and kept until the run ends (a resumed run does not redo
+    it)."""
+    return staging.with_name(staging.name + "-ptq-init")
 
 
-def gptq_start(student: Path, folder: Path, scheme: str, group_size: int | None, progress: Any, device: str) -> None:  # fmt: skip
-    """GPTQ's solution for the student (`llmq quantize --method gptq`, default calibration),
-    once."""
+def ptq_start(student: Path, folder: Path, method: str, scheme: str, group_size: int | None, progress: Any, device: str) -> None:  # fmt: skip
+    """`llmq quantize --method METHOD`'s solution for the student (default calibration), once."""
     from llmq.api.quantize import make_recipe, quantize
 
     if (folder / "config.json").is_file():
         return
-    recipe = make_recipe(scheme=scheme, group_size=group_size, method="gptq")
+    recipe = make_recipe(scheme=scheme, group_size=group_size, method=method)
     quantize(student, folder, recipe=recipe, overwrite=True, progress=progress, device=device)
 
 
 def load_start(model: nn.Module, folder: Path) -> None:
-    """The student's weights set to GPTQ's dequantized ones. Training then recomputes each
-    group's scale from them (min/max), so step 0 is GPTQ's grid up to groups whose extreme
-    took the code -8."""
+    """The student's weights set to the post-training solution's dequantized ones (with AWQ,
+    the norms that took its scales too). Training then recomputes each group's scale from them
+    (min/max), so step 0 is that solution's grid up to groups whose extreme took the code -8."""
     from llmq.io.checkpoint import open_checkpoint
     from llmq.runtime.load import load_dequantized
 

@@ -98,18 +98,19 @@ def test_bad_qat_options_are_refused_in_one_line(tmp_path, teacher, student, opt
     assert_bad_input(result, fragment)
 
 
-def test_qat_init_gptq_starts_from_gptqs_solution(tmp_path, teacher, student) -> None:
-    """With a learning rate too small to move a weight, the run's export is GPTQ's checkpoint:
-    the same packed words (up to groups whose extreme took the code -8, rescaled from the
-    weights), far from RTN's; and GPTQ's folder is neither published nor left behind."""
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_qat_init_starts_from_the_methods_solution(tmp_path, teacher, student, method) -> None:
+    """With a learning rate too small to move a weight, the run's export is the method's
+    checkpoint: the same packed words (up to groups whose extreme took the code -8, rescaled
+    from the weights), far from RTN's; and its folder is neither published nor left behind."""
     from safetensors.torch import load_file
 
     import llmq
 
     options = {**FAST, "max_steps": 1, "lr": 1e-12, "keep": "last", "qat": "w4a16",
-               "qat_group_size": 64, "qat_init": "gptq"}  # fmt: skip
+               "qat_group_size": 64, "qat_init": method}  # fmt: skip
     llmq.distill(teacher, student, tmp_path / "qat", **options)
-    llmq.quantize(student, tmp_path / "gptq", scheme="w4a16", group_size=64, method="gptq")
+    llmq.quantize(student, tmp_path / method, scheme="w4a16", group_size=64, method=method)
     llmq.quantize(student, tmp_path / "rtn", scheme="w4a16", group_size=64, method="rtn")
 
     def words(folder):
@@ -122,6 +123,6 @@ def test_qat_init_gptq_starts_from_gptqs_solution(tmp_path, teacher, student) ->
         same = sum(int((a[k] == b[k]).sum()) for k in a)
         return same / sum(a[k].numel() for k in a)
 
-    qat, gptq, rtn = words(tmp_path / "qat"), words(tmp_path / "gptq"), words(tmp_path / "rtn")
-    assert agreement(qat, gptq) > 0.95 > agreement(qat, rtn)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gptq", "qat", "rtn"]
+    qat, ptq, rtn = words(tmp_path / "qat"), words(tmp_path / method), words(tmp_path / "rtn")
+    assert agreement(qat, ptq) > 0.95 > agreement(qat, rtn)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([method, "qat", "rtn"])

@@ -2,16 +2,19 @@
 above 50% sparsity: prune about 30%, repair, repeat).
 
 Round r prunes the current student with `llmq prune --method M` (the layer pipeline, calibrated
-on the training data in seq_len windows, its default number of them) to 1 - (1 - s)^(r/R), so that every round removes the same share of the weights that
-remain and the last reaches s; then distills it from the teacher for max_steps / R steps with the
-run's settings (seed + r - 1: each round draws its own windows). The zeros a round leaves stay
-zero while it trains (llmq.distillation.masks) and score lowest in the next round's pruning.
+on the training data in seq_len windows, its default number of them) to 1 - (1 - s)^(r/R), so
+that every round removes the same share of the weights that remain and the last reaches s (or,
+structured, `llmq prune --structured --params (1 - s)^(1/R)`: each round keeps that share of the
+decoder's parameters, by narrowing the MLP); then distills it from the teacher for max_steps / R
+steps with the run's settings (seed + r - 1: each round draws its own windows). The zeros a
+round leaves stay zero while it trains (llmq.distillation.masks) and score lowest in the next
+round's pruning.
 
 The rounds are the stages of a recipe (`llmq run`) in OUT's staging folder: an interrupted run
 resumes in the stage it stopped in, and a stage's folder is removed once the next one is written,
 so the disk holds about two students at a time. The last round's student is published as OUT;
-its llmq.json adds each round's sparsity and held-out perplexity after pruning and after
-distillation.
+its llmq.json adds each round's sparsity (or parameters) and held-out perplexity after pruning
+and after distillation.
 """
 
 from __future__ import annotations
@@ -32,6 +35,17 @@ _NOT_PER_ROUND = ("prune", "prune_method", "sparsity", "pattern", "prune_start",
 def round_sparsities(target: float, rounds: int) -> list[float]:
     """The sparsity after each round: densities (1 - target)^(r / rounds)."""
     return [1 - (1 - target) ** (r / rounds) for r in range(1, rounds + 1)]
+
+
+def _prune_stage(config: DistillConfig, round_number: int) -> dict[str, Any]:
+    """Round r's one-shot pruning: to the round's sparsity, or structured, keeping the same
+    share (1 - s)^(1/R) of the decoder's parameters every round."""
+    target, rounds = float(config.sparsity or 0), config.rounds
+    stage: dict[str, Any] = {"name": f"prune-{round_number}", "calib_text": config.data, "seq_len": config.seq_len}  # fmt: skip
+    if config.prune_method == "structured":
+        return {**stage, "structured": True, "params": (1 - target) ** (1 / rounds)}
+    sparsity = round_sparsities(target, rounds)[round_number - 1]
+    return {**stage, "method": config.prune_method, "sparsity": sparsity}
 
 
 def distill_iterative(
@@ -74,6 +88,8 @@ def _check_first_round(config: DistillConfig) -> None:
     pruning less would see them grow back."""
     from llmq.distillation.masks import MASKED_MIN_ZEROS
 
+    if config.prune_method == "structured":
+        return
     first = round_sparsities(float(config.sparsity or 0), config.rounds)[0]
     if first < MASKED_MIN_ZEROS:
         raise InputError(
@@ -90,11 +106,8 @@ def rounds_recipe(config: DistillConfig, teacher: Path, checkpoint_every: int | 
     per_round = {k: v for k, v in config.model_dump().items() if k not in _NOT_PER_ROUND}
     steps = (config.max_steps or 0) // config.rounds
     stages: list[dict[str, Any]] = []
-    for r, sparsity in enumerate(round_sparsities(float(config.sparsity or 0), config.rounds), 1):
-        stages.append({"prune": {
-            "name": f"prune-{r}", "method": config.prune_method, "sparsity": sparsity,
-            "calib_text": config.data, "seq_len": config.seq_len,
-        }})  # fmt: skip
+    for r in range(1, config.rounds + 1):
+        stages.append({"prune": _prune_stage(config, r)})
         stages.append({"distill": {
             **per_round, "name": f"distill-{r}", "teacher": str(teacher), "max_steps": steps,
             "seed": config.seed + r - 1, "checkpoint_every": checkpoint_every,
@@ -123,7 +136,7 @@ def _result(stages: list[Any], config: DistillConfig, teacher: Path, student: Pa
         evaluations=_evaluations(trained),
         losses=[loss for d in trained for loss in d["losses"]],
         masked_linears=trained[-1]["masked_linears"], processes=1,
-        sparsity=pruned[-1]["sparsity"]["linears"], rounds=rounds,
+        sparsity=rounds[-1].get("sparsity"), rounds=rounds,
     )  # fmt: skip
 
 
@@ -134,13 +147,20 @@ def _round(number: int, pruned: dict[str, Any], trained: dict[str, Any], prune_s
     kept = next(e for e in reversed(evaluations) if e["step"] == trained["kept_step"])
     return {
         "round": number,
-        "sparsity": pruned["sparsity"]["linears"],
+        **_pruned_to(pruned),
         "prune_seconds": prune_seconds,
         "perplexity_pruned": evaluations[0]["perplexity"],
         "perplexity_distilled": evaluations[-1]["perplexity"],
         "perplexity_kept": kept["perplexity"],
         "distill_seconds": trained["seconds"],
     }
+
+
+def _pruned_to(pruned: dict[str, Any]) -> dict[str, Any]:
+    """What a round's pruning reached: the linears' sparsity, or (structured) the parameters."""
+    if "parameters" in pruned:
+        return {"parameters": pruned["parameters"]["output"]}
+    return {"sparsity": pruned["sparsity"]["linears"]}
 
 
 def _evaluations(trained: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -120,7 +120,7 @@ def distill(
     prune_method: Annotated[
         str,
         typer.Option(
-            help="How pruning scores weights: magnitude (|w|), wanda (|w|·‖x‖; with gmp from the running norms of the training inputs since the previous mask update) or sparsegpt (iterative only: the one-shot solver, which updates the remaining weights)."
+            help="How pruning scores weights: magnitude (|w|), wanda (|w|·‖x‖; with gmp from the running norms of the training inputs since the previous mask update) sparsegpt (iterative only: the one-shot solver, which updates the remaining weights) or structured (iterative only: `llmq prune --structured --params`, whole MLP channels; --sparsity is then the share of the decoder's parameters removed)."
         ),
     ] = "magnitude",
     sparsity: Annotated[
@@ -249,9 +249,10 @@ def render(result: Any) -> None:
     if result.sparsity is not None:
         table.add_row(f"sparsity of the decoder's linears ({config['prune']})", f"{result.sparsity:.1%}")  # fmt: skip
     for r in result.rounds:
+        reached = f"{r['sparsity']:.1%}" if "sparsity" in r else f"{r['parameters']:,} parameters"
         table.add_row(
-            f"round {r['round']}: sparsity, held-out ppl pruned -> distilled",
-            f"{r['sparsity']:.1%}, {r['perplexity_pruned']:.3f} -> {r['perplexity_kept']:.3f}",
+            f"round {r['round']}: pruned to, held-out ppl pruned -> distilled",
+            f"{reached}, {r['perplexity_pruned']:.3f} -> {r['perplexity_kept']:.3f}",
         )
     if result.perplexity:
         ppl = result.perplexity

@@ -68,10 +68,11 @@ class DistillConfig(BaseModel):
     # sparsity rises along the cubic schedule from 0 at prune_start to the target at prune_end
     # (default: 3/4 of max_steps), masks recomputed every prune_every steps from the weights'
     # magnitudes or Wanda's metric on running input norms (prune_method).
-    # iterative: `rounds` of one-shot pruning by `llmq prune --method prune_method` then
+    # iterative: `rounds` of one-shot pruning by `llmq prune --method prune_method` (or
+    # `--structured`, sparsity then the share of the decoder's parameters removed) then
     # distillation for max_steps / rounds steps (llmq.api.iterative).
     prune: Literal["none", "gmp", "iterative"] = "none"
-    prune_method: Literal["magnitude", "wanda", "sparsegpt"] = "magnitude"
+    prune_method: Literal["magnitude", "wanda", "sparsegpt", "structured"] = "magnitude"
     sparsity: float | None = Field(None, gt=0.0, lt=1.0)
     pattern: str | None = Field(None, pattern=r"^\d+:\d+$")
     prune_start: int = Field(0, ge=0)
@@ -138,8 +139,8 @@ def _check_pruning(config: DistillConfig) -> None:
     if len(given) != 1:
         raise ValueError("prune gmp: give either sparsity or pattern (one of them)")
     nm_pattern(config.pattern)  # 0 < N < M
-    if config.prune_method == "sparsegpt":
-        raise ValueError("prune gmp: scores by magnitude or wanda; sparsegpt solves on calibration Hessians (use prune iterative)")  # fmt: skip
+    if config.prune_method in ("sparsegpt", "structured"):
+        raise ValueError(f"prune gmp: scores single weights by magnitude or wanda; {config.prune_method} prunes in one shot (use prune iterative)")  # fmt: skip
     if config.max_steps is not None:
         if config.pruning_end <= config.prune_start:
             raise ValueError(f"prune_end {config.pruning_end}: must come after prune_start {config.prune_start}")  # fmt: skip

@@ -110,3 +110,15 @@ def test_bad_iterative_options_exit_2(
         base += ["--max-steps", "6"]
     assert_bad_input(runner.invoke(app, [*base, *args]), fragment)
     assert not (tmp_path / "o").exists()
+
+
+def test_structured_rounds_narrow_the_mlp_each_round(tmp_path: Path, teacher: Path) -> None:
+    out = tmp_path / "out"
+    options = {**ITERATIVE, "prune_method": "structured", "sparsity": 0.3, "steps_per_round": 1}
+    result = llmq.distill(teacher, teacher, out, **options)
+    before = json.loads((teacher / "config.json").read_text())["intermediate_size"]
+    after = json.loads((out / "config.json").read_text())["intermediate_size"]
+    assert after < before
+    first, second = (r["parameters"] for r in result.rounds)
+    assert second < first and result.sparsity is None
+    assert llmq.verify(out, loaders=["transformers"]).passed

@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from llmq.api.common import _open, _tokenizer
+from llmq.api.common import _open
 from llmq.config import DistillConfig, build
 from llmq.config.distill import DISTILL_RESUME_EVERY_S, ITERATIVE_ROUNDS
 from llmq.errors import InputError
@@ -56,6 +56,7 @@ def distill(
     evaluate: bool = True,
     reference: bool = True,
     space_check: bool = True,
+    sharding: str = "ddp",
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
     **options: Any,
@@ -65,7 +66,8 @@ def distill(
 
     `config` (or its fields as keyword `options`; `max_tokens` in place of `max_steps`) says
     how. Run under `torchrun` it trains data-parallel, each process on its slice of every
-    batch. A resume point is saved every `checkpoint_every` steps (else every
+    batch, with the student replicated (`sharding` "ddp") or the student, its optimizer state
+    and the teacher sharded over the processes ("fsdp": FSDP2). A resume point is saved every `checkpoint_every` steps (else every
     `resume_every_s` seconds) in OUT's staging folder; `resume=True` continues from it to the
     result an uninterrupted run gives. `evaluate`: perplexity of teacher, student and result
     under `llmq eval`'s default protocol in the report."""
@@ -81,7 +83,7 @@ def distill(
     try:
         run_device = process_device(run_device, processes)
         config = config or _config(options, max_tokens, processes.world_size)
-        _check_run(config, checkpoint_every, resume_every_s, processes.world_size)
+        _check_run(config, checkpoint_every, resume_every_s, processes.world_size, sharding)
         if config.prune == "iterative":
             from llmq.api.iterative import distill_iterative
 
@@ -96,7 +98,8 @@ def distill(
                     teacher_ckpt, student_ckpt, Path(out), config, processes, run_device,
                     checkpoint_every=checkpoint_every, resume_every_s=resume_every_s,
                     resume=resume, overwrite=overwrite, reference=reference,
-                    space_check=space_check, progress=progress if processes.is_main else NO_PROGRESS,
+                    space_check=space_check, sharding=sharding,
+                    progress=progress if processes.is_main else NO_PROGRESS,
                 )  # fmt: skip
     finally:
         leave_processes(processes)
@@ -153,8 +156,18 @@ def _steps_per_round(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_run(
-    config: DistillConfig, checkpoint_every: int | None, resume_every_s: float, world_size: int
+    config: DistillConfig,
+    checkpoint_every: int | None,
+    resume_every_s: float,
+    world_size: int,
+    sharding: str,
 ) -> None:
+    from llmq.distillation.build import SHARDINGS
+
+    if sharding not in SHARDINGS:
+        raise InputError(f"--sharding {sharding!r}: not a way to spread the models", hint=f"choose one of: {', '.join(SHARDINGS)}")  # fmt: skip
+    if sharding == "fsdp" and world_size == 1:
+        raise InputError("--sharding fsdp: shards over torchrun's processes; this run has one", hint="torchrun --nproc-per-node N -m llmq distill ...")  # fmt: skip
     if checkpoint_every is not None and checkpoint_every < 1:
         raise InputError(f"--checkpoint-every {checkpoint_every}: must be >= 1 step")
     if not resume_every_s > 0:
@@ -179,10 +192,12 @@ def _distill(
     overwrite: bool,
     reference: bool,
     space_check: bool,
+    sharding: str,
     progress: Progress,
 ) -> DistillResult:
     from contextlib import nullcontext
 
+    from llmq.distillation.build import final_student, prepare_run, run_hooks
     from llmq.io.atomic import check_free_space, check_output_dir, claim_output, staging_path
 
     staging = staging_path(out)
@@ -197,8 +212,8 @@ def _distill(
                 shutil.rmtree(staging, ignore_errors=True)
             _qat_start(config, student, staging, progress, device)
         processes.barrier()  # the other processes read what the first one prepared
-        run, fingerprint = _prepare(teacher, student, staging, config, processes, device, resume, progress)  # fmt: skip
-        hooks = _hooks(run, staging, fingerprint, checkpoint_every, resume_every_s)
+        run, fingerprint = prepare_run(teacher, student, staging, config, processes, device, resume, sharding, progress)  # fmt: skip
+        hooks = run_hooks(run, staging, fingerprint, checkpoint_every, resume_every_s)
         try:
             from llmq.distillation.loop import train
 
@@ -207,12 +222,12 @@ def _distill(
             if processes.is_main and not (staging / ".distill" / "latest").is_file():
                 shutil.rmtree(staging, ignore_errors=True)
             raise
-        kept_step = _final_student(run, staging)
+        kept_step, written = final_student(run, staging)
         result = _result(run, teacher, student, out, kept_step)
         if processes.is_main:
             from llmq.distillation.output import write_result
 
-            write_result(run, student, staging, out, result.to_dict(), device, reference, progress)
+            write_result(run, written, student, staging, out, result.to_dict(), device, reference, progress)  # fmt: skip
         processes.barrier()
     return result
 
@@ -228,132 +243,9 @@ def _qat_start(config: DistillConfig, student: Any, staging: Path, progress: Pro
     ptq_start(student.path, folder, config.qat_init, config.qat, config.qat_group_size, progress, str(device))  # fmt: skip
 
 
-def _prepare(
-    teacher: Any,
-    student: Any,
-    staging: Path,
-    config: DistillConfig,
-    processes: Any,
-    device: Any,
-    resume: bool,
-    progress: Progress,
-) -> tuple[Any, dict[str, Any]]:
-    """Data, models, optimizer, masks and (with `resume`) the state to continue from."""
-    import torch
-
-    from llmq.calib.data import evaluation_windows, training_windows
-    from llmq.distillation.data import BatchOrder
-    from llmq.distillation.loop import DistillRun
-    from llmq.distillation.loss import layer_pairs
-    from llmq.distillation.masks import pruning_masks
-    from llmq.distillation.models import kept_layers, load_model
-    from llmq.distillation.state import TrainState, load_state, parameters_of
-
-    tokenizer = _tokenizer(student.path)
-    with progress.stage(f"tokenizing {config.data} and {config.eval_text}"):
-        train_windows = training_windows(tokenizer, config.data, seq_len=config.seq_len)
-        eval_windows = evaluation_windows(
-            tokenizer,
-            config.eval_text,
-            seq_len=config.eval_seq_len,
-            max_windows=config.eval_windows,
-        )
-    global_batch = config.batch_size * config.grad_accum * processes.world_size
-    with progress.stage("loading teacher and student"):
-        teacher_model = None
-        if config.uses_teacher:
-            teacher_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-            teacher_model = load_model(teacher, device, teacher_dtype).eval().requires_grad_(False)
-        student_model = load_model(student, device, torch.float32).train()
-    if config.qat is not None:
-        from llmq.distillation.qat import apply_qat, linear_args, load_start, start_folder
-
-        apply_qat(student_model, linear_args(student, config.qat, config.qat_group_size))
-        if config.qat_init != "float":  # a resumed run's state replaces these weights below
-            load_start(student_model, start_folder(staging))
-    masks = pruning_masks(student_model)
-    _check_pattern(student_model, config)
-    parameters = parameters_of(student_model)
-    trained = student_model
-    if processes.distributed:
-        from torch.nn.parallel import DistributedDataParallel
-
-        trained = DistributedDataParallel(student_model)
-    optimizer = torch.optim.AdamW(
-        parameters.values(), lr=config.lr, weight_decay=config.weight_decay
-    )
-    fingerprint = {
-        "config": config.model_dump(mode="json"),
-        "teacher": teacher.file_stamps(),
-        "student": student.file_stamps(),
-        "processes": processes.world_size,
-    }
-    norms = _input_norms(student_model, config)
-    state = None
-    if resume:
-        buffers = None if norms is None else norms.squares
-        state = load_state(staging, parameters, optimizer, fingerprint, buffers)
-    if state is not None and config.prune == "gmp":
-        from llmq.distillation.gmp import masks_from_zeros
-
-        masks.update(masks_from_zeros(student_model, state.step, config))
-    kept = kept_layers(student, teacher.num_layers)
-    pairs = layer_pairs(student.num_layers, teacher.num_layers, kept)
-    run = DistillRun(
-        config=config, teacher=teacher_model, student=student_model, trained=trained,
-        optimizer=optimizer, order=BatchOrder(train_windows.input_ids, global_batch, config.seed),
-        eval_ids=eval_windows.input_ids, parameters=parameters, masks=masks,
-        layer_pairs=pairs, processes=processes, device=device, state=state or TrainState(),
-        input_norms=norms,
-    )  # fmt: skip
-    return run, fingerprint
-
-
-def _input_norms(model: Any, config: DistillConfig) -> Any:
-    """GMP by Wanda's metric counts the inputs of every prunable linear while training."""
-    if config.prune != "gmp" or config.prune_method != "wanda":
-        return None
-    from llmq.distillation.gmp import InputNorms
-
-    return InputNorms(model)
-
-
-def _hooks(
-    run: Any,
-    staging: Path,
-    fingerprint: dict[str, Any],
-    checkpoint_every: int | None,
-    resume_every_s: float,
-) -> Any:
-    """Resume points and best students are written by the first process only."""
-    from llmq.distillation.loop import Hooks
-    from llmq.distillation.state import save_best, save_state
-
-    def state() -> None:
-        if run.processes.is_main:
-            norms = None if run.input_norms is None else run.input_norms.state()
-            save_state(staging, run.state, run.parameters, run.optimizer, fingerprint, norms)
-        run.processes.barrier()
-
-    def best() -> None:
-        if run.processes.is_main:
-            save_best(staging, run.parameters)
-
-    return Hooks(state, best, checkpoint_every, resume_every_s)
-
-
-def _final_student(run: Any, staging: Path) -> int:
-    """Put the student to write in place (the best one, or the last) and say which step it is."""
-    from llmq.distillation.state import load_best
-
-    state = run.state
-    if run.config.keep == "last" or state.best_step == state.step:
-        return state.step
-    load_best(staging, run.parameters)
-    return int(state.best_step)
-
-
 def _result(run: Any, teacher: Any, student: Any, out: Path, kept_step: int) -> DistillResult:
+    from llmq.distillation.build import linear_sparsity
+
     state = run.state
     return DistillResult(
         out_dir=out, teacher=str(teacher.path), student=str(student.path),
@@ -362,33 +254,9 @@ def _result(run: Any, teacher: Any, student: Any, out: Path, kept_step: int) -> 
         tokens_per_s=state.tokens / state.step_seconds if state.step_seconds else 0.0,
         kept_step=kept_step, evaluations=state.evals, losses=state.losses,
         masked_linears=len(run.masks), processes=run.processes.world_size,
-        sparsity=_linear_sparsity(run.student) if run.config.prune == "gmp" else None,
+        sparsity=linear_sparsity(run) if run.config.prune == "gmp" else None,
         sparsity_schedule=state.sparsity,
     )  # fmt: skip
-
-
-def _check_pattern(model: Any, config: DistillConfig) -> None:
-    """GMP's N:M groups must tile every linear's inputs."""
-    from llmq.distillation.gmp import prunable_linears
-
-    pattern = config.nm_pattern
-    if pattern is None:
-        return
-    for name, linear in prunable_linears(model).items():
-        if linear.in_features % pattern[1]:
-            module = name.removesuffix(".weight")
-            raise InputError(
-                f"--pattern {config.pattern}: {pattern[1]} does not divide the {linear.in_features} inputs of {module}",
-                hint="choose an M that divides every linear's in_features (4 and 8 usually do)",
-            )
-
-
-def _linear_sparsity(model: Any) -> float:
-    from llmq.distillation.gmp import prunable_linears
-
-    weights = [linear.weight for linear in prunable_linears(model).values()]
-    zeros = sum(int((w == 0).sum()) for w in weights)
-    return zeros / sum(w.numel() for w in weights)
 
 
 def _keep_if_resumable(staging: Path) -> str | None:

@@ -182,6 +182,12 @@ def distill(
             help="Seconds between resume points when --checkpoint-every is not given; an interruption loses at most this much training."
         ),
     ] = DISTILL_RESUME_EVERY_S,
+    sharding: Annotated[
+        str,
+        typer.Option(
+            help="Under torchrun: ddp replicates the student, its AdamW state and the teacher in every process; fsdp (FSDP2) shards all three over the processes, each holding 1/N and gathering one decoder layer at a time (for models DDP does not fit). Resume points are then written by every process (torch.distributed.checkpoint) and need the same number of processes."
+        ),
+    ] = "ddp",
     resume: Resume = False,
     overwrite: Overwrite = False,
     evaluate: Annotated[
@@ -215,7 +221,8 @@ def distill(
         result = api.distill(
             teacher, student, out, max_tokens=max_tokens, checkpoint_every=checkpoint_every,
             resume_every_s=resume_every, resume=resume, overwrite=overwrite, evaluate=evaluate,
-            reference=reference, space_check=space_check, progress=progress, device=device,
+            reference=reference, space_check=space_check, sharding=sharding, progress=progress,
+            device=device,
             loss=loss, temperature=temperature, ce_weight=ce_weight, hidden_weight=hidden_weight,
             data=data, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
             max_steps=max_steps, lr=lr, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,

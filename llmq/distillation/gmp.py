@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from llmq.config import DistillConfig
+from llmq.distillation.sharding import local
 from llmq.pruning.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scores
 
 
@@ -107,7 +108,7 @@ def prune_step(
     if sparsity is None:
         return
     for name, linear in prunable_linears(model).items():
-        weight = linear.weight.data
+        weight = local(linear.weight.data)  # whole rows, also when sharded
         if norms is None:
             scores = magnitude_scores(weight)
         else:
@@ -124,7 +125,7 @@ def masks_from_zeros(model: nn.Module, step: int, config: DistillConfig) -> dict
     makes no exact zeros, so these are exactly the pruned weights)."""
     if step <= config.prune_start:
         return {}
-    return {name: linear.weight.data != 0 for name, linear in prunable_linears(model).items()}
+    return {name: local(linear.weight.data) != 0 for name, linear in prunable_linears(model).items()}  # fmt: skip
 
 
 def _final(config: DistillConfig) -> float:

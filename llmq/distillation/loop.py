@@ -44,6 +44,7 @@ class DistillRun:
     device: torch.device
     state: TrainState
     input_norms: Any = None  # GMP with Wanda's metric: llmq.distillation.gmp.InputNorms
+    sharded: bool = False  # FSDP: the student (and teacher) fully_shard-ed over the processes
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +95,7 @@ def train_step(run: DistillRun, step: int) -> float:
     micro_batches = windows.to(run.device).split(config.batch_size)
     total = 0.0
     for i, ids in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        sync = nullcontext() if last or not run.processes.distributed else run.trained.no_sync()  # type: ignore[operator]
-        with sync:
+        with _gradient_sync(run, last=i == len(micro_batches) - 1):
             loss = micro_batch_loss(run, ids) / len(micro_batches)
             loss.backward()
         total += loss.item()
@@ -107,6 +106,18 @@ def train_step(run: DistillRun, step: int) -> float:
     run.optimizer.zero_grad(set_to_none=True)
     mask_weights(run.parameters, run.masks)
     return run.processes.mean(total)
+
+
+def _gradient_sync(run: DistillRun, *, last: bool) -> Any:
+    """Processes reduce their gradients on the last micro-batch of a step only."""
+    if not run.processes.distributed:
+        return nullcontext()
+    if run.sharded:
+        from llmq.distillation.sharding import set_gradient_sync
+
+        set_gradient_sync(run.trained, last)
+        return nullcontext()
+    return nullcontext() if last else run.trained.no_sync()  # type: ignore[operator]
 
 
 def micro_batch_loss(run: DistillRun, ids: Tensor) -> Tensor:
@@ -133,15 +144,22 @@ def heldout_perplexity(run: DistillRun) -> float:
     """The student's token perplexity on the held-out windows (the protocol of `llmq eval`:
     each window's next-token losses, float32), split over the processes."""
     run.student.eval()
-    mine = run.eval_ids[run.processes.rank :: run.processes.world_size]
+    world = run.processes.world_size
+    mine = run.eval_ids[run.processes.rank :: world]
     totals = torch.zeros(2, dtype=torch.float64)
-    for ids in mine.split(run.config.batch_size):
+    batches = list(mine.split(run.config.batch_size))
+    for ids in batches:
         ids = ids.to(run.device)
         with _autocast(run.device):
             logits = run.student(input_ids=ids, use_cache=False).logits
         for row in range(ids.shape[0]):  # one window at a time, as `llmq eval`
             nll = F.cross_entropy(logits[row, :-1].float(), ids[row, 1:], reduction="sum")
             totals += torch.tensor([float(nll.double()), ids.shape[1] - 1], dtype=torch.float64)
+    if run.sharded:  # every forward gathers layers from all processes: all run as many
+        most = math.ceil(math.ceil(len(run.eval_ids) / world) / run.config.batch_size)
+        for _ in range(most - len(batches)):
+            with _autocast(run.device):
+                run.student(input_ids=run.eval_ids[:1].to(run.device), use_cache=False)
     run.student.train()
     nll, count = run.processes.sum(totals).tolist()
     return math.exp(nll / count)

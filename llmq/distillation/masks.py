@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from llmq.distillation.sharding import local
+
 MASKED_MIN_ZEROS = 0.10
 
 
@@ -28,12 +30,13 @@ def pruning_masks(model: nn.Module) -> dict[str, Tensor]:
 
 
 def mask_gradients(parameters: dict[str, nn.Parameter], masks: dict[str, Tensor]) -> None:
+    """`masks` hold the rows this process has of each weight (all of them unless sharded)."""
     for name, mask in masks.items():
         grad = parameters[name].grad
         if grad is not None:
-            grad.mul_(mask)
+            local(grad).mul_(mask)
 
 
 def mask_weights(parameters: dict[str, nn.Parameter], masks: dict[str, Tensor]) -> None:
     for name, mask in masks.items():
-        parameters[name].data.mul_(mask)
+        local(parameters[name].data).mul_(mask)

@@ -3,11 +3,12 @@ as a checkpoint shaped like the one it came from."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from llmq.calib.tokenizer import load_tokenizer
 from llmq.errors import InputError
@@ -70,7 +71,7 @@ def kept_layers(ckpt: Checkpoint, teacher_layers: int) -> list[int] | None:
 
 
 def write_student(
-    model: nn.Module,
+    state: Mapping[str, Tensor],
     source: Checkpoint,
     staging: Path,
     record: dict[str, Any],
@@ -78,12 +79,11 @@ def write_student(
     *,
     reference: bool,
 ) -> None:
-    """The student's weights under the source checkpoint's names and dtypes (a tied lm_head
-    stays tied), one shard per decoder layer as every llmq output, then config, tokenizer and
-    llmq.json."""
+    """The student's weights (`state`: its state dict) under the source checkpoint's names and
+    dtypes (a tied lm_head stays tied), one shard per decoder layer as every llmq output, then
+    config, tokenizer and llmq.json."""
     from llmq.pipeline.output import ShardNames, finish_checkpoint
 
-    state = model.state_dict()
     shards = ShardNames(source.num_layers)
     layers = source.layout.layers + "."
     groups: list[list[str]] = [[] for _ in range(shards.total)]

@@ -19,6 +19,7 @@ from llmq.progress import Progress
 
 def write_result(
     run: Any,
+    state: dict[str, Any],
     student: Any,
     staging: Path,
     out: Path,
@@ -27,8 +28,9 @@ def write_result(
     reference: bool,
     progress: Progress,
 ) -> None:
-    """Write the student (`result`: the run's summary, kept in llmq.json) into `staging` and
-    publish it at `out`; with QAT, quantize it first (export_qat)."""
+    """Write the student (`state`: the state dict to write; `result`: the run's summary, kept
+    in llmq.json) into `staging` and publish it at `out`; with QAT, quantize it first
+    (export_qat)."""
     record = {
         "llmq_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -37,7 +39,7 @@ def write_result(
     }
     staging.mkdir(parents=True, exist_ok=True)  # kept no best student nor resume point yet
     with progress.stage("writing the student"):
-        write_student(run.student, student, staging, record, str(device), reference=reference)
+        write_student(state, student, staging, record, str(device), reference=reference)
     remove_state(staging)
     if run.config.qat is not None:  # the float student becomes the quantized checkpoint
         from llmq.distillation.qat import start_folder

@@ -53,6 +53,9 @@ class Processes:
         return total
 
 
+SINGLE_PROCESS = Processes()
+
+
 def join_processes(device: torch.device) -> Processes:
     """This process's place among torchrun's processes, joining their group (once)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

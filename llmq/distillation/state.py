@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from llmq.distillation.parallel import SINGLE_PROCESS, Processes
 from llmq.errors import InputError
 from llmq.io.atomic import save_safetensors, write_json, write_text
 
@@ -63,18 +64,36 @@ def save_state(
     optimizer: torch.optim.Optimizer,
     fingerprint: dict[str, Any],
     buffers: dict[str, Tensor] | None = None,
+    *,
+    processes: Processes = SINGLE_PROCESS,
+    sharded: nn.Module | None = None,
 ) -> None:
-    """Write a resume point; `buffers`: other tensors the loop carries between steps (GMP's
-    running input norms)."""
+    """Write a resume point (every process calls this). `buffers`: other tensors the loop
+    carries between steps (GMP's running input norms), each process's own. `sharded`: the FSDP
+    student, whose shards and AdamW state every process writes itself; otherwise process 0
+    writes them."""
     root = staging / STATE_DIR
     point = root / f"step-{state.step:07d}"
-    shutil.rmtree(point, ignore_errors=True)
-    point.mkdir(parents=True)
-    save_safetensors(point / "student.safetensors", _cpu(parameters))
+    if processes.is_main:
+        shutil.rmtree(point, ignore_errors=True)
+        point.mkdir(parents=True)
+    processes.barrier()
+    torch.save(buffers or {}, point / _buffers_file(processes.rank))
+    if sharded is not None:
+        from llmq.distillation.sharding import save_sharded
+
+        save_sharded(point, sharded, optimizer)
+    processes.barrier()
+    if not processes.is_main:
+        return
+    optimizer_state = None
+    if sharded is None:
+        save_safetensors(point / "student.safetensors", _cpu(parameters))
+        optimizer_state = optimizer.state_dict()
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    extra = {"optimizer": optimizer.state_dict(), "rng": rng, "buffers": buffers or {}}
+    extra = {"optimizer": optimizer_state, "rng": rng}
     torch.save(extra, point / "optimizer.pt")
     write_json(point / "state.json", {"fingerprint": fingerprint, "state": asdict(state)})
     write_text(root / _POINTER, point.name)
@@ -89,20 +108,21 @@ def load_state(
     optimizer: torch.optim.Optimizer,
     fingerprint: dict[str, Any],
     buffers: dict[str, Tensor] | None = None,
+    *,
+    rank: int = 0,
+    sharded: nn.Module | None = None,
 ) -> TrainState | None:
     """Restore the newest resume point into the student, the optimizer and `buffers` (in
     place); None when there is none. A point from another configuration or other models is
-    refused."""
+    refused. `sharded`: the FSDP student, each process reading its own shards."""
     root = staging / STATE_DIR
     if not (root / _POINTER).is_file():
         return None
     point = root / (root / _POINTER).read_text().strip()
     try:
         saved = json.loads((point / "state.json").read_text())
-        from safetensors.torch import load_file
-
-        weights = load_file(str(point / "student.safetensors"))
         extra = torch.load(point / "optimizer.pt", weights_only=True)
+        saved_buffers = torch.load(point / _buffers_file(rank), weights_only=True)
     except (OSError, ValueError, RuntimeError):
         raise InputError(f"{point}: unreadable resume point", hint="rerun without --resume") from None  # fmt: skip
     if saved["fingerprint"] != fingerprint:
@@ -110,16 +130,35 @@ def load_state(
             f"{staging}: the interrupted run had other models or other settings",
             hint="rerun it with the same options, or without --resume to start over",
         )
-    with torch.no_grad():
-        for name, param in parameters.items():
-            param.copy_(weights[name])
-    optimizer.load_state_dict(extra["optimizer"])
+    if sharded is not None:
+        from llmq.distillation.sharding import load_sharded
+
+        load_sharded(point, sharded, optimizer)
+    else:
+        _load_student(point, parameters)
+        optimizer.load_state_dict(extra["optimizer"])
     for name, buffer in (buffers or {}).items():
-        buffer.copy_(extra["buffers"][name])
+        buffer.copy_(saved_buffers[name])
     torch.set_rng_state(extra["rng"]["cpu"])
     if "cuda" in extra["rng"]:
         torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
     return TrainState(**saved["state"])
+
+
+def _buffers_file(rank: int) -> str:
+    return f"buffers-{rank}.pt"
+
+
+def _load_student(point: Path, parameters: dict[str, nn.Parameter]) -> None:
+    from safetensors.torch import load_file
+
+    try:
+        weights = load_file(str(point / "student.safetensors"))
+    except (OSError, ValueError, RuntimeError):
+        raise InputError(f"{point}: unreadable resume point", hint="rerun without --resume") from None  # fmt: skip
+    with torch.no_grad():
+        for name, param in parameters.items():
+            param.copy_(weights[name])
 
 
 def has_resume_point(staging: Path) -> bool:
@@ -129,6 +168,18 @@ def has_resume_point(staging: Path) -> bool:
 def save_best(staging: Path, parameters: dict[str, nn.Parameter]) -> None:
     (staging / STATE_DIR).mkdir(parents=True, exist_ok=True)
     save_safetensors(staging / STATE_DIR / _BEST, _cpu(parameters))
+
+
+def save_best_state(staging: Path, state: dict[str, Tensor]) -> None:
+    """The best student as a whole state dict (gathered from an FSDP student)."""
+    (staging / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    save_safetensors(staging / STATE_DIR / _BEST, {k: v.detach().to("cpu") for k, v in state.items()})  # fmt: skip
+
+
+def load_best_state(staging: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(staging / STATE_DIR / _BEST))
 
 
 def load_best(staging: Path, parameters: dict[str, nn.Parameter]) -> None:

@@ -161,24 +161,34 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(
     assert_same_weights(tmp_path / "whole", out)
 
 
+def torchrun(processes: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+            "--master-port", str(free_port()), "-m", "llmq", "distill"]  # fmt: skip
+
+
+GLOO_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_two_gloo_processes_follow_one_process_with_the_same_global_batch(
-    tmp_path: Path, teacher: Path, student: Path
+    tmp_path: Path, teacher: Path, student: Path, sharding: str
 ) -> None:
     common = ["--teacher", str(teacher), "--student", str(student), "--seq-len", "64",
               "--eval-windows", "2", "--no-evaluate", "--no-reference", "--max-steps", "4",
               "--lr", "1e-3", "--batch-size", "1", "--json"]  # fmt: skip
     one = subprocess.run(cli(*common, "--grad-accum", "2", "--out", str(tmp_path / "one")), cwd=REPO, capture_output=True, text=True)  # fmt: skip
     assert one.returncode == 0, one.stderr
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(free_port()), "-m", "llmq", "distill"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    two = subprocess.run([*torchrun, *common, "--grad-accum", "1", "--out", str(tmp_path / "two")], cwd=REPO, capture_output=True, text=True, env=env)  # fmt: skip
+    two = subprocess.run([*torchrun(), *common, "--grad-accum", "1", "--sharding", sharding, "--out", str(tmp_path / "two")], cwd=REPO, capture_output=True, text=True, env=GLOO_ENV)  # fmt: skip
     assert two.returncode == 0, two.stderr
     single, parallel = json.loads(one.stdout), json.loads(two.stdout)
     assert parallel["processes"] == 2 and parallel["tokens"] == single["tokens"]
     assert parallel["losses"] == pytest.approx(single["losses"], rel=1e-4)
     for a, b in zip(parallel["evaluations"], single["evaluations"], strict=True):
         assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-4)
+    # written whole (under fsdp gathered from the shards): the files score what training measured
+    final = next(e["perplexity"] for e in parallel["evaluations"] if e["step"] == parallel["kept_step"])  # fmt: skip
+    written = llmq.evaluate(tmp_path / "two", max_windows=2, use_cache=False)
+    assert written.model.perplexity == pytest.approx(final, rel=1e-4)
 
 
 def other_vocabulary(tmp_path: Path, student: Path) -> Path:

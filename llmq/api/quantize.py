@@ -68,8 +68,8 @@ def make_recipe(
     Pruning methods (magnitude, wanda, sparsegpt): `sparsity` (share of each row's weights
     removed) or `pattern` ("2:4"); the pruned weights are quantized to exactly zero.
     sparsity_profile: "uniform", "owl" (layers with more outliers keep more weights) or "scan"
-    (layers whose pruning costs more output error keep more weights); the same total, measured
-    on the dense model in one more calibration pass.
+    (layers whose pruning costs a larger share of their output keep more weights); the same
+    total, measured on the dense model in one more calibration pass.
     """
     from llmq.quant.methods import get_method
 
@@ -241,7 +241,7 @@ def _layer_profile(
 ) -> dict[str, Any]:
     """The per-layer sparsities of the recipe's profile and the measure they come from, taken
     on the dense model's activations (one calibration pass: `collect_stats` with sums of
-    squares): OWL's outlier ratios, or the scan's shares of the pruning error."""
+    squares): OWL's outlier ratios, or the scan's relative pruning errors."""
     from llmq.calib.collect import collect_stats
     from llmq.pruning.profile import owl_sparsities, scan_sparsities
 
@@ -251,8 +251,8 @@ def _layer_profile(
     if recipe.sparsity_profile == "owl":
         sparsity, ratios = owl_sparsities(ckpt, stats, layers, recipe.sparsity)
         return {"profile": "owl", "sparsity": sparsity, "outlier_ratio": ratios}
-    sparsity, shares = scan_sparsities(ckpt, stats, layers, recipe.sparsity, recipe.method)
-    return {"profile": "scan", "sparsity": sparsity, "error_share": shares}
+    sparsity, relative, shares = scan_sparsities(ckpt, stats, layers, recipe.sparsity, recipe.method)  # fmt: skip
+    return {"profile": "scan", "sparsity": sparsity, "relative_error": relative, "error_share": shares}  # fmt: skip
 
 
 def _apply_fallback(

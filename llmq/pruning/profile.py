@@ -10,8 +10,11 @@ PROFILE_SPREAD and, decoder layers being the same size, the total is the target:
   more of them.
 - scan: a layer whose pruning costs more keeps more. The cost is `llmq fallback-scan`'s output
   error estimate Σ_j ‖ΔW_:j‖² E[x_j²] (the diagonal approximation of E‖ΔW x‖²), with ΔW the
-  weights the method's own score drops at the target sparsity; a layer's measure is its share
-  of the model's total. OWL counts outliers; this weighs what pruning actually removes.
+  weights the method's own score drops at the target sparsity, relative to the layer's output
+  Σ_j ‖W_:j‖² E[x_j²] (the scan's activation-weighted NRMSE, squared). Relative, because the
+  residual stream grows with depth: the absolute errors (also recorded, as shares of the total)
+  rank the last layers costliest, and sparing them measured far worse than uniform
+  (benchmarks/RESULTS.md). OWL counts outliers; this weighs what pruning actually removes.
 """
 
 from __future__ import annotations
@@ -43,27 +46,34 @@ def scan_sparsities(
     layers: Sequence[Sequence[str]],
     target: float,
     method: str,
-) -> tuple[list[float], list[float]]:
-    """Per decoder layer, the sparsity the scan profile gives it and its share of the output
-    error of pruning every layer to `target` with `method`'s score."""
-    errors = [sum(pruning_error(ckpt, stats, name, target, method) for name in names) for names in layers]  # fmt: skip
+) -> tuple[list[float], list[float], list[float]]:
+    """Per decoder layer: the sparsity the scan profile gives it, the relative output error of
+    pruning it to `target` with `method`'s score, and its share of the model's absolute error."""
+    errors, outputs = [], []
+    for names in layers:
+        pairs = [pruning_error(ckpt, stats, name, target, method) for name in names]
+        errors.append(sum(error for error, _ in pairs))
+        outputs.append(sum(output for _, output in pairs))
+    relative = [error / output if output else 0.0 for error, output in zip(errors, outputs, strict=True)]  # fmt: skip
     total = sum(errors)
     shares = [error / total if total else 0.0 for error in errors]
-    return spread_allocation(shares, target), shares
+    return spread_allocation(relative, target), relative, shares
 
 
 def pruning_error(
     ckpt: Checkpoint, stats: CalibStats, name: str, target: float, method: str
-) -> float:
+) -> tuple[float, float]:
     """Σ_j ‖ΔW_:j‖² Σ_tokens x_j² for ΔW the weights of linear `name` that `method`'s score
     (magnitude, or Wanda's for wanda and sparsegpt, whose mask Wanda's approximates) drops at
-    `target`: the squared output error per calibration pass, up to one constant."""
+    `target`, and the same sum over all of W: the squared output error and the squared output
+    per calibration pass, up to one constant."""
     squares = _input_squares(stats, name)
     weight = ckpt.read(f"{name}.weight").float()
     norms = squares.sqrt().to(weight)
     scores = magnitude_scores(weight) if method == "magnitude" else wanda_scores(weight, norms)
     dropped = pruned_mask(scores, Sparsity(fraction=target))
-    return float((weight.square() * squares.to(weight))[dropped].double().sum())
+    energy = (weight.square() * squares.to(weight)).double()
+    return float(energy[dropped].sum()), float(energy.sum())
 
 
 def outlier_ratio(

@@ -40,10 +40,10 @@ def test_pruning_error_sums_what_the_method_drops_weighted_by_its_input_squares(
     stats = CalibStats(inputs={"a": InputStats(None, None, sq_sum=torch.tensor([4.0, 1.0]))})
     ckpt = _Weights({"a.weight": weight})
     # magnitude drops 1 and 0.5: 1²·4 + 0.5²·1. Wanda scores |w|·‖x‖ = [[2, 1.5], [6, 0.5]]
-    # drop 1.5 and 0.5 instead: 1.5²·1 + 0.5²·1
-    assert pruning_error(ckpt, stats, "a", 0.5, "magnitude") == 4.25  # type: ignore[arg-type]
-    assert pruning_error(ckpt, stats, "a", 0.5, "wanda") == 2.5  # type: ignore[arg-type]
-    assert pruning_error(ckpt, stats, "a", 0.5, "sparsegpt") == 2.5  # type: ignore[arg-type]
+    # drop 1.5 and 0.5 instead: 1.5²·1 + 0.5²·1. The whole output: 1·4 + 2.25·1 + 9·4 + 0.25·1
+    assert pruning_error(ckpt, stats, "a", 0.5, "magnitude") == (4.25, 42.5)  # type: ignore[arg-type]
+    assert pruning_error(ckpt, stats, "a", 0.5, "wanda") == (2.5, 42.5)  # type: ignore[arg-type]
+    assert pruning_error(ckpt, stats, "a", 0.5, "sparsegpt") == (2.5, 42.5)  # type: ignore[arg-type]
 
 
 def test_the_allocation_spreads_by_the_measure_around_the_target() -> None:
@@ -86,7 +86,8 @@ def test_a_scan_profiled_prune_spares_the_layer_whose_pruning_costs_more(
 ) -> None:
     record = profiled_prune(tmp_path / "out", tiny_llama, "sparsegpt", "scan")
     assert sum(record["error_share"]) == pytest.approx(1.0)
-    costlier = max(range(2), key=lambda i: record["error_share"][i])
+    assert all(0 < r < 1 for r in record["relative_error"])
+    costlier = max(range(2), key=lambda i: record["relative_error"][i])
     assert record["sparsity"][costlier] == pytest.approx(0.5 - PROFILE_SPREAD)
 
 

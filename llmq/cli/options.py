@@ -113,6 +113,6 @@ SeqLen = Annotated[int, typer.Option(help="Tokens per calibration window.")]
 SparsityProfile = Annotated[
     str,
     typer.Option(
-        help="How --sparsity is spread over the decoder layers: uniform (the same in every layer), owl (outlier-weighed, arXiv 2310.05175: a layer whose weights hold more outliers, |w|·‖x‖ above 5x its mean on the dense model, keeps more of them) or scan (a layer with a larger share of the output error of pruning, fallback-scan's Σ‖ΔW_:j‖²E[x_j²] with ΔW what the method drops, keeps more); every layer within ±8 points of --sparsity, the same total; one more calibration pass. The report shows each layer's sparsity."
+        help="How --sparsity is spread over the decoder layers: uniform (the same in every layer), owl (outlier-weighed, arXiv 2310.05175: a layer whose weights hold more outliers, |w|·‖x‖ above 5x its mean on the dense model, keeps more of them) or scan (a layer whose pruning loses a larger share of its output, fallback-scan's Σ‖ΔW_:j‖²E[x_j²] with ΔW what the method drops over Σ‖W_:j‖²E[x_j²], keeps more); every layer within ±8 points of --sparsity, the same total; one more calibration pass. The report shows each layer's sparsity."
     ),
 ]

@@ -154,6 +154,7 @@ def run_hooks(
     """Resume points and best students; every process calls them, the first one writes (under
     FSDP each process also writes its own shards, and all gather the best student)."""
     from llmq.distillation.loop import Hooks
+    from llmq.distillation.sharding import full_state
     from llmq.distillation.state import save_best, save_best_state, save_state
 
     processes = run.processes
@@ -168,7 +169,7 @@ def run_hooks(
 
     def best() -> None:
         if run.sharded:
-            whole = _full_state(run.student)  # every process takes part in the gathering
+            whole = full_state(run.student)  # every process takes part in the gathering
             if processes.is_main:
                 save_best_state(staging, whole)
         elif processes.is_main:
@@ -179,25 +180,20 @@ def run_hooks(
 
 def final_student(run: Any, staging: Path) -> tuple[int, dict[str, Tensor]]:
     """Which step's student is written (the best one, or the last) and its state dict (whole on
-    the first process; every process must call this)."""
+    the first process; every process must call this). Under FSDP the last student is gathered
+    from the shards, a best one read back from its file."""
+    from llmq.distillation.sharding import full_state
     from llmq.distillation.state import load_best, load_best_state
 
     state = run.state
     kept = state.step if run.config.keep == "last" or state.best_step == state.step else int(state.best_step)  # fmt: skip
     if run.sharded:
-        whole = _full_state(run.student)
-        if kept != state.step and run.processes.is_main:
-            whole = load_best_state(staging)
-        return kept, whole
+        if kept == state.step:  # every process takes part in the gathering
+            return kept, full_state(run.student)
+        return kept, load_best_state(staging) if run.processes.is_main else {}
     if kept != state.step:
         load_best(staging, run.parameters)
     return kept, run.student.state_dict()
-
-
-def _full_state(model: nn.Module) -> dict[str, Tensor]:
-    from llmq.distillation.sharding import full_state
-
-    return full_state(model)
 
 
 def check_pattern(model: nn.Module, config: DistillConfig) -> None:

@@ -91,8 +91,7 @@ def train_step(run: DistillRun, step: int) -> float:
     config = run.config
     for group in run.optimizer.param_groups:
         group["lr"] = learning_rate(step, config)
-    windows = run.order.batch(step, run.processes.rank, run.processes.world_size)
-    micro_batches = windows.to(run.device).split(config.batch_size)
+    micro_batches = _micro_batches(run, step)
     total = 0.0
     for i, ids in enumerate(micro_batches):
         with _gradient_sync(run, last=i == len(micro_batches) - 1):
@@ -185,10 +184,15 @@ def _prune(run: DistillRun, step: int) -> None:
 def _forward_without_gradients(run: DistillRun, step: int) -> None:
     """The student's forward pass over this process's windows of `step`, in training mode (so
     that forward hooks count it), with no gradient and no update."""
-    windows = run.order.batch(step, run.processes.rank, run.processes.world_size)
-    for ids in windows.to(run.device).split(run.config.batch_size):
+    for ids in _micro_batches(run, step):
         with _autocast(run.device):
             run.student(input_ids=ids, use_cache=False)
+
+
+def _micro_batches(run: DistillRun, step: int) -> tuple[Tensor, ...]:
+    """This process's windows of `step`, on its device, in forward passes of batch_size."""
+    windows = run.order.batch(step, run.processes.rank, run.processes.world_size)
+    return windows.to(run.device).split(run.config.batch_size)
 
 
 def _evaluate(run: DistillRun, hooks: Hooks) -> None:

@@ -155,7 +155,7 @@ def distill(
     qat: Annotated[
         str | None,
         typer.Option(
-            help="Quantization-aware distillation: train on this scheme's fake-quantized weights (w4a16, w4a16-asym, w8a16; straight-through gradients, scales recomputed from the weights each step) and write OUT as that scheme's compressed-tensors checkpoint, whose codes reproduce the trained forward exactly."
+            help="Quantization-aware distillation: train on this scheme's fake-quantized weights (w4a16, w4a16-asym, w8a16, w8a8, fp8; straight-through gradients, scales recomputed from the weights each step; w8a8 and fp8 also quantize each linear's input per token, as the checkpoint runs) and write OUT as that scheme's compressed-tensors checkpoint, whose codes reproduce the trained forward exactly."
         ),
     ] = None,
     qat_group_size: Annotated[

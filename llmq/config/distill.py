@@ -80,9 +80,10 @@ class DistillConfig(BaseModel):
     prune_every: int = Field(1, ge=1)
     rounds: int = Field(ITERATIVE_ROUNDS, ge=1, le=100)
     # Quantization-aware distillation (llmq.distillation.qat): the decoder linears run on the
-    # scheme's fake-quantized weights (straight-through gradients) and the result is written
-    # as that scheme's compressed-tensors checkpoint, by `llmq quantize`'s RTN.
-    qat: Literal["w4a16", "w4a16-asym", "w8a16"] | None = None
+    # scheme's fake-quantized weights, and w8a8/fp8 on fake-quantized inputs per token
+    # (straight-through gradients); the result is written as that scheme's compressed-tensors
+    # checkpoint, by `llmq quantize`'s RTN.
+    qat: Literal["w4a16", "w4a16-asym", "w8a16", "w8a8", "fp8"] | None = None
     qat_group_size: int | None = Field(None, ge=16)
     # start from the float weights or `llmq quantize --method gptq|awq`'s solution
     qat_init: Literal["float", "gptq", "awq"] = "float"

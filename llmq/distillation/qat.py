@@ -1,18 +1,24 @@
 """Quantization-aware distillation: the student's decoder linears run on fake-quantized weights
-with straight-through gradients, and the result is exported by `llmq quantize`'s RTN into the
-compressed-tensors checkpoint whose integer codes reproduce that forward exactly.
+(and, for W8A8 and FP8, fake-quantized inputs) with straight-through gradients, and the result
+is exported by `llmq quantize`'s RTN into the compressed-tensors checkpoint whose codes
+reproduce that forward exactly.
 
 No second quantizer: the linears' arguments come from `llmq quantize`'s own plan of the student
 (scheme, group size and its fallback per linear, the stored dtype the scales take), and the
 forward quantizes with the same `rtn_quantize_weight`. Scales are recomputed from the weights at
 every forward (min/max per group, as RTN chooses them), so the exported checkpoint's scales are
 the ones the last forward used. Gradients pass the rounding unchanged (Bengio et al. 2013's
-straight-through estimator): d(fake_quantize(w))/dw = 1.
+straight-through estimator): d(fake_quantize(w))/dw = 1. Activations are quantized per token
+from their own absmax, as the exported checkpoint's `input_activations` (dynamic, strategy
+token) say and as llmq's evaluator, vLLM and the kernels compute them; the same
+straight-through gradient passes them (nothing is clipped, so there is no out-of-range input
+whose gradient a clipped estimator would zero).
 """
 
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,28 +30,43 @@ from llmq.config import QuantArgs
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint, torch_dtype
 
-WEIGHT_ONLY = ("w4a16", "w4a16-asym", "w8a16")
+QAT_SCHEMES = ("w4a16", "w4a16-asym", "w8a16", "w8a8", "fp8")
+"""Schemes whose RTN export needs no calibration: weight-only, or activations quantized per
+token at run time (static activation scales would be calibrated after training, not trained)."""
+
+
+@dataclass(frozen=True, slots=True)
+class QatLinear:
+    """How one linear runs during training: its weight arguments, the stored dtype its scales
+    take, and its input activations' arguments (None: not quantized)."""
+
+    weights: QuantArgs
+    dtype: torch.dtype
+    inputs: QuantArgs | None
 
 
 def qat_recipe(scheme: str, group_size: int | None) -> Any:
-    """The RTN recipe the export runs (and whose plan the forward follows)."""
+    """The RTN recipe the export runs (and whose plan the forward follows). No clipping: the
+    forward's scales come from each group's min/max, and the export must choose the same."""
     from llmq.api.quantize import make_recipe
 
-    if scheme not in WEIGHT_ONLY:
+    if scheme not in QAT_SCHEMES:
         raise InputError(
-            f"--qat {scheme}: not a weight-only integer scheme",
-            hint=f"choose one of {', '.join(WEIGHT_ONLY)}",
+            f"--qat {scheme}: not a scheme quantization-aware training supports",
+            hint=f"choose one of {', '.join(QAT_SCHEMES)}",
         )
-    return make_recipe(scheme=scheme, group_size=group_size, method="rtn", skip_layer_check=True)
+    return make_recipe(
+        scheme=scheme, group_size=group_size, method="rtn", clip="none", skip_layer_check=True
+    )
 
 
-def linear_args(student: Checkpoint, scheme: str, group_size: int | None) -> dict[str, tuple[QuantArgs, torch.dtype]]:  # fmt: skip
-    """Each quantized linear's arguments and stored dtype, from `llmq quantize`'s plan."""
+def linear_args(student: Checkpoint, scheme: str, group_size: int | None) -> dict[str, QatLinear]:
+    """Each quantized linear's arguments, from `llmq quantize`'s plan of the student."""
     from llmq.pipeline.plan import plan_quantization
 
     plan = plan_quantization(student, qat_recipe(scheme, group_size))
     return {
-        linear.name: (linear.args, torch_dtype(linear.dtype))
+        linear.name: QatLinear(linear.args, torch_dtype(linear.dtype), linear.input_args)
         for layer in plan.layers
         for linear in layer
         if linear.args is not None
@@ -62,18 +83,31 @@ def fake_quantized(weight: Tensor, args: QuantArgs, dtype: torch.dtype) -> Tenso
     return weight + (restored - weight).detach()
 
 
-def apply_qat(model: nn.Module, plan: dict[str, tuple[QuantArgs, torch.dtype]]) -> int:
-    """Run each planned linear of `model` on its fake-quantized weight; how many. Parameters and
-    their names are unchanged (resume points, DDP and the optimizer see a plain model)."""
-    for name, (args, dtype) in plan.items():
-        linear = model.get_submodule(name)
-        linear.forward = types.MethodType(_forward(args, dtype), linear)
+def fake_quantized_input(x: Tensor, args: QuantArgs) -> Tensor:
+    """The input as the quantized checkpoint's forward sees it (`fake_quantize`, per token),
+    with the straight-through gradient."""
+    from llmq.quant.primitives import fake_quantize
+
+    with torch.no_grad():
+        restored = fake_quantize(x, args)
+    return x + (restored - x).detach()
+
+
+def apply_qat(model: nn.Module, plan: dict[str, QatLinear]) -> int:
+    """Run each planned linear of `model` on its fake-quantized weight (and input); how many.
+    Parameters and their names are unchanged (resume points, DDP and the optimizer see a plain
+    model)."""
+    for name, linear in plan.items():
+        module = model.get_submodule(name)
+        module.forward = types.MethodType(_forward(linear), module)
     return len(plan)
 
 
-def _forward(args: QuantArgs, dtype: torch.dtype):
+def _forward(linear: QatLinear):
     def forward(self: nn.Linear, x: Tensor) -> Tensor:
-        return F.linear(x, fake_quantized(self.weight, args, dtype), self.bias)
+        if linear.inputs is not None:
+            x = fake_quantized_input(x, linear.inputs)
+        return F.linear(x, fake_quantized(self.weight, linear.weights, linear.dtype), self.bias)
 
     return forward
 

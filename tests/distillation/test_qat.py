@@ -12,7 +12,13 @@ from typer.testing import CliRunner
 from llmq.cli.main import app
 from llmq.config import QuantArgs
 from llmq.distillation.models import load_model, write_student
-from llmq.distillation.qat import apply_qat, export, fake_quantized, linear_args
+from llmq.distillation.qat import (
+    apply_qat,
+    export,
+    fake_quantized,
+    fake_quantized_input,
+    linear_args,
+)
 from llmq.io.checkpoint import open_checkpoint
 from llmq.progress import NO_PROGRESS
 from llmq.runtime.load import load_dequantized
@@ -32,6 +38,18 @@ def test_straight_through_gradient_on_a_hand_example() -> None:
     c = torch.tensor([[1.0, 2.0, -3.0, 0.5]])
     (out * c).sum().backward()
     assert torch.equal(w.grad, c)
+
+
+def test_fake_quantized_input_is_per_token_int8_with_identity_gradient() -> None:
+    """W8A8's inputs: each token scaled by its own absmax / 127. Token [1.27, -0.5, 0.013] has
+    scale 0.01, so the forward sees [1.27, -0.5, 0.01]; the gradient passes unchanged."""
+    args = QuantArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    x = torch.tensor([[1.27, -0.5, 0.013], [0.0, 0.0, 0.0]], requires_grad=True)
+    out = fake_quantized_input(x, args)
+    torch.testing.assert_close(out.detach(), torch.tensor([[1.27, -0.5, 0.01], [0.0, 0.0, 0.0]]))
+    c = torch.tensor([[1.0, -2.0, 3.0], [0.5, 0.25, -1.0]])
+    (out * c).sum().backward()
+    assert torch.equal(x.grad, c)
 
 
 @pytest.mark.parametrize(("scheme", "group_size"), [("w4a16", 64), ("w4a16-asym", 64), ("w8a16", None)])  # fmt: skip
@@ -56,6 +74,36 @@ def test_export_reproduces_the_fake_quantized_forward(tmp_path, tiny_llama, sche
     with torch.no_grad():
         reloaded = load_dequantized(open_checkpoint(tmp_path / "q"))(input_ids=ids).logits
     torch.testing.assert_close(reloaded, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "fp8"])
+def test_activation_quantized_export_scores_as_trained(tmp_path, tiny_llama, scheme):
+    """W8A8 and FP8: the training forward quantizes every linear's input per token, and llmq's
+    evaluator, running the exported checkpoint as its `input_activations` say, computes the same
+    log-probabilities; the float model's differ (the inputs' quantization is not a no-op)."""
+    from llmq.eval.logits import evaluator_log_probs
+
+    student = open_checkpoint(tiny_llama)
+    model = load_model(student, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        unquantized = model(input_ids=ids).logits.log_softmax(-1)
+    plan = linear_args(student, scheme, None)
+    assert all(linear.inputs is not None and linear.inputs.dynamic for linear in plan.values())
+    apply_qat(model, plan)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits.log_softmax(-1)
+    (tmp_path / "float").mkdir()
+    write_student(model.state_dict(), student, tmp_path / "float", {}, "cpu", reference=False)
+    export(tmp_path / "float", tmp_path / "q", scheme, None, progress=NO_PROGRESS)
+    config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert config["config_groups"]["group_0"]["input_activations"]["dynamic"] is True
+    scored = torch.stack(evaluator_log_probs(open_checkpoint(tmp_path / "q"), ids.tolist()))
+    torch.testing.assert_close(scored, expected, rtol=0, atol=1e-4)
+    assert (unquantized - expected).abs().max() > 1e-3
 
 
 FAST = {"seq_len": 64, "batch_size": 2, "grad_accum": 2, "eval_windows": 2, "eval_seq_len": 64,
@@ -83,10 +131,28 @@ def test_qat_distillation_writes_the_scheme_and_resumes_identically(tmp_path, te
     assert_same_weights(tmp_path / "whole", tmp_path / "resumed")
 
 
+def test_w8a8_qat_distillation_writes_what_it_measured(tmp_path, teacher, student):
+    """`llmq distill --qat w8a8`: OUT is an int-quantized checkpoint with dynamic per-token
+    inputs, and `llmq eval` scores it (activations quantized as the file says) with the held-out
+    perplexity training measured on the fake-quantized student it kept."""
+    import llmq
+
+    options = {**FAST, "max_steps": 2, "lr": 3e-3, "keep": "last", "eval_every": 2, "qat": "w8a8"}
+    result = llmq.distill(teacher, student, tmp_path / "out", **options)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "int-quantized"
+    kept = next(e for e in result.evaluations if e["step"] == result.kept_step)
+    measured = llmq.evaluate(tmp_path / "out", seq_len=64, max_windows=2, use_cache=False)
+    assert measured.model.perplexity == pytest.approx(kept["perplexity"], rel=1e-4)
+
+
 @pytest.mark.parametrize(
     ("options", "fragment"),
     [
-        (["--qat", "w5a16"], "qat: Input should be 'w4a16', 'w4a16-asym' or 'w8a16'"),
+        (
+            ["--qat", "w5a16"],
+            "qat: Input should be 'w4a16', 'w4a16-asym', 'w8a16', 'w8a8' or 'fp8'",
+        ),
         (["--qat-group-size", "64"], "qat_group_size and qat_init set up qat: give qat"),
     ],
 )

@@ -2,11 +2,14 @@
 above 50% sparsity: prune about 30%, repair, repeat).
 
 Round r prunes the current student with `llmq prune --method M` (the layer pipeline, calibrated
-on the training data in seq_len windows, its default number of them) to 1 - (1 - s)^(r/R), so
-that every round removes the same share of the weights that remain and the last reaches s (or,
-structured, `llmq prune --structured --params (1 - s)^(1/R)`: each round keeps that share of the
-decoder's parameters, by narrowing the MLP); then distills it from the teacher for max_steps / R
-steps with the run's settings (seed + r - 1: each round draws its own windows). The zeros a
+on the training data in seq_len windows, its default number of them) to the schedule's sparsity
+s_r (`round_sparsities`): geometric, 1 - (1 - s)^(r/R), removes the same share of the weights that
+remain every round; cubic, s (1 - (1 - r/R)^3), is Zhu & Gupta's GMP schedule taken in R steps:
+most of the pruning early, while many weights are redundant, and the last rounds small, so the
+last repair has less damage to undo. Structured rounds run `llmq prune --structured --params
+(1 - s_r) / (1 - s_(r-1))`: the same densities, as a share of the current decoder's parameters,
+by narrowing the MLP. Then the round distills from the teacher for max_steps / R steps with the
+run's settings (seed + r - 1: each round draws its own windows). The zeros a
 round leaves stay zero while it trains (llmq.distillation.masks) and score lowest in the next
 round's pruning.
 
@@ -29,23 +32,30 @@ from llmq.errors import InputError
 from llmq.progress import Progress
 
 _NOT_PER_ROUND = ("prune", "prune_method", "sparsity", "pattern", "prune_start", "prune_end",
-                  "prune_every", "rounds", "max_steps", "seed")  # fmt: skip
+                  "prune_every", "rounds", "round_schedule", "max_steps", "seed")  # fmt: skip
 
 
-def round_sparsities(target: float, rounds: int) -> list[float]:
-    """The sparsity after each round: densities (1 - target)^(r / rounds)."""
+def round_sparsities(target: float, rounds: int, schedule: str = "geometric") -> list[float]:
+    """The sparsity after each round: geometric, densities (1 - target)^(r / rounds); cubic,
+    target (1 - (1 - r / rounds)^3)."""
+    if schedule == "cubic":
+        return [target * (1 - (1 - r / rounds) ** 3) for r in range(1, rounds + 1)]
     return [1 - (1 - target) ** (r / rounds) for r in range(1, rounds + 1)]
 
 
+def _schedule(config: DistillConfig) -> list[float]:
+    return round_sparsities(float(config.sparsity or 0), config.rounds, config.round_schedule)
+
+
 def _prune_stage(config: DistillConfig, round_number: int) -> dict[str, Any]:
-    """Round r's one-shot pruning: to the round's sparsity, or structured, keeping the same
-    share (1 - s)^(1/R) of the decoder's parameters every round."""
-    target, rounds = float(config.sparsity or 0), config.rounds
+    """Round r's one-shot pruning: to the round's sparsity, or structured, keeping the share of
+    the current decoder's parameters that takes its density from the last round's to this one's."""
+    sparsities = [0.0, *_schedule(config)]
     stage: dict[str, Any] = {"name": f"prune-{round_number}", "calib_text": config.data, "seq_len": config.seq_len}  # fmt: skip
     if config.prune_method == "structured":
-        return {**stage, "structured": True, "params": (1 - target) ** (1 / rounds)}
-    sparsity = round_sparsities(target, rounds)[round_number - 1]
-    return {**stage, "method": config.prune_method, "sparsity": sparsity}
+        keep = (1 - sparsities[round_number]) / (1 - sparsities[round_number - 1])
+        return {**stage, "structured": True, "params": keep}
+    return {**stage, "method": config.prune_method, "sparsity": sparsities[round_number]}
 
 
 def distill_iterative(
@@ -90,7 +100,7 @@ def _check_first_round(config: DistillConfig) -> None:
 
     if config.prune_method == "structured":
         return
-    first = round_sparsities(float(config.sparsity or 0), config.rounds)[0]
+    first = _schedule(config)[0]
     if first < MASKED_MIN_ZEROS:
         raise InputError(
             f"--sparsity {config.sparsity} in {config.rounds} rounds: the first round prunes {first:.1%}, "

@@ -114,7 +114,7 @@ def distill(
     prune: Annotated[
         str,
         typer.Option(
-            help="gmp: gradual pruning while training (Zhu & Gupta): the decoder linears' sparsity rises along the cubic schedule to --sparsity (or --pattern) between --prune-start and --prune-end. iterative: --rounds of one-shot `llmq prune --method PRUNE_METHOD` then distillation (--steps-per-round each), every round removing the same share of the remaining weights; perplexity after each. Pruned weights stay zero. none: no pruning."
+            help="gmp: gradual pruning while training (Zhu & Gupta): the decoder linears' sparsity rises along the cubic schedule to --sparsity (or --pattern) between --prune-start and --prune-end. iterative: --rounds of one-shot `llmq prune --method PRUNE_METHOD` then distillation (--steps-per-round each), the sparsity rising by --round-schedule; perplexity after each. Pruned weights stay zero. none: no pruning."
         ),
     ] = "none",
     prune_method: Annotated[
@@ -146,6 +146,12 @@ def distill(
     rounds: Annotated[
         int, typer.Option(help="--prune iterative: prune-then-distill rounds.")
     ] = ITERATIVE_ROUNDS,
+    round_schedule: Annotated[
+        str,
+        typer.Option(
+            help="--prune iterative: the sparsity after round r of R. geometric: 1 - (1 - s)^(r/R), the same share of the remaining weights every round. cubic: s(1 - (1 - r/R)^3), Zhu & Gupta's schedule, most of the pruning in the first rounds and the last one small."
+        ),
+    ] = "geometric",
     steps_per_round: Annotated[
         int | None,
         typer.Option(
@@ -230,7 +236,7 @@ def distill(
             eval_text=eval_text, eval_windows=eval_windows, eval_every=eval_every, keep=keep,
             prune=prune, prune_method=prune_method, sparsity=sparsity, pattern=pattern,
             prune_start=prune_start, prune_end=prune_end, prune_every=prune_every, rounds=rounds,
-            steps_per_round=steps_per_round, qat=qat, qat_group_size=qat_group_size,
+            round_schedule=round_schedule, steps_per_round=steps_per_round, qat=qat, qat_group_size=qat_group_size,
             qat_init=qat_init,
         )  # fmt: skip
     if not main_process:

@@ -79,6 +79,8 @@ class DistillConfig(BaseModel):
     prune_end: int | None = Field(None, ge=1)
     prune_every: int = Field(1, ge=1)
     rounds: int = Field(ITERATIVE_ROUNDS, ge=1, le=100)
+    # iterative: the sparsity after each round (llmq.api.iterative.round_sparsities)
+    round_schedule: Literal["geometric", "cubic"] = "geometric"
     # Quantization-aware distillation (llmq.distillation.qat): the decoder linears run on the
     # scheme's fake-quantized weights, and w8a8/fp8 on fake-quantized inputs per token
     # (straight-through gradients); the result is written as that scheme's compressed-tensors
@@ -129,6 +131,8 @@ def _check_pruning(config: DistillConfig) -> None:
     given = [name for name in ("sparsity", "pattern") if getattr(config, name) is not None]
     if config.prune != "iterative" and config.rounds != ITERATIVE_ROUNDS:
         raise ValueError("rounds: prunes only with prune iterative")
+    if config.prune != "iterative" and config.round_schedule != "geometric":
+        raise ValueError("round_schedule: prunes only with prune iterative")
     if config.prune == "none":
         changed = [*given, *(["prune_method"] if config.prune_method != "magnitude" else [])]
         if changed:

@@ -34,6 +34,32 @@ def test_every_round_removes_the_same_share_of_what_remains() -> None:
     assert round_sparsities(0.5, 1) == [0.5]
 
 
+def test_the_cubic_round_schedule_is_gmps_formula_at_the_round_ends() -> None:
+    """s (1 - (1 - r/R)^3) for R = 3, s = 0.7: 0.7 x 19/27, 0.7 x 26/27, 0.7; and it prunes
+    more than the geometric schedule in every round but the last."""
+    got = round_sparsities(0.7, 3, "cubic")
+    assert got == pytest.approx([0.7 * 19 / 27, 0.7 * 26 / 27, 0.7], abs=1e-12)
+    assert all(c > g for c, g in zip(got[:-1], round_sparsities(0.7, 3)[:-1], strict=True))
+
+
+def test_structured_rounds_keep_the_schedules_densities() -> None:
+    """Structured rounds prune a share of the current decoder: their product is the target's
+    density, and each is the ratio of successive densities of the schedule."""
+    import math
+
+    from llmq.api.iterative import rounds_recipe
+    from llmq.config import DistillConfig
+
+    for schedule in ("geometric", "cubic"):
+        config = DistillConfig(prune="iterative", prune_method="structured", sparsity=0.4,
+                               rounds=3, round_schedule=schedule, max_steps=3)  # fmt: skip
+        stages = rounds_recipe(config, Path("teacher"), None).model_dump()["stages"]
+        keeps = [stage["prune"]["params"] for stage in stages if stage.get("prune")]
+        assert math.prod(keeps) == pytest.approx(0.6, abs=1e-12)
+        densities = [1.0] + [1 - s for s in round_sparsities(0.4, 3, schedule)]
+        assert keeps == pytest.approx([densities[r + 1] / densities[r] for r in range(3)])
+
+
 def test_rounds_prune_then_distill_and_report_each(
     tmp_path: Path, teacher: Path, student: Path
 ) -> None:
@@ -87,6 +113,11 @@ def test_an_interrupted_run_resumes_in_its_round_to_the_same_weights(
             "rounds: prunes only with prune iterative",
         ),
         (["--steps-per-round", "2", "--max-steps", "4"], "goes with --prune iterative"),
+        (["--round-schedule", "cubic"], "round_schedule: prunes only with prune iterative"),
+        (
+            ["--prune", "iterative", "--sparsity", "0.5", "--round-schedule", "linear"],
+            "round_schedule: Input should be 'geometric' or 'cubic'",
+        ),
         (
             [
                 "--prune",

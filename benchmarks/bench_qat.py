@@ -1,18 +1,19 @@
 """Quantization-aware distillation against post-training quantization on the default model
 (issue 37's QAT target), in one run on this machine's CPU.
 
-    python benchmarks/bench_qat.py [--steps 40 --lr 2e-5 --windows 20] [--reuse]
+    python benchmarks/bench_qat.py [--steps 40 --lr 2e-5 --windows 20] [--scheme w4a16] [--reuse]
 
-Model: SmolLM2-135M-Instruct, float32, W4A16 groups of 64 (its hidden size 576 is not a
-multiple of 128). Post-training: `llmq quantize --method rtn` and `--method gptq` (128 x 512
-calibration windows of the default mixed text). QAT: `llmq distill --teacher M --student M
---qat w4a16 --qat-group-size 64` (forward KL to the float model, 512-token windows of the
-calibration splits of shakespeare+pydoc, 4 a step, warm-up 3 steps then cosine, the last step
-kept), once from the float weights (its step-0 model is exactly RTN) and once from GPTQ's
-solution (`--qat-init gptq`). Perplexity
-protocol: token perplexity, first --windows 512-token windows of the held-out splits of news and
-Hamlet, no BOS, float32, every checkpoint read back from its compressed-tensors files. Recovery:
-(PTQ - QAT) / (PTQ - float) per text.
+Model: SmolLM2-135M-Instruct, float32, W4A16 groups of 64 by default (its hidden size 576 is not
+a multiple of 128; --scheme w8a8 or fp8 for the per-channel, per-token schemes). Post-training:
+`llmq quantize --method rtn` and `--method gptq` with their defaults (128 x 512 calibration
+windows of the default mixed text). QAT: `llmq distill --teacher M --student M --qat SCHEME`
+(forward KL to the float model, 512-token windows of the calibration splits of
+shakespeare+pydoc, 4 a step, warm-up 3 steps then cosine, the last step kept), once from the
+float weights (its step-0 model is exactly RTN without clipping) and once from GPTQ's solution
+(`--qat-init gptq`). Perplexity protocol: token perplexity, first --windows 512-token windows of
+the held-out splits of news and Hamlet, no BOS, float32, activations quantized as the scheme
+says, every checkpoint read back from its compressed-tensors files. Recovery: (PTQ - QAT) /
+(PTQ - float) per text.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def main() -> None:
     parser.add_argument(
         "--reuse", action="store_true", help="keep outputs (and their times) of an earlier run"
     )
+    parser.add_argument("--scheme", default="w4a16", help="a --qat scheme")
+    parser.add_argument("--group-size", type=int, help="default 64 for w4a16, none otherwise")
     args = parser.parse_args()
     from llmq.models import builtin_model_path
 
@@ -61,17 +64,20 @@ def main() -> None:
     llmq = [sys.executable, "-m", "llmq"]
     report: dict[str, object] = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
                                  "steps": args.steps, "lr": args.lr, "windows": args.windows}  # fmt: skip
+    group_size = args.group_size or (64 if args.scheme.startswith("w4") else None)
+    grouping = [] if group_size is None else ["--group-size", str(group_size)]
+    report["scheme"], report["group_size"] = args.scheme, group_size
     runs = {
-        "rtn": [*llmq, "quantize", str(model), "--out", str(out / "rtn"), "--scheme", "w4a16",
-                "--group-size", "64", "--method", "rtn", "--overwrite", "--json"],
-        "gptq": [*llmq, "quantize", str(model), "--out", str(out / "gptq"), "--scheme", "w4a16",
-                 "--group-size", "64", "--method", "gptq", "--overwrite", "--json"],
+        method: [*llmq, "quantize", str(model), "--out", str(out / method), "--scheme",
+                 args.scheme, *grouping, "--method", method, "--overwrite", "--json"]
+        for method in ("rtn", "gptq")
     }  # fmt: skip
     for init in ("float", "gptq"):
         runs[f"qat-{init}"] = [
             *llmq, "distill", "--teacher", str(model), "--student", str(model),
-            "--out", str(out / f"qat-{init}"), "--qat", "w4a16", "--qat-group-size", "64",
-            "--qat-init", init, "--max-steps", str(args.steps), "--lr", str(args.lr),
+            "--out", str(out / f"qat-{init}"), "--qat", args.scheme,
+            *(["--qat-group-size", str(group_size)] if group_size else []), "--qat-init", init,
+            "--max-steps", str(args.steps), "--lr", str(args.lr),
             "--warmup-steps", "3", "--grad-accum", "4", "--keep", "last", "--no-evaluate",
             "--overwrite", "--json",
         ]  # fmt: skip

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from llmq.api.common import (
     _tokenizer,
 )
 from llmq.errors import InputError
+from llmq.io.checkpoint import recorded_sparsity
 from llmq.models import cache_dir, resolve_model
 from llmq.pipeline.output import weights_size
 from llmq.progress import NO_PROGRESS, Progress
@@ -110,19 +110,8 @@ def evaluate(
         sizes["baseline"] = weights_size(base_ckpt.path)
     return EvalResult(
         protocol=protocol, model=result, baseline=base, max_ppl_increase=max_ppl_increase,
-        size_bytes=sizes, sparsity=_recorded_sparsity(ckpt.path),
+        size_bytes=sizes, sparsity=recorded_sparsity(ckpt.path),
     )  # fmt: skip
-
-
-def _recorded_sparsity(folder: Path) -> float | None:
-    """The share of zeros `llmq prune` (or a pruning `quantize`) recorded in llmq.json."""
-    from llmq.io.checkpoint import RECORD_FILE
-
-    try:
-        record = json.loads((folder / RECORD_FILE).read_text())
-        return float(record["sparsity"]["linears"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def verify(

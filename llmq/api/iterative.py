@@ -10,7 +10,8 @@ last repair has less damage to undo. Structured rounds run `llmq prune --structu
 (1 - s_r) / (1 - s_(r-1))`: the same densities, as a share of the current decoder's parameters,
 by narrowing the MLP. Then the round distills from the teacher for max_steps / R steps with the
 run's settings (seed + r - 1: each round draws its own windows). The zeros a
-round leaves stay zero while it trains (llmq.distillation.masks) and score lowest in the next
+round leaves stay zero while it trains (llmq.distillation.masks: the pruned student's record
+says it was pruned, so even a light first round keeps its zeros) and score lowest in the next
 round's pruning.
 
 The rounds are the stages of a recipe (`llmq run`) in OUT's staging folder: an interrupted run
@@ -28,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from llmq.config import DistillConfig
-from llmq.errors import InputError
 from llmq.progress import Progress
 
 _NOT_PER_ROUND = ("prune", "prune_method", "sparsity", "pattern", "prune_start", "prune_end",
@@ -75,7 +75,6 @@ def distill_iterative(
     from llmq.api.chain import run
     from llmq.io.atomic import check_output_dir, claim_output, publish, staging_path, write_json
 
-    _check_first_round(config)
     staging = staging_path(out)
     with claim_output(out, kept=lambda: _kept(staging)):
         check_output_dir(out, overwrite=overwrite, sources=(teacher.path, student.path))
@@ -91,22 +90,6 @@ def distill_iterative(
         publish(last, out)
         shutil.rmtree(staging, ignore_errors=True)
     return result
-
-
-def _check_first_round(config: DistillConfig) -> None:
-    """Distillation keeps the zeros of linears at least MASKED_MIN_ZEROS zeros: a first round
-    pruning less would see them grow back."""
-    from llmq.distillation.masks import MASKED_MIN_ZEROS
-
-    if config.prune_method == "structured":
-        return
-    first = _schedule(config)[0]
-    if first < MASKED_MIN_ZEROS:
-        raise InputError(
-            f"--sparsity {config.sparsity} in {config.rounds} rounds: the first round prunes {first:.1%}, "
-            f"below the {MASKED_MIN_ZEROS:.0%} of zeros that distillation keeps as a mask",
-            hint="give fewer --rounds or a higher --sparsity",
-        )
 
 
 def rounds_recipe(config: DistillConfig, teacher: Path, checkpoint_every: int | None) -> Any:

@@ -117,8 +117,10 @@ def _parallel(
     process holds."""
     from llmq.distillation.masks import pruning_masks
     from llmq.distillation.state import parameters_of
+    from llmq.io.checkpoint import recorded_sparsity
 
-    masks = pruning_masks(student_model)  # of the whole weights, before any sharding
+    recorded = recorded_sparsity(student.path) is not None
+    masks = pruning_masks(student_model, recorded=recorded)  # whole weights, before sharding
     if sharded:
         from llmq.distillation.sharding import local_masks, shard
 

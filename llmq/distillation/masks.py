@@ -1,8 +1,9 @@
 """The zeros of a pruned student stay zero through training.
 
 A linear weight that is at least `MASKED_MIN_ZEROS` exact zeros was pruned (by `llmq prune` or
-any other tool: the rule reads the tensors, not a record); a trained dense weight has
-practically none. Its gradient is masked before each optimizer step, so AdamW's moments of a
+any other tool: the rule reads the tensors); a trained dense weight has practically none. A
+student whose llmq.json records llmq's pruning keeps the zeros of every linear that has any,
+however few: the first round of iterative pruning may remove less than that share. Its gradient is masked before each optimizer step, so AdamW's moments of a
 pruned weight stay zero and it never moves, and the weight is masked again after the step so
 that no rounding can revive it.
 """
@@ -16,15 +17,17 @@ from llmq.distillation.sharding import local
 MASKED_MIN_ZEROS = 0.10
 
 
-def pruning_masks(model: nn.Module) -> dict[str, Tensor]:
-    """name of a linear weight -> bool mask of its non-zeros, for the weights that were pruned."""
+def pruning_masks(model: nn.Module, *, recorded: bool = False) -> dict[str, Tensor]:
+    """name of a linear weight -> bool mask of its non-zeros, for the weights that were pruned
+    (`recorded`: llmq's record says the student was pruned, so any zeros count)."""
+    least = 0.0 if recorded else MASKED_MIN_ZEROS
     masks = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
         weight = module.weight.detach()
         zeros = (weight == 0).sum().item() / weight.numel()
-        if zeros >= MASKED_MIN_ZEROS:
+        if zeros > 0 and zeros >= least:
             masks[f"{name}.weight"] = weight != 0
     return masks
 

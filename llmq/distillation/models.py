@@ -55,16 +55,13 @@ def load_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> nn
 def kept_layers(ckpt: Checkpoint, teacher_layers: int) -> list[int] | None:
     """The teacher layers a depth-pruned student kept, from `llmq prune --structured`'s record;
     None when there is no such record or it was pruned from a model of another depth."""
-    import json
-
-    from llmq.io.checkpoint import RECORD_FILE
+    from llmq.io.checkpoint import read_record
 
     try:
-        record = json.loads((ckpt.path / RECORD_FILE).read_text())
-        removed = set(record["structured"]["removed"]["layers"])
-        source_layers = ckpt.num_layers + len(removed)
-    except (OSError, ValueError, KeyError, TypeError):
+        removed = set(read_record(ckpt.path)["structured"]["removed"]["layers"])
+    except (KeyError, TypeError):
         return None
+    source_layers = ckpt.num_layers + len(removed)
     if source_layers != teacher_layers:
         return None
     return [i for i in range(source_layers) if i not in removed]

@@ -35,6 +35,25 @@ RECORD_FILE = "llmq.json"  # how llmq made a checkpoint
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 
 
+def read_record(folder: Path) -> dict[str, Any]:
+    """How llmq made the checkpoint at `folder` (its llmq.json); {} where there is none or it is
+    not a JSON object: a checkpoint from another tool, or a damaged record, which informs reports
+    but never decides whether a checkpoint can be read."""
+    try:
+        record = json.loads((folder / RECORD_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def recorded_sparsity(folder: Path) -> float | None:
+    """The share of zeros `llmq prune` (or a pruning `quantize`) recorded for the linears."""
+    try:
+        return float(read_record(folder)["sparsity"]["linears"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def side_files(folder: Path) -> list[Path]:
     """A checkpoint's files that a converted copy keeps as they are (tokenizer, generation
     config, chat template, license...): everything but weights, config, index and llmq's record."""

@@ -84,9 +84,12 @@ def test_distillation_moves_the_student_to_the_teacher_and_writes_what_transform
     assert not list(tmp_path.glob(".*partial*"))  # published whole, nothing left behind
 
 
-def test_pruned_weights_stay_exactly_zero(tmp_path: Path, teacher: Path) -> None:
+@pytest.mark.parametrize("sparsity", [0.5, 0.05])
+def test_pruned_weights_stay_exactly_zero(tmp_path: Path, teacher: Path, sparsity: float) -> None:
+    """Zeros stay zero: at 50% by the tensors alone, at 5% (below MASKED_MIN_ZEROS) because the
+    student's llmq.json records llmq's pruning."""
     sparse = tmp_path / "sparse"
-    llmq.prune(teacher, sparse, method="magnitude", sparsity=0.5, skip_layer_check=True,
+    llmq.prune(teacher, sparse, method="magnitude", sparsity=sparsity, skip_layer_check=True,
                reference=False)  # fmt: skip
     out = tmp_path / "out"
     result = llmq.distill(teacher, sparse, out, max_steps=3, lr=1e-2, keep="last", **FAST)
@@ -96,6 +99,16 @@ def test_pruned_weights_stay_exactly_zero(tmp_path: Path, teacher: Path) -> None
         if name.endswith("proj.weight"):
             assert torch.equal(after[name] == 0, weight == 0), name
             assert not torch.equal(after[name], weight), name  # the rest did train
+
+
+def test_a_light_pruning_without_llmqs_record_is_trained_as_dense(tmp_path: Path, teacher: Path) -> None:  # fmt: skip
+    """5% zeros from another tool (no llmq.json) are below MASKED_MIN_ZEROS: no masks."""
+    sparse = tmp_path / "sparse"
+    llmq.prune(teacher, sparse, method="magnitude", sparsity=0.05, skip_layer_check=True,
+               reference=False)  # fmt: skip
+    (sparse / "llmq.json").unlink()
+    result = llmq.distill(teacher, sparse, tmp_path / "out", max_steps=1, keep="last", **FAST)
+    assert result.masked_linears == 0
 
 
 class InterruptAfter:

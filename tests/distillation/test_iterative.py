@@ -107,7 +107,6 @@ def test_an_interrupted_run_resumes_in_its_round_to_the_same_weights(
             "not a multiple of rounds 3",
         ),
         (["--prune", "iterative", "--sparsity", "0.5", "--prune-end", "2"], "prunes once a round"),
-        (["--prune", "iterative", "--sparsity", "0.2"], "the first round prunes 7.2%"),
         (
             ["--prune", "gmp", "--sparsity", "0.5", "--rounds", "2"],
             "rounds: prunes only with prune iterative",

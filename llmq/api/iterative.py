@@ -9,10 +9,9 @@ most of the pruning early, while many weights are redundant, and the last rounds
 last repair has less damage to undo. Structured rounds run `llmq prune --structured --params
 (1 - s_r) / (1 - s_(r-1))`: the same densities, as a share of the current decoder's parameters,
 by narrowing the MLP. Then the round distills from the teacher for max_steps / R steps with the
-run's settings (seed + r - 1: each round draws its own windows). The zeros a
-round leaves stay zero while it trains (llmq.distillation.masks: the pruned student's record
-says it was pruned, so even a light first round keeps its zeros) and score lowest in the next
-round's pruning.
+run's settings (seed + r - 1: each round draws its own windows). The zeros a round leaves stay
+zero while it trains (llmq.distillation.masks: the pruned student's record says it was pruned,
+so even a light first round keeps its zeros) and score lowest in the next round's pruning.
 
 The rounds are the stages of a recipe (`llmq run`) in OUT's staging folder: an interrupted run
 resumes in the stage it stopped in, and a stage's folder is removed once the next one is written,

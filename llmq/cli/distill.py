@@ -236,8 +236,8 @@ def distill(
             eval_text=eval_text, eval_windows=eval_windows, eval_every=eval_every, keep=keep,
             prune=prune, prune_method=prune_method, sparsity=sparsity, pattern=pattern,
             prune_start=prune_start, prune_end=prune_end, prune_every=prune_every, rounds=rounds,
-            round_schedule=round_schedule, steps_per_round=steps_per_round, qat=qat, qat_group_size=qat_group_size,
-            qat_init=qat_init,
+            round_schedule=round_schedule, steps_per_round=steps_per_round, qat=qat,
+            qat_group_size=qat_group_size, qat_init=qat_init,
         )  # fmt: skip
     if not main_process:
         return

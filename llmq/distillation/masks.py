@@ -3,9 +3,10 @@
 A linear weight that is at least `MASKED_MIN_ZEROS` exact zeros was pruned (by `llmq prune` or
 any other tool: the rule reads the tensors); a trained dense weight has practically none. A
 student whose llmq.json records llmq's pruning keeps the zeros of every linear that has any,
-however few: the first round of iterative pruning may remove less than that share. Its gradient is masked before each optimizer step, so AdamW's moments of a
-pruned weight stay zero and it never moves, and the weight is masked again after the step so
-that no rounding can revive it.
+however few: the first round of iterative pruning may remove less than that share. A pruned
+weight's gradient is masked before each optimizer step, so AdamW's moments of it stay zero and
+it never moves, and the weight is masked again after the step so that no rounding can revive
+it.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ splits of shakespeare+pydoc, forward KL, warm-up 2 steps then cosine, the last s
   --prune-method wanda --sparsity 0.5` from the dense model (the cubic schedule to 3/4 of the
   steps, masks every step). The one-shot arm also spends its pruning pass.
 - 70%: one-shot SparseGPT 70% then distill, against `llmq distill --prune iterative
-  --prune-method sparsegpt --sparsity 0.7 --rounds 3` (33% of the remaining weights a round,
-  steps/3 of distillation after each) and the same with `--round-schedule cubic` (49.3%,
-  67.4%, 70%): the same distillation tokens, three pruning passes.
+  --prune-method sparsegpt --sparsity 0.7 --rounds 3`, with `--round-schedule geometric` (33% of
+  the remaining weights a round) and `cubic` (49.3%, 67.4%, 70%), steps/3 of distillation after
+  each: the same distillation tokens, three pruning passes.
 
 Perplexity protocol: token perplexity, first --windows 512-token windows of the held-out splits
 of news and Hamlet, no BOS, float32, every checkpoint read back from its files.
@@ -49,6 +49,7 @@ def runs(model: Path, out: Path, steps: int, lr: float) -> dict[str, list[str]]:
     gmp = ["--prune", "gmp", "--prune-method", "wanda", "--sparsity", "0.5"]
     iterative = ["--prune", "iterative", "--prune-method", "sparsegpt", "--sparsity", "0.7",
                  "--rounds", "3"]  # fmt: skip
+    geometric = [*iterative, "--round-schedule", "geometric"]
     cubic = [*iterative, "--round-schedule", "cubic"]
     return {
         "sparsegpt-50": prune("sparsegpt-50", "0.5"),
@@ -56,7 +57,7 @@ def runs(model: Path, out: Path, steps: int, lr: float) -> dict[str, list[str]]:
         "gmp-wanda-50": distill("gmp-wanda-50", model, *gmp),
         "sparsegpt-70": prune("sparsegpt-70", "0.7"),
         "sparsegpt-70+distill": distill("sparsegpt-70+distill", out / "sparsegpt-70"),
-        "iterative-sparsegpt-70": distill("iterative-sparsegpt-70", model, *iterative),
+        "iterative-sparsegpt-70": distill("iterative-sparsegpt-70", model, *geometric),
         "iterative-cubic-sparsegpt-70": distill("iterative-cubic-sparsegpt-70", model, *cubic),
     }
 

@@ -3,10 +3,11 @@ above 50% sparsity: prune about 30%, repair, repeat).
 
 Round r prunes the current student with `llmq prune --method M` (the layer pipeline, calibrated
 on the training data in seq_len windows, its default number of them) to the schedule's sparsity
-s_r (`round_sparsities`): geometric, 1 - (1 - s)^(r/R), removes the same share of the weights that
-remain every round; cubic, s (1 - (1 - r/R)^3), is Zhu & Gupta's GMP schedule taken in R steps:
-most of the pruning early, while many weights are redundant, and the last rounds small, so the
-last repair has less damage to undo. Structured rounds run `llmq prune --structured --params
+s_r (`round_sparsities`): cubic (the default), s (1 - (1 - r/R)^3), is Zhu & Gupta's GMP
+schedule taken in R steps: most of the pruning early, while many weights are redundant, and the
+last rounds small, so the last repair has less damage to undo (at 70% in 3 rounds it beat the
+geometric schedule on both held-out texts, benchmarks/RESULTS.md); geometric, 1 - (1 - s)^(r/R),
+removes the same share of the weights that remain every round. Structured rounds run `llmq prune --structured --params
 (1 - s_r) / (1 - s_(r-1))`: the same densities, as a share of the current decoder's parameters,
 by narrowing the MLP. Then the round distills from the teacher for max_steps / R steps with the
 run's settings (seed + r - 1: each round draws its own windows). The zeros a round leaves stay
@@ -34,7 +35,7 @@ _NOT_PER_ROUND = ("prune", "prune_method", "sparsity", "pattern", "prune_start",
                   "prune_every", "rounds", "round_schedule", "max_steps", "seed")  # fmt: skip
 
 
-def round_sparsities(target: float, rounds: int, schedule: str = "geometric") -> list[float]:
+def round_sparsities(target: float, rounds: int, schedule: str) -> list[float]:
     """The sparsity after each round: geometric, densities (1 - target)^(r / rounds); cubic,
     target (1 - (1 - r / rounds)^3)."""
     if schedule == "cubic":

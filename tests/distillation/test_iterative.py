@@ -26,12 +26,12 @@ def decoder_linears(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_every_round_removes_the_same_share_of_what_remains() -> None:
-    got = round_sparsities(0.7, 3)
+    got = round_sparsities(0.7, 3, "geometric")
     densities = [1.0] + [1 - s for s in got]
     shares = [1 - densities[r + 1] / densities[r] for r in range(3)]
     assert shares == pytest.approx([shares[0]] * 3, abs=1e-12)
     assert got[-1] == pytest.approx(0.7, abs=1e-12)
-    assert round_sparsities(0.5, 1) == [0.5]
+    assert round_sparsities(0.5, 1, "geometric") == [0.5]
 
 
 def test_the_cubic_round_schedule_is_gmps_formula_at_the_round_ends() -> None:
@@ -39,7 +39,9 @@ def test_the_cubic_round_schedule_is_gmps_formula_at_the_round_ends() -> None:
     more than the geometric schedule in every round but the last."""
     got = round_sparsities(0.7, 3, "cubic")
     assert got == pytest.approx([0.7 * 19 / 27, 0.7 * 26 / 27, 0.7], abs=1e-12)
-    assert all(c > g for c, g in zip(got[:-1], round_sparsities(0.7, 3)[:-1], strict=True))
+    assert all(
+        c > g for c, g in zip(got[:-1], round_sparsities(0.7, 3, "geometric")[:-1], strict=True)
+    )
 
 
 def test_structured_rounds_keep_the_schedules_densities() -> None:
@@ -67,7 +69,7 @@ def test_rounds_prune_then_distill_and_report_each(
     result = llmq.distill(teacher, student, out, **ITERATIVE)
     assert [r["round"] for r in result.rounds] == [1, 2]
     # each row loses round(s x in_features) weights: within one weight of the target
-    assert result.rounds[0]["sparsity"] == pytest.approx(1 - 0.5**0.5, abs=1 / 128)
+    assert result.rounds[0]["sparsity"] == pytest.approx(0.5 * (1 - 0.5**3), abs=1 / 128)  # cubic
     assert result.rounds[1]["sparsity"] == pytest.approx(0.5, abs=1 / 128)
     assert result.steps == 4 and [e["step"] for e in result.evaluations] == [0, 2, 2, 4]
     for r in result.rounds:  # the report is the rounds' own held-out evaluations
@@ -112,10 +114,10 @@ def test_an_interrupted_run_resumes_in_its_round_to_the_same_weights(
             "rounds: prunes only with prune iterative",
         ),
         (["--steps-per-round", "2", "--max-steps", "4"], "goes with --prune iterative"),
-        (["--round-schedule", "cubic"], "round_schedule: prunes only with prune iterative"),
+        (["--round-schedule", "geometric"], "round_schedule: prunes only with prune iterative"),
         (
             ["--prune", "iterative", "--sparsity", "0.5", "--round-schedule", "linear"],
-            "round_schedule: Input should be 'geometric' or 'cubic'",
+            "round_schedule: Input should be 'cubic' or 'geometric'",
         ),
         (
             [

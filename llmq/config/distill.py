@@ -23,6 +23,10 @@ ITERATIVE_ROUNDS = 3
 about 30% at a time; three rounds reach 70% (the cubic schedule: 49%, 67%, 70%)."""
 
 DistillLoss = Literal["forward-kl", "reverse-kl", "ce"]
+QatScheme = Literal["w4a16", "w4a16-asym", "w8a16", "w8a8", "fp8"]
+"""Schemes quantization-aware distillation trains for: their RTN export needs no calibration
+(weight-only, or activations quantized per token at run time; static activation scales would be
+calibrated after training, not trained)."""
 
 
 class DistillConfig(BaseModel):
@@ -85,7 +89,7 @@ class DistillConfig(BaseModel):
     # scheme's fake-quantized weights, and w8a8/fp8 on fake-quantized inputs per token
     # (straight-through gradients); the result is written as that scheme's compressed-tensors
     # checkpoint, by `llmq quantize`'s RTN.
-    qat: Literal["w4a16", "w4a16-asym", "w8a16", "w8a8", "fp8"] | None = None
+    qat: QatScheme | None = None
     qat_group_size: int | None = Field(None, ge=16)
     # start from the float weights or `llmq quantize --method gptq|awq`'s solution
     qat_init: Literal["float", "gptq", "awq"] = "float"

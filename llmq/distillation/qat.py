@@ -20,19 +20,18 @@ from __future__ import annotations
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmq.config import QuantArgs
+from llmq.config.distill import QatScheme
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint, torch_dtype
 
-QAT_SCHEMES = ("w4a16", "w4a16-asym", "w8a16", "w8a8", "fp8")
-"""Schemes whose RTN export needs no calibration: weight-only, or activations quantized per
-token at run time (static activation scales would be calibrated after training, not trained)."""
+QAT_SCHEMES = get_args(QatScheme)
 
 
 @dataclass(frozen=True, slots=True)

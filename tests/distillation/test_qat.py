@@ -52,27 +52,41 @@ def test_fake_quantized_input_is_per_token_int8_with_identity_gradient() -> None
     assert torch.equal(x.grad, c)
 
 
+IDS = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def train_like_model(student):
+    """The tiny model with its weights moved off any grid, as training leaves them."""
+    model = load_model(student, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    return model
+
+
+def export_trained(model, student, tmp_path, scheme, group_size):
+    """The model written in float, then exported as `distill --qat` does; the export's folder
+    and its quantization_config."""
+    (tmp_path / "float").mkdir()
+    write_student(model.state_dict(), student, tmp_path / "float", {}, "cpu", reference=False)
+    export(tmp_path / "float", tmp_path / "q", scheme, group_size, progress=NO_PROGRESS)
+    return tmp_path / "q", json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]  # fmt: skip
+
+
 @pytest.mark.parametrize(("scheme", "group_size"), [("w4a16", 64), ("w4a16-asym", 64), ("w8a16", None)])  # fmt: skip
 def test_export_reproduces_the_fake_quantized_forward(tmp_path, tiny_llama, scheme, group_size):
     """Train-like weights (the tiny model moved off its grid), the fake-quantized logits, then
     the export: reloaded from the compressed-tensors files, the same logits."""
     student = open_checkpoint(tiny_llama)
-    model = load_model(student, torch.device("cpu"), torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 1e-3)
+    model = train_like_model(student)
     plan = linear_args(student, scheme, group_size)
     assert apply_qat(model, plan) == len(student.decoder_linears)
-    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        expected = model(input_ids=ids).logits
-    (tmp_path / "float").mkdir()
-    write_student(model.state_dict(), student, tmp_path / "float", {}, "cpu", reference=False)
-    export(tmp_path / "float", tmp_path / "q", scheme, group_size, progress=NO_PROGRESS)
-    config = json.loads((tmp_path / "q" / "config.json").read_text())
-    assert config["quantization_config"]["format"] in ("pack-quantized", "int-quantized")
+        expected = model(input_ids=IDS).logits
+    folder, config = export_trained(model, student, tmp_path, scheme, group_size)
+    assert config["format"] in ("pack-quantized", "int-quantized")
     with torch.no_grad():
-        reloaded = load_dequantized(open_checkpoint(tmp_path / "q"))(input_ids=ids).logits
+        reloaded = load_dequantized(open_checkpoint(folder))(input_ids=IDS).logits
     torch.testing.assert_close(reloaded, expected, rtol=0, atol=1e-5)
 
 
@@ -84,24 +98,17 @@ def test_activation_quantized_export_scores_as_trained(tmp_path, tiny_llama, sch
     from llmq.eval.logits import evaluator_log_probs
 
     student = open_checkpoint(tiny_llama)
-    model = load_model(student, torch.device("cpu"), torch.float32)
+    model = train_like_model(student)
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 1e-3)
-    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        unquantized = model(input_ids=ids).logits.log_softmax(-1)
+        unquantized = model(input_ids=IDS).logits.log_softmax(-1)
     plan = linear_args(student, scheme, None)
     assert all(linear.inputs is not None and linear.inputs.dynamic for linear in plan.values())
     apply_qat(model, plan)
     with torch.no_grad():
-        expected = model(input_ids=ids).logits.log_softmax(-1)
-    (tmp_path / "float").mkdir()
-    write_student(model.state_dict(), student, tmp_path / "float", {}, "cpu", reference=False)
-    export(tmp_path / "float", tmp_path / "q", scheme, None, progress=NO_PROGRESS)
-    config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+        expected = model(input_ids=IDS).logits.log_softmax(-1)
+    folder, config = export_trained(model, student, tmp_path, scheme, None)
     assert config["config_groups"]["group_0"]["input_activations"]["dynamic"] is True
-    scored = torch.stack(evaluator_log_probs(open_checkpoint(tmp_path / "q"), ids.tolist()))
+    scored = torch.stack(evaluator_log_probs(open_checkpoint(folder), IDS.tolist()))
     torch.testing.assert_close(scored, expected, rtol=0, atol=1e-4)
     assert (unquantized - expected).abs().max() > 1e-3
 

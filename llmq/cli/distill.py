@@ -167,7 +167,7 @@ def distill(
     qat_group_size: Annotated[
         int | None,
         typer.Option(
-            help="--qat: the group size (default the scheme's, with `llmq quantize`'s fallback where it does not divide a layer)."
+            help="--qat: the group size, or -1 for one scale per output channel (default the scheme's, with `llmq quantize`'s fallback where it does not divide a layer)."
         ),
     ] = None,
     qat_init: Annotated[

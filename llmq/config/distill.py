@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llmq.config.quant import nm_pattern
+from llmq.config.quant import is_valid_group_override, nm_pattern
 from llmq.texts import BUILTIN_TEXTS, DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT
 
 DISTILL_RESUME_EVERY_S = 300.0
@@ -90,7 +90,7 @@ class DistillConfig(BaseModel):
     # (straight-through gradients); the result is written as that scheme's compressed-tensors
     # checkpoint, by `llmq quantize`'s RTN.
     qat: QatScheme | None = None
-    qat_group_size: int | None = Field(None, ge=16)
+    qat_group_size: int | None = None  # -1: per channel
     # start from the float weights or `llmq quantize --method gptq|awq`'s solution
     qat_init: Literal["float", "gptq", "awq"] = "float"
 
@@ -110,6 +110,8 @@ class DistillConfig(BaseModel):
         _check_pruning(self)
         if self.qat is None and (self.qat_group_size is not None or self.qat_init != "float"):
             raise ValueError("qat_group_size and qat_init set up qat: give qat")
+        if self.qat_group_size is not None and not is_valid_group_override(self.qat_group_size):
+            raise ValueError(f"qat_group_size {self.qat_group_size} is not -1 or a power of two >= 16")  # fmt: skip
         return self
 
     @property

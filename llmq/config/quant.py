@@ -66,6 +66,11 @@ def is_valid_group_size(group_size: int) -> bool:
     return group_size >= 16 and group_size & (group_size - 1) == 0
 
 
+def is_valid_group_override(group_size: int) -> bool:
+    """A --group-size override: -1 (per channel) or a valid group size."""
+    return group_size == -1 or is_valid_group_size(group_size)
+
+
 def fit_group_size(args: QuantArgs, in_features: int) -> QuantArgs:
     """`args` for a linear whose in_features the group size (or block width) does not divide:
     the largest power-of-two divisor of in_features, else per-channel (per-token for activations);

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from llmq.config.quant import QuantArgs, Scheme, is_valid_group_size, nm_pattern
+from llmq.config.quant import QuantArgs, Scheme, is_valid_group_override, nm_pattern
 from llmq.errors import InputError
 
 
@@ -85,7 +85,7 @@ class Recipe(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
         g = self.group_size
-        if g is not None and g != -1 and not is_valid_group_size(g):
+        if g is not None and not is_valid_group_override(g):
             raise ValueError(f"group_size {g} is not -1 or a power of two >= 16")
         weights = self.scheme.weights
         if g is not None and (weights is None or weights.type == "float"):
@@ -207,7 +207,7 @@ def with_group_size(args: QuantArgs, group_size: int | None) -> QuantArgs:
     """`args` with a --group-size override: None keeps it, -1 is per-channel (validated)."""
     if group_size is None:
         return args
-    if group_size != -1 and not is_valid_group_size(group_size):
+    if not is_valid_group_override(group_size):
         raise InputError(f"--group-size {group_size}: not -1 or a power of two >= 16")
     if args.type == "float":
         raise InputError(f"--group-size {group_size}: FP8 weights have no group size")

@@ -73,7 +73,7 @@ def export_trained(model, student, tmp_path, scheme, group_size):
     return tmp_path / "q", json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]  # fmt: skip
 
 
-@pytest.mark.parametrize(("scheme", "group_size"), [("w4a16", 64), ("w4a16-asym", 64), ("w8a16", None)])  # fmt: skip
+@pytest.mark.parametrize(("scheme", "group_size"), [("w4a16", 64), ("w4a16", -1), ("w4a16-asym", 64), ("w8a16", None)])  # fmt: skip
 def test_export_reproduces_the_fake_quantized_forward(tmp_path, tiny_llama, scheme, group_size):
     """Train-like weights (the tiny model moved off its grid), the fake-quantized logits, then
     the export: reloaded from the compressed-tensors files, the same logits."""
@@ -161,6 +161,10 @@ def test_w8a8_qat_distillation_writes_what_it_measured(tmp_path, teacher, studen
             "qat: Input should be 'w4a16', 'w4a16-asym', 'w8a16', 'w8a8' or 'fp8'",
         ),
         (["--qat-group-size", "64"], "qat_group_size and qat_init set up qat: give qat"),
+        (
+            ["--qat", "w4a16", "--qat-group-size", "24"],
+            "qat_group_size 24 is not -1 or a power of two >= 16",
+        ),
     ],
 )
 def test_bad_qat_options_are_refused_in_one_line(tmp_path, teacher, student, options, fragment):

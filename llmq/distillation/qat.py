@@ -74,23 +74,12 @@ def linear_args(student: Checkpoint, scheme: str, group_size: int | None) -> dic
 
 def fake_quantized(weight: Tensor, args: QuantArgs, dtype: torch.dtype) -> Tensor:
     """The weight as the exported checkpoint will hold it (codes times scales), with the
-    straight-through gradient for the codes and LSQ's gradient for the scales.
-
-    Forward: exactly RTN's dequantized weight. Backward: identity through the rounding, plus
-    each group's scale gradient sum((q - w) / s * dL/dq) (Esser et al. 2020's LSQ, the
-    straight-through derivative of q = s * round(w / s)), passed on to the weights that set the
-    scale (the group's min/max). The scale is thus learned through its extremes, and the
-    export, RTN on the trained weights, still chooses exactly the scale the forward used."""
-    from llmq.quant.primitives import as_groups, clipped_qparams, group_ranges
+    straight-through gradient: forward value fake_quantize(w), backward identity."""
     from llmq.quant.rtn import rtn_quantize_weight
 
     stored = weight.detach().to(dtype)
     restored = rtn_quantize_weight(stored.float(), args, scale_dtype=dtype).dequantize(weight.dtype)
-    groups = as_groups(weight.to(dtype), args)
-    scale, _ = clipped_qparams(group_ranges(groups), args, dtype)  # RTN's scale, with a gradient
-    steps = as_groups(restored - weight.detach(), args) / scale.detach().unsqueeze(-1)
-    scale_term = (steps.detach() * (scale - scale.detach()).unsqueeze(-1)).reshape(weight.shape)
-    return weight + (restored - weight).detach() + scale_term.to(weight.dtype)
+    return weight + (restored - weight).detach()
 
 
 def fake_quantized_input(x: Tensor, args: QuantArgs) -> Tensor:

@@ -1,19 +1,20 @@
 """Quantization-aware distillation against post-training quantization on the default model
 (issue 37's QAT target), in one run on this machine's CPU.
 
-    python benchmarks/bench_qat.py [--steps 40 --lr 2e-5 --windows 20] [--scheme w4a16] [--reuse]
+    python benchmarks/bench_qat.py [--steps 40 --lr 2e-5 --windows 20] [--scheme w4a16]
+        [--group-size 64] [--inits float,gptq] [--reuse]
 
 Model: SmolLM2-135M-Instruct, float32, W4A16 groups of 64 by default (its hidden size 576 is not
-a multiple of 128; --scheme w8a8 or fp8 for the per-channel, per-token schemes). Post-training:
-`llmq quantize --method rtn` and `--method gptq` with their defaults (128 x 512 calibration
-windows of the default mixed text). QAT: `llmq distill --teacher M --student M --qat SCHEME`
-(forward KL to the float model, 512-token windows of the calibration splits of
-shakespeare+pydoc, 4 a step, warm-up 3 steps then cosine, the last step kept), once from the
-float weights (its step-0 model is exactly RTN without clipping) and once from GPTQ's solution
-(`--qat-init gptq`). Perplexity protocol: token perplexity, first --windows 512-token windows of
-the held-out splits of news and Hamlet, no BOS, float32, activations quantized as the scheme
-says, every checkpoint read back from its compressed-tensors files. Recovery: (PTQ - QAT) /
-(PTQ - float) per text.
+a multiple of 128; --group-size -1 for one scale per channel; --scheme w8a8 or fp8 for the
+per-channel, per-token schemes). Post-training: `llmq quantize --method rtn` and `--method gptq`
+with their defaults (128 x 512 calibration windows of the default mixed text). QAT: `llmq
+distill --teacher M --student M --qat SCHEME` (forward KL to the float model, 512-token windows
+of the calibration splits of shakespeare+pydoc, 4 a step, warm-up 3 steps then cosine, the last
+step kept), once from the float weights (its step-0 model is exactly RTN without clipping) and
+once from GPTQ's solution (`--qat-init gptq`); --inits picks which. Perplexity protocol: token
+perplexity, first --windows 512-token windows of the held-out splits of news and Hamlet, no BOS,
+float32, activations quantized as the scheme says, every checkpoint read back from its
+compressed-tensors files. Recovery: (PTQ - QAT) / (PTQ - float) per text.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def main() -> None:
     )
     parser.add_argument("--scheme", default="w4a16", help="a --qat scheme")
     parser.add_argument("--group-size", type=int, help="default 64 for w4a16, none otherwise")
+    parser.add_argument(
+        "--inits", default="float,gptq", help="the QAT runs' starts (--qat-init), comma-separated"
+    )
     args = parser.parse_args()
     from llmq.models import builtin_model_path
 
@@ -72,7 +76,8 @@ def main() -> None:
                  args.scheme, *grouping, "--method", method, "--overwrite", "--json"]
         for method in ("rtn", "gptq")
     }  # fmt: skip
-    for init in ("float", "gptq"):
+    inits = args.inits.split(",")
+    for init in inits:
         runs[f"qat-{init}"] = [
             *llmq, "distill", "--teacher", str(model), "--student", str(model),
             "--out", str(out / f"qat-{init}"), "--qat", args.scheme,
@@ -102,7 +107,7 @@ def main() -> None:
             / (perplexity[base][text] - perplexity["float"][text])
             for text in TEXTS
         }
-        for qat in ("qat-float", "qat-gptq")
+        for qat in (f"qat-{init}" for init in inits)
         for base in ("rtn", "gptq")
     }
     print(report["recovery"])

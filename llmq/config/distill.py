@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llmq.config.quant import is_valid_group_override, nm_pattern
+from llmq.config.quant import GROUP_OVERRIDE_RULE, is_valid_group_override, nm_pattern
 from llmq.texts import BUILTIN_TEXTS, DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT
 
 DISTILL_RESUME_EVERY_S = 300.0
@@ -111,7 +111,7 @@ class DistillConfig(BaseModel):
         if self.qat is None and (self.qat_group_size is not None or self.qat_init != "float"):
             raise ValueError("qat_group_size and qat_init set up qat: give qat")
         if self.qat_group_size is not None and not is_valid_group_override(self.qat_group_size):
-            raise ValueError(f"qat_group_size {self.qat_group_size} is not -1 or a power of two >= 16")  # fmt: skip
+            raise ValueError(f"qat_group_size {self.qat_group_size} is not {GROUP_OVERRIDE_RULE}")  # fmt: skip
         return self
 
     @property

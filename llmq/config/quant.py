@@ -66,8 +66,11 @@ def is_valid_group_size(group_size: int) -> bool:
     return group_size >= 16 and group_size & (group_size - 1) == 0
 
 
+GROUP_OVERRIDE_RULE = "-1 or a power of two >= 16"
+
+
 def is_valid_group_override(group_size: int) -> bool:
-    """A --group-size override: -1 (per channel) or a valid group size."""
+    """A --group-size override (GROUP_OVERRIDE_RULE): -1 (per channel) or a valid group size."""
     return group_size == -1 or is_valid_group_size(group_size)
 
 

@@ -6,7 +6,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from llmq.config.quant import QuantArgs, Scheme, is_valid_group_override, nm_pattern
+from llmq.config.quant import (
+    GROUP_OVERRIDE_RULE,
+    QuantArgs,
+    Scheme,
+    is_valid_group_override,
+    nm_pattern,
+)
 from llmq.errors import InputError
 
 
@@ -86,7 +92,7 @@ class Recipe(BaseModel):
     def _consistent(self) -> Recipe:
         g = self.group_size
         if g is not None and not is_valid_group_override(g):
-            raise ValueError(f"group_size {g} is not -1 or a power of two >= 16")
+            raise ValueError(f"group_size {g} is not {GROUP_OVERRIDE_RULE}")
         weights = self.scheme.weights
         if g is not None and (weights is None or weights.type == "float"):
             raise ValueError(f"{'pruned' if weights is None else 'FP8'} weights have no group size")
@@ -208,7 +214,7 @@ def with_group_size(args: QuantArgs, group_size: int | None) -> QuantArgs:
     if group_size is None:
         return args
     if not is_valid_group_override(group_size):
-        raise InputError(f"--group-size {group_size}: not -1 or a power of two >= 16")
+        raise InputError(f"--group-size {group_size}: not {GROUP_OVERRIDE_RULE}")
     if args.type == "float":
         raise InputError(f"--group-size {group_size}: FP8 weights have no group size")
     if group_size == -1:

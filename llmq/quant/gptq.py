@@ -74,12 +74,13 @@ def gptq_quantize_weight(
     actorder="none" visits columns in order and takes each group's range from the weights as
     updated when the group starts (the paper's algorithm).
 
-    `sparsity` makes it SparseGPT (arXiv 2301.00774) pruning and quantizing together: at each
-    block's start the mask of its columns is chosen from the updated weights by
-    w² / Hinv[j, j]² (`pruned_mask`), and pruned weights get the code of zero, so their whole
-    value is the residual spread over later columns. Columns are visited in order (N:M groups
-    are consecutive inputs), with actorder "none". With `args` None it prunes alone: the same
-    update with nothing rounded (kept weights have no residual), a float weight returned.
+    `sparsity` makes it SparseGPT (arXiv 2301.00774) pruning and quantizing together: the mask
+    is chosen from the updated weights by w² / Hinv[j, j]² (`pruned_mask`), a block's at its
+    start (unstructured) or each N:M group's when the loop reaches it (`_SparseGPTMask`), and
+    pruned weights get the code of zero, so their whole value is the residual spread over later
+    columns. Columns are visited in order (N:M groups are consecutive inputs), with actorder
+    "none". With `args` None it prunes alone: the same update with nothing rounded (kept
+    weights have no residual), a float weight returned.
     """
     rows, cols = weight.shape
     if hessian.shape != (cols, cols):
@@ -114,17 +115,14 @@ def gptq_quantize_weight(
         block = w[:, start:end].T.contiguous()
         hinv_block = hinv[start:end, start:end]
         diagonal = hinv_block.diagonal()
-        pruned = None
-        if sparsity is not None:  # [columns, rows], as the block
-            scores = (block / diagonal.unsqueeze(1)).square()
-            pruned = pruned_mask(scores.T, sparsity, start=start).T.contiguous()
+        mask = None if sparsity is None else _SparseGPTMask(block, diagonal, sparsity, start)
         spread = hinv_block / diagonal.unsqueeze(1)
         if params is None:
-            assert pruned is not None
-            residuals = _prune_block(block, spread, pruned)
+            assert mask is not None
+            residuals = _prune_block(block, spread, mask)
             w[:, start:end] = block.T
         else:
-            residuals = _quantize_block(block, spread, params, order, start, pruned)
+            residuals = _quantize_block(block, spread, params, order, start, mask)
         errors = residuals.T / diagonal
         row_loss += errors.pow(2).sum(dim=1) / 2
         w[:, end:] -= errors @ hinv[start:end, end:]
@@ -134,12 +132,34 @@ def gptq_quantize_weight(
     return GPTQResult(QuantizedWeight(params.codes, scale, zero, args), row_loss, used_frac)
 
 
-def _prune_block(block: Tensor, spread: Tensor, pruned: Tensor) -> Tensor:
+class _SparseGPTMask:
+    """The weights SparseGPT prunes in one block [columns, rows], chosen span by span from the
+    weights as the column loop has updated them: the whole block at its start (each row's
+    share), or each group of an N:M pattern when the loop reaches its first column, as the
+    paper's §3.4 and its reference code do; choosing all of a block's N:M groups at its start
+    would ignore what the earlier columns' residuals moved."""
+
+    def __init__(self, block: Tensor, diagonal: Tensor, sparsity: Sparsity, start: int) -> None:
+        self.block, self.diagonal, self.sparsity, self.start = block, diagonal, sparsity, start
+        self.span = sparsity.pattern[1] if sparsity.pattern is not None else len(block)
+        self.pruned = torch.zeros_like(block, dtype=torch.bool)  # [columns, rows], as the block
+
+    def choose(self, first: int) -> None:
+        """The mask of the span that starts at column `first` of the block."""
+        span = slice(first, first + self.span)
+        scores = (self.block[span] / self.diagonal[span].unsqueeze(1)).square()
+        self.pruned[span] = pruned_mask(scores.T, self.sparsity, start=self.start + first).T
+
+
+def _prune_block(block: Tensor, spread: Tensor, mask: _SparseGPTMask) -> Tensor:
     """SparseGPT's inner loop without quantization (`block` [columns, rows], updated in place):
     each pruned weight's whole value is its residual, spread over the later columns; kept
     weights have none. Returns the residuals [columns, rows]."""
     residuals = torch.zeros_like(block)
+    pruned = mask.pruned
     for i in range(len(block)):
+        if i % mask.span == 0:
+            mask.choose(i)
         torch.where(pruned[i], block[i], residuals[i], out=residuals[i])
         block[i].masked_fill_(pruned[i], 0.0)
         block[i + 1 :].addr_(spread[i, i + 1 :], residuals[i], alpha=-1)
@@ -152,27 +172,35 @@ def _quantize_block(
     params: _QParams,
     order: Tensor,
     start: int,
-    pruned: Tensor | None = None,
+    mask: _SparseGPTMask | None = None,
 ) -> Tensor:
     """GPTQ's inner loop over one block of columns (`block`: [columns, rows], updated in place):
     quantize each column, record its codes, and spread its rounding residual over the later
     columns of the block. `spread` row i holds Hinv[i, j] / Hinv[i, i], so that one fused
-    multiply-add applies a residual. `pruned` [columns, rows]: weights that get the code of
-    zero (SparseGPT). Returns the residuals [columns, rows].
+    multiply-add applies a residual. `mask` (SparseGPT): the weights that get the code of
+    zero, chosen span by span as the loop reaches them. Returns the residuals [columns, rows].
 
     On a CPU the per-column op count, not the arithmetic, is GPTQ's cost: each column costs
     six in-place or out= ops on buffers and per-column scales gathered once per segment (the
-    block, or one group when ranges come from the updated weights).
+    block, or one group when ranges come from the updated weights). The loop runs in pieces
+    that start wherever a segment or a mask's span does.
     """
     residuals = torch.empty_like(block)
     codes = torch.empty(block.shape, dtype=torch.float64, device=block.device)
     compiled = compiled_loop_applies(block, params.args.type == "int")
     segment = params.group if params.lazy else len(block)
-    for first in range(0, len(block), segment):
-        params.start_group(
-            int(order[start + first]), w_block=block.T, block_start=start, position=start + first
-        )
-        scale, zero, dequant_scale = params.columns(order[start + first : start + first + segment])
+    piece = segment if mask is None else math.gcd(segment, mask.span)
+    pruned = None if mask is None else mask.pruned
+    for first in range(0, len(block), piece):
+        if first % segment == 0:
+            params.start_group(
+                int(order[start + first]), w_block=block.T, block_start=start, position=start + first
+            )  # fmt: skip
+            qparams = params.columns(order[start + first : start + first + segment])
+        if mask is not None and first % mask.span == 0:
+            mask.choose(first)
+        at = first % segment
+        scale, zero, dequant_scale = (None if t is None else t[at : at + piece] for t in qparams)
         if compiled:
             code_range = int_range(params.args.num_bits)
             quantize_columns(

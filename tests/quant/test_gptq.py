@@ -41,9 +41,9 @@ def reference_gptq(
     """Algorithm 1 of arXiv 2210.17323 in float64, one column at a time with the full update
     (no lazy blocks). Group ranges: from the original weights (static) or from the updated
     weights at each group's first column (none). With `sparsity`, SparseGPT's (arXiv
-    2301.00774, Algorithm 1): at every `block`-th column the block's mask is chosen from the
-    updated weights by w² / Hinv[j, j]², and pruned weights get the code of zero. Returns the
-    integer codes."""
+    2301.00774, Algorithm 1): the mask is chosen from the updated weights by w² / Hinv[j, j]²,
+    at every `block`-th column for the block (unstructured) or at every M-th for the N:M group
+    (§3.4), and pruned weights get the code of zero. Returns the integer codes."""
     w, h = w.double().clone(), h.double().clone()
     cols = w.shape[1]
     h += damp * h.diagonal().mean() * torch.eye(cols, dtype=torch.float64)
@@ -59,9 +59,9 @@ def reference_gptq(
     qmin, qmax = int_range(args.num_bits)
     pruned = torch.zeros_like(w, dtype=torch.bool)
     for pos, j in enumerate(order.tolist()):
-        if sparsity is not None and j % block == 0:
-            scores = (w[:, j : j + block] / hinv.diagonal()[j : j + block]).square()
-            pruned[:, j : j + block] = pruned_mask(scores, sparsity, start=j)
+        if sparsity is not None and j % mask_span(sparsity, block) == 0:
+            span = slice(j, j + mask_span(sparsity, block))
+            pruned[:, span] = pruned_mask((w[:, span] / hinv.diagonal()[span]).square(), sparsity, start=j)  # fmt: skip
         g = j // group
         if actorder == "none" and j % group == 0:
             fresh = quantize_weight(w[:, j : j + group], args, scale_dtype=torch.float64)
@@ -253,20 +253,29 @@ def test_sparsegpt_loses_less_output_than_magnitude_pruning_then_rtn() -> None:
     assert errors[0] < 0.5 * errors[1]
 
 
-def reference_sparsegpt_prune(w: Tensor, h: Tensor, sparsity: Sparsity, block: int = 32) -> Tensor:
+def mask_span(sparsity: Sparsity, block: int) -> int:
+    """Columns whose mask SparseGPT chooses at once: a block, or one N:M group."""
+    return sparsity.pattern[1] if sparsity.pattern is not None else block
+
+
+def reference_sparsegpt_prune(
+    w: Tensor, h: Tensor, sparsity: Sparsity, block: int = 32, span: int | None = None
+) -> Tensor:
     """SparseGPT pruning alone (arXiv 2301.00774, Algorithm 1 without quantization) in float64,
-    one column at a time with the full update: at every `block`-th column the block's mask is
-    chosen from the updated weights by w² / Hinv[j, j]²; a pruned weight's whole value is its
-    error, spread over the later columns; kept weights have none. Returns the pruned weight."""
+    one column at a time with the full update: at every `span`-th column (a block, or an N:M
+    group) the mask of the next `span` columns is chosen from the updated weights by
+    w² / Hinv[j, j]²; a pruned weight's whole value is its error, spread over the later
+    columns; kept weights have none. Returns the pruned weight."""
     w, h = w.double().clone(), h.double().clone()
     cols = w.shape[1]
     h += 0.01 * h.diagonal().mean() * torch.eye(cols, dtype=torch.float64)
     hinv = torch.linalg.cholesky(torch.linalg.inv(h), upper=True)
     pruned = torch.zeros_like(w, dtype=torch.bool)
+    span = span or mask_span(sparsity, block)
     for j in range(cols):
-        if j % block == 0:
-            scores = (w[:, j : j + block] / hinv.diagonal()[j : j + block]).square()
-            pruned[:, j : j + block] = pruned_mask(scores, sparsity, start=j)
+        if j % span == 0:
+            scores = (w[:, j : j + span] / hinv.diagonal()[j : j + span]).square()
+            pruned[:, j : j + span] = pruned_mask(scores, sparsity, start=j)
         err = torch.where(pruned[:, j], w[:, j], 0.0) / hinv[j, j]
         w[:, j:] -= err[:, None] * hinv[j, j:][None, :]
         w[:, j] = torch.where(pruned[:, j], 0.0, w[:, j])
@@ -293,3 +302,6 @@ def test_sparsegpt_pruning_alone_matches_its_float64_reference(sparsity: Sparsit
     # the update pays: less output lost than the same share of the smallest |w| dropped
     magnitude = w.masked_fill(pruned_mask(w.abs(), sparsity), 0)
     assert output_error(got.weight.values - w, h) < 0.7 * output_error(magnitude - w, h)
+    if sparsity.pattern is not None:  # and N:M groups chosen as the loop reaches them pay too
+        block_start = reference_sparsegpt_prune(w, h, sparsity, span=32)
+        assert output_error(got.weight.values - w, h) < output_error(block_start - w, h)

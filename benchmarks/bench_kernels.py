@@ -9,6 +9,8 @@ Method (the one ../shared/gpu-baselines.md describes, so the numbers compare):
   and packed as `llmq quantize` writes them (W4A16 group 128 symmetric; W8A8 int8 and FP8
   per channel, activations per token at run time, their quantization inside the timed call);
 - tinygemm only up to M = 64 (it is 0.04-0.07x bf16 beyond, per the baselines);
+- the GEMM part alone (the `*_fp8_gemm` rows): llmq's FP8 GEMM and `torch._scaled_mm` on the same
+  activations quantized beforehand, so neither call includes the activation quantization;
 - timing: `llmq.runtime.timing.median_seconds`: each variant captured in a CUDA graph over
   rotating copies of its weights (>= 256 MiB in all, so reads come from HBM, not L2), replayed
   for >= 2 ms per trial, median of 15 trials;
@@ -26,6 +28,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,7 +55,9 @@ TOLERANCE = 0.01
 TINYGEMM_MAX_M = 64  # beyond, tinygemm is 0.04-0.07x bf16 (../shared/gpu-baselines.md): not timed
 INT_MM_MIN_M = 17  # torch._int_mm refuses M <= 16: such products are padded to 32 rows
 
-Variant = Callable[[torch.Tensor], torch.Tensor]  # x -> y, bound to one copy of the weights
+Variant = Callable[[Any], torch.Tensor]  # x -> y, bound to one copy of the weights
+GEMM_ONLY = ("llmq_fp8_gemm", "torch_fp8_gemm")
+"""Variants whose call takes the activations already quantized per token: (codes, scales)."""
 
 
 def _llmq(
@@ -64,6 +69,16 @@ def _llmq(
     )
     modules = [module] + [copy.deepcopy(module) for _ in range(copies - 1)]
     return [m.matmul for m in modules], module.dequantized_weight(torch.float32)
+
+
+def _llmq_fp8_gemm(n: int, k: int, copies: int, device: torch.device) -> tuple[list[Variant], torch.Tensor]:  # fmt: skip
+    """llmq's FP8 GEMM alone (`w8a8_gemm`), on activations quantized beforehand."""
+    from llmq.kernels.w8a8 import w8a8_gemm
+
+    module = synthetic_linear(Shape(1, n, k), get_scheme("fp8"), device, torch.bfloat16, triton=True)  # fmt: skip
+    layouts = [module.layout] + [copy.deepcopy(module).layout for _ in range(copies - 1)]
+    calls = [lambda q, w=w: w8a8_gemm(*q, w) for w in layouts]
+    return calls, module.dequantized_weight(torch.float32)
 
 
 def _dense(weight: torch.Tensor, dtype: torch.dtype, copies: int) -> list[Variant]:
@@ -88,13 +103,16 @@ def _int8_torch(weight: torch.Tensor, copies: int) -> tuple[list[Variant], torch
     return [functools.partial(run, codes_t=c.T) for c in copies_t], codes.float() * scale[:, None]
 
 
-def _fp8_torch(weight: torch.Tensor, copies: int, fast: bool) -> tuple[list[Variant], torch.Tensor]:
-    """torch._scaled_mm rowwise (its per-token quantization in plain torch included)."""
+def _fp8_torch(
+    weight: torch.Tensor, copies: int, fast: bool, *, gemm_only: bool = False
+) -> tuple[list[Variant], torch.Tensor]:
+    """torch._scaled_mm rowwise: its per-token quantization in plain torch included, or
+    (`gemm_only`) on activations quantized beforehand."""
     scale = weight.abs().amax(dim=1) / 448
     codes = (weight / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
 
-    def run(x: torch.Tensor, codes_t: torch.Tensor) -> torch.Tensor:
-        q, sx = quantize_rows(x, fp8=True)
+    def run(x: Any, codes_t: torch.Tensor) -> torch.Tensor:
+        q, sx = x if gemm_only else quantize_rows(x, fp8=True)
         return torch._scaled_mm(
             q, codes_t, scale_a=sx[:, None], scale_b=scale[None, :].float(),
             out_dtype=torch.bfloat16, use_fast_accum=fast,
@@ -139,6 +157,8 @@ def variants(n: int, k: int, device: torch.device) -> dict[str, tuple[list[Varia
         "llmq_fp8": lambda c: _llmq("fp8", n, k, c, device),
         "torch_fp8_full": lambda c: _fp8_torch(weight, c, fast=False),
         "torch_fp8_full_fast": lambda c: _fp8_torch(weight, c, fast=True),
+        "llmq_fp8_gemm": lambda c: _llmq_fp8_gemm(n, k, c, device),
+        "torch_fp8_gemm": lambda c: _fp8_torch(weight, c, fast=False, gemm_only=True),
     }
     for name, make in makers.items():
         bytes_per_copy = n * k * (2 if name == "bf16" else 1)
@@ -158,11 +178,15 @@ def measure(
     activations: str | None,
     device: torch.device,
     trials: int = 15,
+    *,
+    prequantized: bool = False,
 ) -> dict:
     """Check one variant against float32 math on the same (de)quantized operands, then time it.
-    activations: "int8" / "fp8" when the variant quantizes them per token, else None."""
+    activations: "int8" / "fp8" when the variant quantizes them per token, else None;
+    `prequantized`: the variant takes them quantized already (outside the timed call)."""
     xs = [torch.randn(m, k, device=device).to(torch.bfloat16) for _ in calls]
-    out = calls[0](xs[0]).float()
+    inputs = [quantize_rows(x, fp8=activations == "fp8") for x in xs] if prequantized else xs
+    out = calls[0](inputs[0]).float()
     x0 = xs[0].float()
     if activations is not None:
         codes, scale = quantize_rows(xs[0], fp8=activations == "fp8")
@@ -172,7 +196,7 @@ def measure(
     if not error <= TOLERANCE:
         return {"error": error, "us": None}
     seconds = median_seconds(
-        [functools.partial(c, x) for c, x in zip(calls, xs, strict=True)], device, trials=trials
+        [functools.partial(c, x) for c, x in zip(calls, inputs, strict=True)], device, trials=trials
     )
     return {"error": error, "us": seconds * 1e6}
 
@@ -215,7 +239,9 @@ def main() -> None:
                     continue
                 activations = "fp8" if "fp8" in name else "int8" if "int8" in name else None
                 try:
-                    row = measure(calls, weight, m, k, activations, device)
+                    row = measure(
+                        calls, weight, m, k, activations, device, prequantized=name in GEMM_ONLY
+                    )
                 except Exception as exc:  # one broken path must not end the run
                     row = {
                         "error": None,

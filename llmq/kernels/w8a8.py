@@ -195,12 +195,28 @@ def w8a8_matmul(
     """y = quantize(x) @ W^T with both scales applied, for x [M, K] in float16/bfloat16 (float32
     allowed) and an int8 or FP8 weight [N, K]; activation quantization included."""
     _check(x, weight)
-    m, n, k = x.shape[0], weight.out_features, weight.in_features
-    config = config or choose_config(m, n, k, weight.is_fp8, x.device)
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype, device=x.device)
     codes, x_scale = quantize_rows(x, weight.is_fp8, weight.input_scale)
-    target = out if config.split_k == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    return w8a8_gemm(codes, x_scale, weight, config=config, out=out)
+
+
+def w8a8_gemm(
+    codes: Tensor,
+    x_scale: Tensor,
+    weight: W8A8Weight,
+    *,
+    config: TileConfig | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """The GEMM of `w8a8_matmul` alone, on activations already quantized (`quantize_rows`'s
+    codes [M, K] and float32 scales [M]): what a benchmark holds against `torch._scaled_mm`
+    and `torch._int_mm`, which take quantized operands. `out` defaults to bfloat16 [M, N]."""
+    m, n, k = codes.shape[0], weight.out_features, weight.in_features
+    config = config or choose_config(m, n, k, weight.is_fp8, codes.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=codes.device)
+    target = out if config.split_k == 1 else torch.zeros(m, n, dtype=torch.float32, device=codes.device)  # fmt: skip
     grid = (cdiv(m, config.block_m), cdiv(n, config.block_n), config.split_k)
     w = weight.codes
     _w8a8_kernel[grid](

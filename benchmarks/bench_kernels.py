@@ -61,23 +61,21 @@ GEMM_ONLY = ("llmq_fp8_gemm", "torch_fp8_gemm")
 
 
 def _llmq(
-    scheme: str, n: int, k: int, copies: int, device: torch.device
+    scheme: str, n: int, k: int, copies: int, device: torch.device, *, gemm_only: bool = False
 ) -> tuple[list[Variant], torch.Tensor]:
-    """llmq's kernel (Triton on a GPU; the torch reference in a CPU smoke test)."""
+    """llmq's kernel (Triton on a GPU; the torch reference in a CPU smoke test), or
+    (`gemm_only`, W8A8 schemes) its GEMM alone, `w8a8_gemm`, on activations quantized beforehand
+    (Triton always: under TRITON_INTERPRET=1 on a CPU)."""
     module = synthetic_linear(
-        Shape(1, n, k), get_scheme(scheme), device, torch.bfloat16, triton=device.type == "cuda"
-    )
+        Shape(1, n, k), get_scheme(scheme), device, torch.bfloat16,
+        triton=gemm_only or device.type == "cuda",
+    )  # fmt: skip
     modules = [module] + [copy.deepcopy(module) for _ in range(copies - 1)]
-    return [m.matmul for m in modules], module.dequantized_weight(torch.float32)
-
-
-def _llmq_fp8_gemm(n: int, k: int, copies: int, device: torch.device) -> tuple[list[Variant], torch.Tensor]:  # fmt: skip
-    """llmq's FP8 GEMM alone (`w8a8_gemm`), on activations quantized beforehand."""
+    if not gemm_only:
+        return [m.matmul for m in modules], module.dequantized_weight(torch.float32)
     from llmq.kernels.w8a8 import w8a8_gemm
 
-    module = synthetic_linear(Shape(1, n, k), get_scheme("fp8"), device, torch.bfloat16, triton=True)  # fmt: skip
-    layouts = [module.layout] + [copy.deepcopy(module).layout for _ in range(copies - 1)]
-    calls = [lambda q, w=w: w8a8_gemm(*q, w) for w in layouts]
+    calls = [lambda q, w=m.layout: w8a8_gemm(*q, w) for m in modules]
     return calls, module.dequantized_weight(torch.float32)
 
 
@@ -157,7 +155,7 @@ def variants(n: int, k: int, device: torch.device) -> dict[str, tuple[list[Varia
         "llmq_fp8": lambda c: _llmq("fp8", n, k, c, device),
         "torch_fp8_full": lambda c: _fp8_torch(weight, c, fast=False),
         "torch_fp8_full_fast": lambda c: _fp8_torch(weight, c, fast=True),
-        "llmq_fp8_gemm": lambda c: _llmq_fp8_gemm(n, k, c, device),
+        "llmq_fp8_gemm": lambda c: _llmq("fp8", n, k, c, device, gemm_only=True),
         "torch_fp8_gemm": lambda c: _fp8_torch(weight, c, fast=False, gemm_only=True),
     }
     for name, make in makers.items():

@@ -9,8 +9,9 @@ last rounds small, so the last repair has less damage to undo (at 70% in 3 round
 geometric schedule on both held-out texts, benchmarks/RESULTS.md); geometric, 1 - (1 - s)^(r/R),
 removes the same share of the weights that remain every round. Structured rounds run `llmq
 prune --structured --params (1 - s_r) / (1 - s_(r-1))`: the same densities, as a share of the
-current decoder's parameters, by narrowing the MLP. Then the round distills from the teacher for max_steps / R steps with the
-run's settings (seed + r - 1: each round draws its own windows). The zeros a round leaves stay
+current decoder's parameters, by narrowing the MLP. Then the round distills from the teacher
+for max_steps / R steps with the run's settings (seed + r - 1: each round draws its own
+windows). The zeros a round leaves stay
 zero while it trains (llmq.distillation.masks: the pruned student's record says it was pruned,
 so even a light first round keeps its zeros) and score lowest in the next round's pruning.
 

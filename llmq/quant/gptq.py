@@ -194,8 +194,11 @@ def _quantize_block(
     for first in range(0, len(block), piece):
         if first % segment == 0:
             params.start_group(
-                int(order[start + first]), w_block=block.T, block_start=start, position=start + first
-            )  # fmt: skip
+                int(order[start + first]),
+                w_block=block.T,
+                block_start=start,
+                position=start + first,
+            )
             qparams = params.columns(order[start + first : start + first + segment])
         if mask is not None and first % mask.span == 0:
             mask.choose(first)

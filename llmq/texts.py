@@ -86,3 +86,11 @@ def _news(split: Split) -> list[str]:
     # The corpus repeats some stories with small edits: hold out only ones calibration lacks.
     seen = {a[:100] for a in calibration}
     return [a for a in articles[100:] if a[:100] not in seen]
+
+
+def text_inputs(text: str | None, role: str = "text") -> list[tuple[str, Path]]:
+    """The local files and folders a '+'-joined text source reads, as (role, path) inputs that
+    no output may cover (`llmq.io.atomic.refuse_inputs`); built-in names and cached datasets
+    read none."""
+    sources = (text or "").split("+")
+    return [(role, Path(s)) for s in sources if s and s not in BUILTIN_TEXTS and Path(s).exists()]

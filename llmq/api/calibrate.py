@@ -18,7 +18,7 @@ from llmq.config import (
 )
 from llmq.errors import InputError
 from llmq.progress import NO_PROGRESS, Progress
-from llmq.texts import DEFAULT_CALIBRATION_TEXT
+from llmq.texts import DEFAULT_CALIBRATION_TEXT, text_inputs
 
 
 @dataclass(slots=True)
@@ -52,7 +52,7 @@ def calibrate(
     .safetensors file that `quantize(calib_stats=...)` reuses. One run at a time writes OUT;
     `space_check=False` skips the refusal of a file that will not fit."""
     from llmq.calib.collect import collect_stats
-    from llmq.calib.stats import saved_stats_bytes
+    from llmq.calib.stats import check_stats_output, saved_stats_bytes
     from llmq.io.atomic import check_free_space, claim_output
 
     started = time.perf_counter()
@@ -64,9 +64,9 @@ def calibrate(
             f"{out}: statistics are written as .safetensors", hint=f"use {out.stem}.safetensors"
         )
     ckpt = _open(model, progress)
-    with claim_output(out):  # held until the file is written
-        if out.exists() and not overwrite:
-            raise InputError(f"{out}: already exists", hint="choose another path or pass --overwrite")  # fmt: skip
+    inputs = [("model", ckpt.path), *text_inputs(calib_text, "calibration text")]
+    with claim_output(out, inputs=inputs):  # held until the file is written
+        check_stats_output(out, overwrite=overwrite)
         if space_check:
             check_free_space(out, saved_stats_bytes(ckpt, hessian=hessian))
         windows = _calibration_windows(ckpt.path, cal, progress)

@@ -9,6 +9,7 @@ resume point where it has one (quantize, prune, distill). A failed gate ends the
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,11 +18,12 @@ from typing import Any
 
 from llmq.api.common import _open
 from llmq.errors import InputError
+from llmq.io.checkpoint import RUN_RECORD_FILE as RUN_FILE
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.recipes.load import RecipeSource, effective, load_recipe
 from llmq.recipes.schema import SOURCE, ChainRecipe, StageEntry
 
-RUN_FILE = "llmq-run.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -75,7 +77,9 @@ def run(
     out = Path(out)
     record = {"model": str(source), "recipe": effective(chain)}
     result = RunResult(model=str(source), out_dir=out, recipe=record["recipe"])
-    with claim_output(out):
+    recipe_file = Path(recipe) if isinstance(recipe, str | Path) else None
+    inputs = [("model", source), ("recipe", recipe_file), *chain.inputs()]
+    with claim_output(out, inputs=inputs):
         finished = _start(out, record, resume=resume, overwrite=overwrite)
         names = chain.stage_names()
         current = source
@@ -117,7 +121,7 @@ def check_recipe(recipe: ChainRecipe | RecipeSource | str | Path) -> RecipeSourc
     return source
 
 
-_NOT_RECIPE = ("name", "fallback", "fallback_threshold", "structured", "params",
+_NOT_RECIPE = ("name", "fallback", "fallback_threshold", "structured", "params", "decoder_params",
                "intermediate_size", "num_kv_heads", "num_heads", "hidden_size", "num_layers")  # fmt: skip
 
 
@@ -134,21 +138,33 @@ def pipeline_recipe(kind: str, stage: Any) -> Any:
 
 
 def _start(out: Path, record: dict[str, Any], *, resume: bool, overwrite: bool) -> dict[str, Any]:
-    """The stages an earlier run into OUT finished (resume), or none with OUT made empty."""
+    """The stages an earlier run into OUT finished (resume), or none with OUT made empty. OUT
+    is replaced only when llmq wrote it (`check_output_dir`); --resume never writes into a
+    folder that holds no run."""
+    from llmq.io.atomic import check_output_dir, write_json
+
     path = out / RUN_FILE
     if resume and path.is_file():
-        saved = json.loads(path.read_text())
-        if {k: saved.get(k) for k in record} != record:
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise InputError(f"{path}: damaged (not JSON)", hint="start over without --resume (and with --overwrite)") from None  # fmt: skip
+        if not isinstance(saved, dict) or {k: saved.get(k) for k in record} != record:
             raise InputError(
                 f"{out}: the interrupted run had another recipe or model",
                 hint="rerun it with the same recipe and model, or without --resume to start over",
             )
         return dict(saved.get("finished", {}))
-    if out.exists() and not resume:
-        if not overwrite:
-            raise InputError(f"{out} exists", hint="choose another --out, or --overwrite (or --resume)")  # fmt: skip
-        shutil.rmtree(out)
+    if resume:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise InputError(f"{out}: holds no interrupted `llmq run` (no {RUN_FILE}) to resume", hint="choose another --out, or drop --resume")  # fmt: skip
+        log.warning("%s: nothing to resume; starting from the first stage", out)
+    else:
+        check_output_dir(out, overwrite=overwrite)
+        if out.exists():
+            shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
+    write_json(path, {**record, "finished": {}})  # marks OUT as llmq's from the start
     return {}
 
 
@@ -208,7 +224,7 @@ def _pipeline(kind: str, stage: Any, model: Path, out: Path, resume: bool, progr
 def _structured(stage: Any, model: Path, out: Path, progress: Progress, device: str | None) -> dict[str, Any]:  # fmt: skip
     from llmq.api.structured import prune_structured
 
-    sizes = ("params", "intermediate_size", "num_kv_heads", "num_heads", "hidden_size", "num_layers")  # fmt: skip
+    sizes = ("params", "decoder_params", "intermediate_size", "num_kv_heads", "num_heads", "hidden_size", "num_layers")  # fmt: skip
     return prune_structured(
         model, out, **{k: getattr(stage, k) for k in sizes}, calib_text=stage.calib_text,
         num_samples=stage.num_samples, seq_len=stage.seq_len, seed=stage.seed, evaluate=False,

@@ -202,10 +202,11 @@ def _distill(
 
     staging = staging_path(out)
     kept = partial(_keep_if_resumable, staging)
-    claim = claim_output(out, kept=kept) if processes.is_main else nullcontext()
+    inputs = distill_inputs(teacher, student, config)
+    claim = claim_output(out, inputs=inputs, kept=kept) if processes.is_main else nullcontext()
     with claim:
         if processes.is_main:
-            check_output_dir(out, overwrite=overwrite, sources=(teacher.path, student.path))
+            check_output_dir(out, overwrite=overwrite)
             if space_check:
                 check_free_space(out, _disk_needed(student))
             if not resume:
@@ -230,6 +231,14 @@ def _distill(
             write_result(run, written, student, staging, out, result.to_dict(), device, reference, progress)  # fmt: skip
         processes.barrier()
     return result
+
+
+def distill_inputs(teacher: Any, student: Any, config: DistillConfig) -> list[tuple[str, Any]]:
+    """What a distillation reads, as inputs no output may cover: both models, the texts."""
+    from llmq.texts import text_inputs
+
+    texts = text_inputs(config.data, "training text") + text_inputs(config.eval_text, "held-out text")  # fmt: skip
+    return [("teacher", teacher.path), ("student", student.path), *texts]
 
 
 def _qat_start(config: DistillConfig, student: Any, staging: Path, progress: Progress, device: Any) -> None:  # fmt: skip

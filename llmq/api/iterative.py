@@ -8,12 +8,12 @@ schedule taken in R steps: most of the pruning early, while many weights are red
 last rounds small, so the last repair has less damage to undo (at 70% in 3 rounds it beat the
 geometric schedule on both held-out texts, benchmarks/RESULTS.md); geometric, 1 - (1 - s)^(r/R),
 removes the same share of the weights that remain every round. Structured rounds run `llmq
-prune --structured --params (1 - s_r) / (1 - s_(r-1))`: the same densities, as a share of the
-current decoder's parameters, by narrowing the MLP. Then the round distills from the teacher
-for max_steps / R steps with the run's settings (seed + r - 1: each round draws its own
-windows). The zeros a round leaves stay
-zero while it trains (llmq.distillation.masks: the pruned student's record says it was pruned,
-so even a light first round keeps its zeros) and score lowest in the next round's pruning.
+prune --structured --decoder-params (1 - s_r) / (1 - s_(r-1))`: the same densities, as a
+share of the current decoder's parameters, by narrowing the MLP. Then the round distills from
+the teacher for max_steps / R steps with the run's settings (seed + r - 1: each round draws its
+own windows). The zeros a round leaves stay zero while it trains (llmq.distillation.masks: the
+pruned student's record says it was pruned, so even a light first round keeps its zeros) and
+score lowest in the next round's pruning.
 
 The rounds are the stages of a recipe (`llmq run`) in OUT's staging folder: an interrupted run
 resumes in the stage it stopped in, and a stage's folder is removed once the next one is written,
@@ -55,7 +55,7 @@ def _prune_stage(config: DistillConfig, round_number: int) -> dict[str, Any]:
     stage: dict[str, Any] = {"name": f"prune-{round_number}", "calib_text": config.data, "seq_len": config.seq_len}  # fmt: skip
     if config.prune_method == "structured":
         keep = (1 - sparsities[round_number]) / (1 - sparsities[round_number - 1])
-        return {**stage, "structured": True, "params": keep}
+        return {**stage, "structured": True, "decoder_params": keep}
     return {**stage, "method": config.prune_method, "sparsity": sparsities[round_number]}
 
 
@@ -77,8 +77,10 @@ def distill_iterative(
     from llmq.io.atomic import check_output_dir, claim_output, publish, staging_path, write_json
 
     staging = staging_path(out)
-    with claim_output(out, kept=lambda: _kept(staging)):
-        check_output_dir(out, overwrite=overwrite, sources=(teacher.path, student.path))
+    from llmq.api.distill import distill_inputs
+
+    with claim_output(out, inputs=distill_inputs(teacher, student, config), kept=lambda: _kept(staging)):  # fmt: skip
+        check_output_dir(out, overwrite=overwrite)
         chain = rounds_recipe(config, teacher.path, checkpoint_every)
         stages = run(
             chain, student.path, staging, resume=resume, overwrite=not resume,

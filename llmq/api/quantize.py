@@ -26,7 +26,7 @@ from llmq.config import (
 )
 from llmq.errors import InputError
 from llmq.progress import NO_PROGRESS, Progress
-from llmq.texts import DEFAULT_CALIBRATION_TEXT
+from llmq.texts import DEFAULT_CALIBRATION_TEXT, text_inputs
 
 
 def make_recipe(
@@ -168,7 +168,13 @@ def quantize(
     written layers; file hashes are recorded either way). Returns a `QuantizeResult`.
     """
     from llmq.calib.stats import CalibStats
-    from llmq.io.atomic import check_free_space, check_output_dir, claim_output, staging_path
+    from llmq.io.atomic import (
+        check_free_space,
+        check_output_dir,
+        claim_output,
+        refuse_inputs,
+        staging_path,
+    )
     from llmq.pack.format import scheme_format
     from llmq.pack.loaders import check_required_loaders
     from llmq.pipeline.plan import disk_needed, plan_quantization
@@ -180,6 +186,11 @@ def quantize(
     if not resume_every_s >= 0:
         raise InputError(f"--resume-every {resume_every_s}: must be >= 0 seconds")
     ckpt = _open(model, progress)
+    out = Path(out)
+    inputs = [("model", ckpt.path), ("statistics file", calib_stats), *_fallback_input(fallback)]
+    if recipe.calibration is not None:
+        inputs += text_inputs(recipe.calibration.text, "calibration text")
+    refuse_inputs(out, inputs)  # before the fallback scan, the first work
     if fallback_threshold is not None and str(fallback) != "auto":
         raise InputError(
             "--fallback-threshold sets the inline scan's threshold: use --fallback auto"
@@ -194,12 +205,11 @@ def quantize(
         )
     plan = plan_quantization(ckpt, recipe)
     _check_pairings(ckpt, recipe)
-    out = Path(out)
     stats = CalibStats.load(Path(calib_stats)) if calib_stats else None
     staging = staging_path(out)
     kept = partial(keep_if_resumable, staging, "rerun the same command with --resume to continue")
-    with claim_output(out, kept=kept):  # held until the output is published
-        check_output_dir(out, overwrite=overwrite, sources=(ckpt.path,))
+    with claim_output(out, inputs=inputs, kept=kept):  # held until the output is published
+        check_output_dir(out, overwrite=overwrite)
         if space_check:
             check_free_space(out, disk_needed(ckpt, plan, recipe, staging if resume else None))
         record: dict[str, Any] = {
@@ -253,6 +263,11 @@ def _layer_profile(
         return {"profile": "owl", "sparsity": sparsity, "outlier_ratio": ratios}
     sparsity, relative, shares = scan_sparsities(ckpt, stats, layers, recipe.sparsity, recipe.method)  # fmt: skip
     return {"profile": "scan", "sparsity": sparsity, "relative_error": relative, "error_share": shares}  # fmt: skip
+
+
+def _fallback_input(fallback: str | Path | None) -> list[tuple[str, Path]]:
+    """The fallback report a run reads, as an input no output may cover."""
+    return [] if fallback is None or str(fallback) == "auto" else [("fallback report", Path(fallback))]  # fmt: skip
 
 
 def _apply_fallback(

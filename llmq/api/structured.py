@@ -15,7 +15,7 @@ from llmq.api.common import DEFAULT_CALIB_SAMPLES, _calibration_windows, _open
 from llmq.config import CalibConfig, build
 from llmq.errors import InputError
 from llmq.progress import NO_PROGRESS, Progress
-from llmq.texts import DEFAULT_CALIBRATION_TEXT
+from llmq.texts import DEFAULT_CALIBRATION_TEXT, text_inputs
 
 
 @dataclass(slots=True)
@@ -71,6 +71,7 @@ def prune_structured(
         check_output_dir,
         claim_output,
         publish,
+        refuse_inputs,
         staging_path,
     )
     from llmq.pipeline.output import weights_size
@@ -98,8 +99,11 @@ def prune_structured(
     cal = build(CalibConfig, text=calib_text, num_samples=samples, seq_len=seq_len, seed=seed)
     assert isinstance(cal, CalibConfig)
     out = Path(out)
-    with claim_output(out):
-        check_output_dir(out, overwrite=overwrite, sources=(ckpt.path,))
+    inputs = [("model", ckpt.path), ("importance file", importance), *text_inputs(calib_text, "calibration text")]  # fmt: skip
+    if save_importance is not None:
+        refuse_inputs(Path(save_importance), inputs)
+    with claim_output(out, inputs=inputs):
+        check_output_dir(out, overwrite=overwrite)
         if importance is not None:
             scores, source, calibration = Importance.load(Path(importance)), str(importance), None
         else:

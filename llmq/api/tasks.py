@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from llmq.api.common import _open
+from llmq.config import DEFAULT_CONFIDENCE
 from llmq.errors import InputError
 from llmq.progress import NO_PROGRESS, Progress
 
@@ -68,7 +69,7 @@ def evaluate_tasks(
     batch_size: int = 8,
     max_drop: Thresholds = None,
     min_recovery: Thresholds = None,
-    confidence: float = 0.95,
+    confidence: float = DEFAULT_CONFIDENCE,
     use_cache: bool = True,
     progress: Progress = NO_PROGRESS,
     device: str | None = None,

@@ -195,6 +195,30 @@ class CalibStats:
         return cls(inputs=inputs, metadata=json.loads(meta.get("metadata", "{}")))
 
 
+def check_stats_output(path: Path, *, overwrite: bool) -> None:
+    """Refuse an existing file without `overwrite`, and even with it any file but an llmq
+    statistics file: --overwrite never replaces a file llmq did not write."""
+    if not path.exists():
+        return
+    if not overwrite:
+        raise InputError(f"{path}: already exists", hint="choose another path or pass --overwrite")
+    if not _is_stats_file(path):
+        raise InputError(
+            f"{path}: not an llmq statistics file, so --overwrite will not replace it",
+            hint="choose another path",
+        )
+
+
+def _is_stats_file(path: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("format") == STATS_FORMAT
+    except Exception:  # not a file, not safetensors, unreadable: not ours either way
+        return False
+
+
 def saved_stats_bytes(ckpt: Checkpoint, *, hessian: bool) -> int:
     """About the size of the file `CalibStats.save` writes for `ckpt`: per layer, one entry
     per group of linears that read the same input (absmax and mean |x|, the [in, in] Hessian)."""

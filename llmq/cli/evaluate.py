@@ -19,6 +19,7 @@ from llmq.cli.console import (
     quiet_libraries,
 )
 from llmq.cli.options import Device, JsonFlag
+from llmq.config import DEFAULT_CONFIDENCE
 from llmq.errors import InputError
 from llmq.texts import DEFAULT_EVAL_TEXT
 
@@ -92,11 +93,11 @@ def evaluate(
         ),
     ] = None,
     confidence: Annotated[
-        float,
+        float | None,
         typer.Option(
-            help="--tasks gates: a drop fails only when significant at this level (one-sided, paired per-item differences)."
+            help="--max-drop, --min-recovery: a drop fails only when significant at this level (one-sided, paired per-item differences). Default 0.95."
         ),
-    ] = 0.95,
+    ] = None,
     batch_size: Annotated[
         int, typer.Option(help="--tasks: lm-eval requests per forward pass.")
     ] = 8,
@@ -119,17 +120,18 @@ def evaluate(
     if not models:
         with cli_errors():
             raise InputError("give at least one MODEL", hint="`llmq eval MODEL... [--baseline B]`")
+    with cli_errors():
+        _check_gates(tasks, max_ppl_increase, max_drop, min_recovery, confidence, task_dir, limit, num_fewshot)  # fmt: skip
     if tasks is not None:
         with cli_errors():
-            if max_ppl_increase is not None:
-                raise InputError("--max-ppl-increase gates perplexity; with --tasks use --max-drop or --min-recovery")  # fmt: skip
             names = [t.strip() for t in tasks.split(",") if t.strip()]
             gates = {"max_drop": _thresholds(max_drop, "--max-drop"), "min_recovery": _thresholds(min_recovery, "--min-recovery")}  # fmt: skip
             with progress_bars(json_out=json_out) as progress:
                 task_results = evaluate_tasks(
                     models, names, baseline=baseline, task_dir=task_dir, limit=limit,
                     num_fewshot=num_fewshot, seed=seed, batch_size=batch_size,
-                    confidence=confidence, use_cache=not no_cache, progress=progress,
+                    confidence=DEFAULT_CONFIDENCE if confidence is None else confidence,
+                    use_cache=not no_cache, progress=progress,
                     device=device, **gates,
                 )  # fmt: skip
         print_json([r.to_dict() for r in task_results]) if json_out else render_tasks(task_results)
@@ -159,6 +161,33 @@ def evaluate(
         render(results)
     if any(result.passed is False for result in results):
         raise typer.Exit(1)
+
+
+def _check_gates(
+    tasks: str | None,
+    max_ppl_increase: str | None,
+    max_drop: list[str] | None,
+    min_recovery: list[str] | None,
+    confidence: float | None,
+    task_dir: Path | None,
+    limit: int | None,
+    num_fewshot: int | None,
+) -> None:
+    """Every option given does something: a threshold that would gate nothing (a task gate
+    without --tasks, a --confidence without a task gate) is refused rather than passed by."""
+    if tasks is None:
+        task_only = {"--max-drop": max_drop, "--min-recovery": min_recovery, "--confidence": confidence,
+                     "--task-dir": task_dir, "--limit": limit, "--num-fewshot": num_fewshot}  # fmt: skip
+        given = [option for option, value in task_only.items() if value is not None]
+        if given:
+            raise InputError(
+                f"{given[0]} applies to task accuracy: give --tasks",
+                hint="perplexity is gated with --max-ppl-increase",
+            )
+    elif confidence is not None and not max_drop and not min_recovery:
+        raise InputError("--confidence is the significance of a task gate: give --max-drop or --min-recovery")  # fmt: skip
+    if max_ppl_increase is not None and tasks is not None:
+        raise InputError("--max-ppl-increase gates perplexity; with --tasks use --max-drop or --min-recovery")  # fmt: skip
 
 
 def _print_tasks(json_out: bool) -> None:

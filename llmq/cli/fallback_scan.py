@@ -57,11 +57,11 @@ def fallback_scan(
         ),
     ] = SCAN_RATIO_THRESHOLD,
     error_share_threshold: Annotated[
-        float,
+        float | None,
         typer.Option(
             help="With --calib-stats: flag linears causing more than this share of the estimated output error of all scanned linears (default 5%; the average share is 1 / their number)."
         ),
-    ] = SCAN_SHARE_THRESHOLD,
+    ] = None,
     top: Annotated[int, typer.Option(help="Rows of the worst-NRMSE table (and --markdown).")] = 20,
     include: Annotated[
         str | None,
@@ -124,14 +124,18 @@ def fallback_scan(
         _check_outputs(outputs)
         if top < 1:
             raise InputError(f"--top {top}: must be >= 1")
+        if error_share_threshold is not None and calib_stats is None:
+            raise InputError("--error-share-threshold flags by estimated output error: give --calib-stats")  # fmt: skip
         # One run at a time writes each report file, claimed before the scan starts.
-        with claim_outputs([p for p in outputs.values() if p is not None]):
+        inputs = [("scanned path", path), ("statistics file", calib_stats)]
+        with claim_outputs([p for p in outputs.values() if p is not None], inputs=inputs):
             with progress_bars(json_out=json_out) as progress:
                 result = api.fallback_scan(
                     path, scheme=scheme, group_size=group_size, nrmse_threshold=nrmse_threshold,
                     ratio_threshold=None if ratio_threshold == float("inf") else ratio_threshold,
                     include=include, exclude=exclude, workers=workers, sample=sample,
-                    calib_stats=calib_stats, error_share_threshold=error_share_threshold,
+                    calib_stats=calib_stats,
+                    error_share_threshold=SCAN_SHARE_THRESHOLD if error_share_threshold is None else error_share_threshold,
                     progress=progress,
                 )  # fmt: skip
             _write_outputs(result, outputs, top)

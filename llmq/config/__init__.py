@@ -22,6 +22,7 @@ from llmq.config.quant import (
     scheme_names,
 )
 from llmq.config.recipe import (
+    DEFAULT_CONFIDENCE,
     PRUNING_METHODS,
     RESUME_EVERY_S,
     SMOOTH_ALPHA,
@@ -35,6 +36,7 @@ from llmq.config.recipe import (
 )
 
 __all__ = [
+    "DEFAULT_CONFIDENCE",
     "FP8_BLOCK_SIZE",
     "PRUNING_METHODS",
     "RESUME_EVERY_S",

@@ -143,6 +143,8 @@ SMOOTH_ALPHA = 0.5  # SmoothQuant's default migration strength (the paper's)
 # tokens, 2 GB for a 70B one): saved after every layer, they cost 2-3% of a W8A8 run here. A
 # minute of work is what an interruption can lose instead.
 RESUME_EVERY_S = 60.0
+# A task-accuracy gate fails only on a drop significant at this level (one-sided, paired).
+DEFAULT_CONFIDENCE = 0.95
 
 
 def parse_smooth(value: str | float | None) -> float | Literal["auto"] | None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from statistics import NormalDist, fmean, stdev
 from typing import Literal
 
+from llmq.config import DEFAULT_CONFIDENCE
+
 GateKind = Literal["max_drop", "min_recovery"]
 
 
@@ -36,7 +38,7 @@ class PairedDifference:
 
 
 def paired_difference(
-    candidate: Sequence[float], baseline: Sequence[float], *, confidence: float = 0.95
+    candidate: Sequence[float], baseline: Sequence[float], *, confidence: float = DEFAULT_CONFIDENCE
 ) -> PairedDifference:
     if len(candidate) != len(baseline) or not candidate:
         raise ValueError(f"paired scores need the same items: {len(candidate)} and {len(baseline)}")  # fmt: skip

@@ -7,9 +7,12 @@ Every output llmq writes (a checkpoint folder, a statistics file, a report) goes
   on one OUT never share a staging folder. The kernel releases it when the holder dies, so a
   killed run never leaves a stale lock. The lock file sits beside the output, not inside the
   staging folder, because the staging folder is renamed into place while the lock is held.
+- `refuse_inputs`: an output that is, holds or lies inside one of the run's inputs is refused
+  before anything is written (`claim_output` checks it first), so no input is ever written into
+  or, with `overwrite=True`, deleted.
 - `partial_file` / `publish`: write under a temporary name, rename when complete. Nothing the user
-  gave us is overwritten without `overwrite=True`; even then the old output is only removed after
-  the new one is in place.
+  gave us is overwritten without `overwrite=True`; even then only a folder llmq wrote (or an empty
+  one) is replaced, and only after the new one is in place.
 - `check_free_space`: refuse before any work when the output cannot fit.
 - `output_error`: an `OSError` (no space, read-only, no permission, a parent that cannot be
   created, a name too long) becomes one `OutputError` line naming the path and what to try.
@@ -24,7 +27,7 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,13 +62,44 @@ class LockHolder:
         return f"pid {self.pid} on {self.host}, started {self.started}"
 
 
+InputPaths = Iterable[tuple[str, "str | Path | None"]]  # (what it is, path): ("model", ckpt.path)
+
+
+def refuse_inputs(out: Path, inputs: InputPaths) -> None:
+    """Refuse, with one InputError line, an output that is one of the run's inputs, holds one
+    (writing it, or replacing it with --overwrite, would delete it) or lies inside one (writing
+    it would change it). Paths are compared resolved, so symbolic links and `..` cannot hide an
+    input. Touches nothing on disk."""
+    target = Path(out).resolve()
+    for role, given in inputs:
+        if given is None:
+            continue
+        source = Path(given).resolve()
+        if target == source:
+            relation = "is"
+        elif target in source.parents:
+            relation = "would contain"
+        elif source in target.parents:
+            relation = "would be inside"
+        else:
+            continue
+        raise InputError(
+            f"{out}: the output {relation} the {role} {given}",
+            hint="choose an output outside every input: llmq never writes into or deletes its inputs",
+        )
+
+
 @contextmanager
-def claim_output(out: Path, *, kept: Callable[[], str | None] | None = None) -> Iterator[None]:
+def claim_output(
+    out: Path, *, inputs: InputPaths, kept: Callable[[], str | None] | None = None
+) -> Iterator[None]:
     """Hold the one-writer lock of `out` for the block, or raise InputError at once naming the
-    run that holds it. Creates `out`'s parent folders. An OSError in the block (or while
+    run that holds it. First refuses an output over one of `inputs` (`refuse_inputs`), before
+    anything is created. Creates `out`'s parent folders. An OSError in the block (or while
     claiming) becomes one OutputError line; `kept` then says what of the partial output survived
     (see `output_error`)."""
     out = Path(out)
+    refuse_inputs(out, inputs)
     path = lock_path(out)
     try:
         _make_parent(out)
@@ -87,11 +121,12 @@ def claim_output(out: Path, *, kept: Callable[[], str | None] | None = None) -> 
 
 
 @contextmanager
-def claim_outputs(paths: list[Path]) -> Iterator[None]:
+def claim_outputs(paths: list[Path], *, inputs: InputPaths) -> Iterator[None]:
     """`claim_output` for each of several outputs of one run (a report in several formats)."""
+    inputs = list(inputs)
     with ExitStack() as stack:
         for path in paths:
-            stack.enter_context(claim_output(path))
+            stack.enter_context(claim_output(path, inputs=inputs))
         yield
 
 
@@ -152,18 +187,32 @@ def _read_holder(fd: int) -> LockHolder | None:
     return None
 
 
-def check_output_dir(out: Path, *, overwrite: bool, sources: tuple[Path, ...] = ()) -> None:
-    """Refuse an existing output without overwrite, and an output that is one of the inputs."""
-    resolved = out.resolve()
-    for source in sources:
-        if resolved == source.resolve():
-            raise InputError(f"{out}: output would replace the input model")
-    if out.exists() and not overwrite:
-        raise InputError(f"{out}: already exists", hint="choose another --out or pass --overwrite")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{out}: exists and is not a folder")
+def check_output_dir(out: Path, *, overwrite: bool) -> None:
+    """Refuse an existing output without overwrite, and with it a folder llmq did not write
+    (`is_llmq_output`) unless it is empty: --overwrite never deletes another tool's output or a
+    user's files. Inputs are refused earlier, by `claim_output`."""
     if out.parent.exists() and not out.parent.is_dir():
         raise InputError(f"{out.parent}: not a folder")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise InputError(f"{out}: exists and is not a folder")
+    if not overwrite:
+        raise InputError(f"{out}: already exists", hint="choose another --out or pass --overwrite")
+    if any(out.iterdir()) and not is_llmq_output(out):
+        raise InputError(
+            f"{out}: not written by llmq (no llmq.json or llmq-run.json), so --overwrite "
+            "will not replace it",
+            hint="choose another --out, or empty or remove that folder yourself",
+        )
+
+
+def is_llmq_output(folder: Path) -> bool:
+    """Whether llmq wrote `folder`: a checkpoint whose llmq.json names the llmq version that
+    wrote it, or an `llmq run` output with its llmq-run.json."""
+    from llmq.io.checkpoint import RUN_RECORD_FILE, read_record
+
+    return "llmq_version" in read_record(folder) or (folder / RUN_RECORD_FILE).is_file()
 
 
 def check_free_space(out: Path, needed: int) -> None:
@@ -254,6 +303,19 @@ def save_safetensors(
             )
         except SafetensorError as exc:
             raise _as_os_error(exc, partial) from None
+        os.chmod(partial, _file_mode())  # safetensors creates its files 0600
+
+
+def _file_mode() -> int:
+    """The mode a new file gets from open(): 0666 less the process's umask. Linux shows the
+    umask in /proc; elsewhere it can only be read by setting it, briefly."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        umask = int(next(line for line in status.splitlines() if line.startswith("Umask:")).split()[1], 8)  # fmt: skip
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _as_os_error(exc: Exception, path: Path) -> Exception:

@@ -32,6 +32,7 @@ DTYPE_BYTES = {
 
 
 RECORD_FILE = "llmq.json"  # how llmq made a checkpoint
+RUN_RECORD_FILE = "llmq-run.json"  # what an `llmq run` into a folder has finished
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 
 

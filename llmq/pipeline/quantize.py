@@ -17,6 +17,7 @@ Both are independent of the model's depth.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from collections.abc import Callable
@@ -70,6 +71,8 @@ from llmq.quant.kvcache import KVQuantizer, KVRange
 from llmq.quant.methods import Method, get_method
 from llmq.quant.observers import observe_scale
 
+log = logging.getLogger(__name__)
+
 
 def run_quantization(
     ckpt: Checkpoint,
@@ -95,6 +98,8 @@ def run_quantization(
     fingerprint = {"recipe": recipe.model_dump(mode="json"), "source": ckpt.file_stamps()}
     state = load_state(staging, fingerprint, resume_every_s) if resume else None
     if state is None:
+        if resume:
+            log.warning("%s: no interrupted run to resume; starting from the first layer", out)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         state = RunState(staging, fingerprint, every_s=resume_every_s)

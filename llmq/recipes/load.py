@@ -56,9 +56,17 @@ def load_recipe(path: Path) -> RecipeSource:
 def read_yaml(path: Path, what: str) -> tuple[Any, Path, dict[Location, int]]:
     """A YAML file's data, its path, and the line of each key (errors name FILE:LINE)."""
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise InputError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise InputError(
+            f"{path}:{line}: the {what} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})",
+            hint="save it as UTF-8",
+        ) from None
     try:
         return yaml.safe_load(text), path, key_lines(yaml.compose(text))
     except yaml.YAMLError as exc:

@@ -14,12 +14,14 @@ earlier stage by name, or a folder. No torch here: the stages only say what to r
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from llmq.config import DEFAULT_CONFIDENCE
 from llmq.config.distill import DistillConfig
-from llmq.texts import DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT
+from llmq.texts import DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT, text_inputs
 
 SOURCE = "source"  # the recipe's own model, in `teacher` and `baseline`
 
@@ -80,6 +82,7 @@ class PruneStage(_Calibrated):
     sparsity_profile: str = "uniform"
     structured: bool = False
     params: float | None = None
+    decoder_params: float | None = None
     intermediate_size: int | None = None
     num_kv_heads: int | None = None
     num_heads: int | None = None
@@ -88,7 +91,7 @@ class PruneStage(_Calibrated):
 
     @model_validator(mode="after")
     def _one_mode(self) -> PruneStage:
-        sizes = (self.params, self.intermediate_size, self.num_kv_heads, self.num_heads,
+        sizes = (self.params, self.decoder_params, self.intermediate_size, self.num_kv_heads, self.num_heads,
                  self.hidden_size, self.num_layers)  # fmt: skip
         if not self.structured and any(size is not None for size in sizes):
             raise ValueError("params and the sizes go with structured: true")
@@ -133,7 +136,7 @@ class EvalStage(_Stage):
     num_fewshot: int | None = Field(None, ge=0)
     max_drop: float | dict[str, float] | None = None
     min_recovery: float | dict[str, float] | None = None
-    confidence: float = Field(0.95, ge=0.5, lt=1.0)
+    confidence: float = Field(DEFAULT_CONFIDENCE, ge=0.5, lt=1.0)
     batch_size: int = Field(8, ge=1)
 
     @model_validator(mode="after")
@@ -206,6 +209,24 @@ class ChainRecipe(BaseModel):
             if reference in names[:index] and self.stages[names.index(reference)].kind == "eval":
                 raise StageError(index, f"stage {names[index]} compares with {reference}, an eval stage that writes no model")  # fmt: skip
         return self
+
+    def inputs(self) -> list[tuple[str, Path]]:
+        """The files and folders the stages read besides the recipe's model (a `teacher` or
+        `baseline` folder, text files, a task folder), as (role, path): no output may cover
+        them."""
+        names = self.stage_names()
+        found: list[tuple[str, Path]] = []
+        for entry in self.stages:
+            stage = entry.stage
+            for role in ("teacher", "baseline"):
+                reference = getattr(stage, role, None)
+                if reference is not None and reference != SOURCE and reference not in names:
+                    found.append((role, Path(reference)))
+            for key in ("calib_text", "text", "data", "eval_text"):
+                found += text_inputs(getattr(stage, key, None), "text")
+            if getattr(stage, "task_dir", None) is not None:
+                found.append(("task folder", Path(stage.task_dir)))
+        return found
 
     def stage_names(self) -> list[str]:
         """Each stage's name: its own, else its kind, numbered from the second of a kind."""

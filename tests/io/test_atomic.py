@@ -32,7 +32,7 @@ HOLD = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from llmq.io.atomic import claim_output
-    with claim_output(Path(sys.argv[1])):
+    with claim_output(Path(sys.argv[1]), inputs=()):
         print("held", flush=True)
         time.sleep(60)
     """
@@ -52,7 +52,7 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path: Path) -> None:
     out = tmp_path / "out"
     holder = hold_lock(out)
     try:
-        with pytest.raises(InputError) as refused, claim_output(out):
+        with pytest.raises(InputError) as refused, claim_output(out, inputs=()):
             pytest.fail("claimed an output another process holds")
         assert f"pid {holder.pid} on {os.uname().nodename}, started 20" in refused.value.message
     finally:
@@ -66,7 +66,7 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait()
     assert lock_path(out).exists()  # SIGKILL ran no cleanup; the kernel dropped the lock
-    with claim_output(out):
+    with claim_output(out, inputs=()):
         (out.parent / "inside").write_text("claimed")
     assert not lock_path(out).exists()
 
@@ -74,14 +74,14 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
 def test_a_released_claim_removes_its_lock_file_and_can_be_claimed_again(tmp_path: Path) -> None:
     out = tmp_path / "new" / "out"
     for _ in range(2):
-        with claim_output(out):
+        with claim_output(out, inputs=()):
             assert lock_path(out).is_file()
         assert not lock_path(out).exists()
 
 
 def test_os_errors_inside_a_claim_become_one_output_error(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    with pytest.raises(OutputError) as failed, claim_output(out, kept=lambda: "kept for --resume"):
+    with pytest.raises(OutputError) as failed, claim_output(out, inputs=(), kept=lambda: "kept for --resume"):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "shard"))
     assert failed.value.message == f"{out / 'shard'}: No space left on device"
     assert failed.value.hint is not None and failed.value.hint.endswith("; kept for --resume")
@@ -91,7 +91,7 @@ def test_os_errors_inside_a_claim_become_one_output_error(tmp_path: Path) -> Non
 def test_an_uncreatable_parent_is_an_output_error(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    with pytest.raises(OutputError, match="Not a directory") as failed, claim_output(blocker / "sub" / "out"):  # fmt: skip
+    with pytest.raises(OutputError, match="Not a directory") as failed, claim_output(blocker / "sub" / "out", inputs=()):  # fmt: skip
         pass
     assert "part of the path is a file" in str(failed.value.hint)
 
@@ -173,7 +173,7 @@ def test_the_lock_waits_for_nobody(tmp_path: Path) -> None:
     holder = hold_lock(out)
     try:
         started = time.monotonic()
-        with pytest.raises(InputError), claim_output(out):
+        with pytest.raises(InputError), claim_output(out, inputs=()):
             pass
         assert time.monotonic() - started < 5
     finally:

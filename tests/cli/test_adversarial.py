@@ -1,0 +1,190 @@
+"""Adversarial input, as a user on a fresh clone gives it, in real processes: every command that
+writes refuses an output over one of its inputs, --overwrite replaces only what llmq wrote, no
+input file's bytes make a traceback, and a threshold that would gate nothing is refused. Each
+case asserts the exit code, a single `error:` line and that every input is byte for byte (and
+mode for mode) what it was."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.cli.test_output_safety import llmq_cmd, one_error_line
+
+
+def fingerprint(path: Path) -> dict[str, tuple[str, int]]:
+    """Every file under `path` (or `path` itself): its SHA-256 and mode."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return {
+        str(p.relative_to(path.parent)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mode)  # fmt: skip
+        for p in files
+    }
+
+
+def refused(args: list[str], inputs: list[Path], *, code: int = 2, cwd: Path | None = None) -> str:
+    """Run `llmq ARGS` in a real process; assert it exits `code` with one `error:` line and that
+    no input changed. Returns the error line."""
+    before = {str(p): fingerprint(p) for p in inputs}
+    run = subprocess.run(llmq_cmd(*args), capture_output=True, text=True, cwd=cwd, timeout=300)
+    assert run.returncode == code, (args, run.stdout, run.stderr)
+    line = one_error_line(run.stderr)
+    assert "error:" not in run.stdout, run.stdout
+    for path in inputs:
+        assert path.exists(), f"{path} was deleted by {args}"
+        assert fingerprint(path) == before[str(path)], f"{path} changed under {args}"
+    return line
+
+
+@pytest.fixture
+def nested(tmp_path: Path, tiny_llama: Path) -> Path:
+    """parent/model: a user's model inside a folder they might name as --out."""
+    model = tmp_path / "parent" / "model"
+    shutil.copytree(tiny_llama, model)
+    (tmp_path / "parent" / "notes.txt").write_text("my notes\n")
+    return model
+
+
+@pytest.mark.parametrize("command", ["quantize", "prune", "prune-structured"])
+def test_out_over_the_input_model_is_refused_and_the_model_is_kept(
+    nested: Path, command: str
+) -> None:
+    parent = nested.parent
+    base = {
+        "quantize": ["quantize", "--scheme", "w8a16"],
+        "prune": ["prune", "--method", "magnitude", "--sparsity", "0.5"],
+        "prune-structured": ["prune", "--structured", "--intermediate-size", "256"],
+    }[command]
+    link = parent.parent / "link-to-parent"
+    link.symlink_to(parent)
+    for out, relation in (
+        (parent, "would contain"),  # the reported case: the model deleted, exit 0
+        (link, "would contain"),  # the same through a symbolic link
+        (nested, "is the model"),
+        (nested / "sub", "would be inside"),
+        (nested / "sub" / "deeper", "would be inside"),
+    ):
+        line = refused([base[0], str(nested), "--out", str(out), "--overwrite", *base[1:]], [parent])  # fmt: skip
+        assert relation in line, line
+    assert not (nested / "sub").exists()
+    assert sorted(p.name for p in parent.parent.iterdir()) == ["link-to-parent", "parent"]
+
+
+def test_overwrite_replaces_only_a_folder_llmq_wrote(tmp_path: Path, tiny_llama: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "model.safetensors").write_bytes(b"another tool's output")
+    (theirs / "README.md").write_text("notes\n")
+    line = refused(["quantize", str(tiny_llama), "--out", str(theirs), "--overwrite", "--scheme", "w8a16"], [theirs])  # fmt: skip
+    assert "not written by llmq" in line
+    line = refused(["prune", str(tiny_llama), "--out", str(theirs), "--overwrite", "--structured", "--intermediate-size", "256"], [theirs])  # fmt: skip
+    assert "not written by llmq" in line
+    # An empty folder and an earlier llmq output are replaced.
+    out = tmp_path / "out"
+    out.mkdir()
+    for _ in range(2):
+        run = subprocess.run(llmq_cmd("quantize", str(tiny_llama), "--out", str(out), "--overwrite", "--scheme", "w8a16", "--no-reference"), capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        assert (out / "llmq.json").is_file()
+
+
+def test_calibrate_and_scan_never_write_into_their_inputs(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    text = tmp_path / "calib.txt"
+    text.write_text("To be, or not to be, that is the question. " * 200)
+    line = refused(["calibrate", str(model), "--out", str(model / "stats.safetensors")], [model])
+    assert "would be inside the model" in line
+    line = refused(["fallback-scan", str(model), "--report", str(model / "scan.json")], [model])
+    assert "would be inside the scanned path" in line
+    # --overwrite replaces an llmq statistics file only.
+    other = tmp_path / "other.safetensors"
+    shutil.copy(model / "model.safetensors", other)
+    line = refused(["calibrate", str(model), "--out", str(other), "--overwrite", "--calib-text", str(text)], [other, text])  # fmt: skip
+    assert "not an llmq statistics file" in line
+
+
+def test_run_and_distill_refuse_outputs_over_their_inputs(tmp_path: Path, tiny_llama: Path) -> None:
+    work = tmp_path / "work"
+    model = work / "model"
+    shutil.copytree(tiny_llama, model)
+    recipe = work / "recipe.yaml"
+    recipe.write_text("stages:\n  - quantize:\n      scheme: w8a16\n")
+    line = refused(["run", str(recipe), "--model", str(model), "--out", str(work), "--overwrite"], [work])  # fmt: skip
+    assert "would contain" in line
+    # A text the recipe reads, inside OUT.
+    data = tmp_path / "runs" / "data.txt"
+    data.parent.mkdir()
+    data.write_text("Some training text. " * 500)
+    recipe2 = tmp_path / "recipe2.yaml"
+    recipe2.write_text(f"stages:\n  - quantize:\n      scheme: w8a16\n      calib_text: {data}\n")
+    line = refused(["run", str(recipe2), "--model", str(model), "--out", str(data.parent), "--overwrite"], [data, recipe2])  # fmt: skip
+    assert f"would contain the text {data}" in line
+    # --resume never writes into a folder that holds no run.
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine\n")
+    line = refused(["run", str(recipe), "--model", str(model), "--out", str(notes), "--resume"], [notes])  # fmt: skip
+    assert "no interrupted `llmq run`" in line
+    line = refused(["distill", "--teacher", str(model), "--student", str(model), "--out", str(work), "--overwrite", "--max-steps", "1"], [work])  # fmt: skip
+    assert "would contain the teacher" in line
+
+
+@pytest.mark.parametrize("kind", ["recipe", "jobs"])
+def test_files_of_any_bytes_are_one_line(tmp_path: Path, tiny_llama: Path, kind: str) -> None:
+    for name, data in {
+        "latin1.yaml": "stages:\n  - quantize:\n      scheme: w8a16  # caf\xe9\n".encode("latin-1"),
+        "binary.yaml": bytes(range(256)),
+        "nul.yaml": b"stages:\x00\n",
+        "empty.yaml": b"",
+        "list.yaml": b"- 1\n- 2\n",
+    }.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        if kind == "recipe":
+            args = ["run", str(path), "--model", str(tiny_llama), "--out", str(tmp_path / "o")]
+        else:
+            args = ["batch", str(path), "--out", str(tmp_path / "o")]
+        line = refused(args, [path])
+        assert str(path) in line, line
+    assert not (tmp_path / "o").exists()
+
+
+def test_recipe_check_names_bad_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_bytes(b"stages:\n  - quantize:\n      scheme: \xff\xfe\n")
+    line = refused(["recipe", "check", str(path)], [path])
+    assert f"{path}:3: the recipe is not UTF-8 text" in line
+
+
+def test_thresholds_that_gate_nothing_are_refused(tmp_path: Path, tiny_llama: Path) -> None:
+    model = str(tiny_llama)
+    for args, fragment in (
+        (["eval", model, "--baseline", model, "--max-drop", "0.05"], "--max-drop applies to task accuracy"),  # fmt: skip
+        (["eval", model, "--baseline", model, "--min-recovery", "0.9"], "--min-recovery applies to task accuracy"),  # fmt: skip
+        (["eval", model, "--confidence", "0.9"], "--confidence applies to task accuracy"),
+        (["eval", model, "--tasks", "hamlet_next_line", "--confidence", "0.9"], "give --max-drop or --min-recovery"),  # fmt: skip
+        (["eval", model, "--max-ppl-increase", "3%"], "needs --baseline"),
+        (["eval", model, "--tasks", "hamlet_next_line", "--max-drop", "0.05"], "give --baseline"),
+        (["fallback-scan", model, "--error-share-threshold", "0.1"], "give --calib-stats"),
+        (["quantize", model, "--out", str(tmp_path / "q"), "--fallback-threshold", "0.1"], "use --fallback auto"),  # fmt: skip
+    ):
+        assert fragment in refused(args, [tiny_llama]), args
+    assert not (tmp_path / "q").exists()
+
+
+def test_shards_are_written_with_the_users_umask(tmp_path: Path, tiny_llama: Path) -> None:
+    out = tmp_path / "q"
+    run = subprocess.run(
+        ["sh", "-c", 'umask 022 && exec "$@"', "sh", *llmq_cmd("quantize", str(tiny_llama), "--out", str(out), "--scheme", "w8a16", "--no-reference")],  # fmt: skip
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert modes and set(modes.values()) == {0o644}, modes
+

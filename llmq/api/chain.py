@@ -122,7 +122,8 @@ def check_recipe(recipe: ChainRecipe | RecipeSource | str | Path) -> RecipeSourc
 
 
 _NOT_RECIPE = ("name", "fallback", "fallback_threshold", "structured", "params", "decoder_params",
-               "intermediate_size", "num_kv_heads", "num_heads", "hidden_size", "num_layers")  # fmt: skip
+               "intermediate_size", "num_kv_heads", "num_heads", "hidden_size", "num_layers",
+               "evaluate")  # fmt: skip
 
 
 def pipeline_recipe(kind: str, stage: Any) -> Any:
@@ -227,7 +228,7 @@ def _structured(stage: Any, model: Path, out: Path, progress: Progress, device: 
     sizes = ("params", "decoder_params", "intermediate_size", "num_kv_heads", "num_heads", "hidden_size", "num_layers")  # fmt: skip
     return prune_structured(
         model, out, **{k: getattr(stage, k) for k in sizes}, calib_text=stage.calib_text,
-        num_samples=stage.num_samples, seq_len=stage.seq_len, seed=stage.seed, evaluate=False,
+        num_samples=stage.num_samples, seq_len=stage.seq_len, seed=stage.seed, evaluate=stage.evaluate,
         overwrite=True, progress=progress, device=device,
     ).to_dict()  # fmt: skip
 

@@ -85,13 +85,13 @@ def _open(model: str | Path, progress: Progress = NO_PROGRESS) -> Any:
     return open_checkpoint(resolve_model(model, progress=progress))
 
 
-def list_models() -> list[dict[str, str]]:
+def list_models() -> list[dict[str, Any]]:
     """The built-in models: name, description, and whether they are already cached."""
     return [
         {
             "name": m.name,
             "description": m.description,
-            "cached": str((cache_dir() / "models" / m.name / "config.json").is_file()).lower(),
+            "cached": (cache_dir() / "models" / m.name / "config.json").is_file(),
         }
         for m in BUILTIN_MODELS.values()
     ]

@@ -16,6 +16,7 @@ from llmq.api.common import (
 )
 from llmq.api.scan import _input_weights
 from llmq.config import (
+    PRUNING_METHODS,
     RESUME_EVERY_S,
     SCAN_SHARE_THRESHOLD,
     CalibConfig,
@@ -71,8 +72,10 @@ def make_recipe(
     (layers whose pruning costs a larger share of their output keep more weights); the same
     total, measured on the dense model in one more calibration pass.
     """
-    from llmq.quant.methods import get_method
+    from llmq.quant.methods import get_method, method_names
 
+    if method not in method_names():  # first: the other checks read the method
+        raise InputError(f"unknown method {method!r}", hint=f"choose one of: {', '.join(method_names())}")  # fmt: skip
     if actorder in ("group", "dynamic"):
         raise InputError(
             f"--actorder {actorder}: compressed-tensors removed weight_g_idx checkpoints, so "
@@ -339,6 +342,12 @@ SPARSE_FORMAT_REFUSAL = (
 )
 
 
+def check_pruning_method(method: str) -> None:
+    """`prune` takes a pruner; a quantization method or a typo is named as such."""
+    if method not in PRUNING_METHODS:
+        raise InputError(f"unknown method {method!r} for prune", hint=f"choose one of: {', '.join(PRUNING_METHODS)}")  # fmt: skip
+
+
 def check_sparse_format(sparse_format: str) -> None:
     """Only "dense" is written; "bitmask" is refused with the reason (SPARSE_FORMAT_REFUSAL)."""
     if sparse_format == "bitmask":
@@ -366,6 +375,7 @@ def prune(
     quantization ones. `sparse_format`: only "dense" (why: SPARSE_FORMAT_REFUSAL). Returns a
     `QuantizeResult`."""
     check_sparse_format(sparse_format)
+    check_pruning_method(method)
     for option in ("scheme", "group_size", "clip", "fallback", "smooth", "kv_cache"):
         if options.get(option) is not None:
             raise InputError(f"{option}: prune quantizes nothing", hint="use quantize --method "

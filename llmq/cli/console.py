@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,6 +34,10 @@ from llmq.errors import InputError, LlmqError
 # as a style tag and drop it; styled words are built with `labelled`.
 out_console = Console(highlight=False, markup=False)
 err_console = Console(stderr=True, highlight=False, markup=False)
+LOG_WIDTH = 200  # tables written to a file or pipe are not cut to 80 columns
+LOG_INTERVAL_S = 30.0  # seconds between progress lines when stderr is a log
+if not out_console.is_terminal and "COLUMNS" not in os.environ:
+    out_console.width = LOG_WIDTH
 
 
 def counted(count: int, noun: str) -> str:
@@ -51,17 +57,20 @@ def print_error(message: str, hint: str | None = None) -> None:
 
 
 class _WarningLines(logging.Handler):
-    """The library's warnings (logging, never print) as `warning:` lines on stderr."""
+    """The library's log records (logging, never print) as lines on stderr: warnings as
+    `warning:`, information the user should see (a resumed run's starting point) as `note:`."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        err_console.print(labelled("warning:", "bold yellow", record.getMessage()), soft_wrap=True)
+        label = ("warning:", "bold yellow") if record.levelno >= logging.WARNING else ("note:", "bold")  # fmt: skip
+        err_console.print(labelled(*label, record.getMessage()), soft_wrap=True)
 
 
 def show_warnings() -> None:
-    """Route llmq's log warnings to `warning:` lines, once per process."""
+    """Route llmq's log warnings and notes to stderr lines, once per process."""
     logger = logging.getLogger("llmq")
+    logger.setLevel(logging.INFO)
     if not any(isinstance(h, _WarningLines) for h in logger.handlers):
-        handler = _WarningLines(logging.WARNING)
+        handler = _WarningLines(logging.INFO)
         logger.addHandler(handler)
 
 
@@ -119,9 +128,88 @@ class RichProgress:
                 self.bars.remove_task(task)
 
 
+class LineProgress:
+    """llmq.progress.Progress for logs (stderr not a terminal, as in CI): every `interval`
+    seconds a stage is open, one plain line on stderr with the elapsed time and the open stages
+    with their counts, innermost last (`0:02:30 quantize 3/30 > layer 3 64/128`). A command that
+    ends within the interval prints nothing."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.started = time.monotonic()
+        self.open: list[_Stage] = []
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.beat = threading.Thread(target=self._beat, name="llmq-progress", daemon=True)
+
+    @contextmanager
+    def stage(
+        self, description: str, total: int | None = None, *, transient: bool = False
+    ) -> Iterator[Any]:
+        stage = _Stage(description, total)
+        with self.lock:
+            self.open.append(stage)
+
+        def advance(steps: int = 1, status: str | None = None) -> None:
+            stage.done += steps
+            if status is not None:
+                stage.status = status
+
+        try:
+            yield advance
+        finally:
+            with self.lock:
+                self.open.remove(stage)
+
+    def line(self) -> str:
+        elapsed = int(time.monotonic() - self.started)
+        with self.lock:
+            stages = " > ".join(stage.describe() for stage in self.open)
+        return f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d} {stages}"
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(self.interval):
+            if self.open:
+                err_console.print(self.line(), soft_wrap=True, highlight=False)
+
+    def __enter__(self) -> LineProgress:
+        self.beat.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
+        self.beat.join()
+
+
+class _Stage:
+    def __init__(self, description: str, total: int | None) -> None:
+        self.description = description
+        self.total = total
+        self.done = 0
+        self.status: str | None = None
+
+    def describe(self) -> str:
+        count = f" {self.done}/{self.total}" if self.total is not None else ""
+        status = f" ({self.status})" if self.status else ""
+        return f"{self.description}{count}{status}"
+
+
+def log_interval() -> float:
+    """Seconds between progress lines in logs: LLMQ_PROGRESS_INTERVAL, default 30."""
+    try:
+        return max(0.1, float(os.environ.get("LLMQ_PROGRESS_INTERVAL", LOG_INTERVAL_S)))
+    except ValueError:
+        return LOG_INTERVAL_S
+
+
 @contextmanager
-def progress_bars(*, json_out: bool) -> Iterator[RichProgress]:
-    progress = RichProgress(enabled=not json_out and err_console.is_terminal)
+def progress_bars(*, json_out: bool) -> Iterator[RichProgress | LineProgress]:
+    """Rich bars on a terminal (none with --json), plain periodic lines in a log."""
+    if not err_console.is_terminal:
+        with LineProgress(log_interval()) as lines:
+            yield lines
+        return
+    progress = RichProgress(enabled=not json_out)
     with progress.bars:
         yield progress
 

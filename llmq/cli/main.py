@@ -18,6 +18,7 @@ from llmq.cli import (
     recipe,
     verify,
 )
+from llmq.cli.help import LlmqCommand
 
 app = typer.Typer(
     name="llmq",
@@ -27,21 +28,21 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="markdown",  # "rich" read [x²] and [in, in] in help texts as style tags
+    rich_markup_mode=None,  # plain help that wraps at 80 columns, in sections (llmq.cli.help)
 )
-app.command("quantize")(quantize.quantize)
-app.command("prune")(prune.prune)
-app.command("distill")(distill.distill)
-app.command("calibrate")(calibrate.calibrate)
-app.command("eval")(evaluate.evaluate)
-app.command("fallback-scan")(fallback_scan.fallback_scan)
-app.command("generate")(generate.generate)
-app.command("bench")(bench.bench)
-app.command("run")(recipe.run)
+app.command("quantize", cls=LlmqCommand)(quantize.quantize)
+app.command("prune", cls=LlmqCommand)(prune.prune)
+app.command("distill", cls=LlmqCommand)(distill.distill)
+app.command("calibrate", cls=LlmqCommand)(calibrate.calibrate)
+app.command("eval", cls=LlmqCommand)(evaluate.evaluate)
+app.command("fallback-scan", cls=LlmqCommand)(fallback_scan.fallback_scan)
+app.command("generate", cls=LlmqCommand)(generate.generate)
+app.command("bench", cls=LlmqCommand)(bench.bench)
+app.command("run", cls=LlmqCommand)(recipe.run)
 app.add_typer(recipe.recipe_app, name="recipe")
-app.command("batch")(batch.batch)
-app.command("models")(models.models)
-app.command("verify")(verify.verify)
+app.command("batch", cls=LlmqCommand)(batch.batch)
+app.command("models", cls=LlmqCommand)(models.models)
+app.command("verify", cls=LlmqCommand)(verify.verify)
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ class DistillConfig(BaseModel):
     loss).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     loss: DistillLoss = "forward-kl"
     temperature: float = Field(1.0, gt=0.0, le=100.0)

@@ -19,7 +19,7 @@ Strategy = Literal["tensor", "channel", "group", "block", "token"]
 class QuantArgs(BaseModel):
     """How one tensor is quantized (a subset of compressed-tensors' QuantizationArgs)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     num_bits: Literal[4, 8]
     type: Literal["int", "float"] = "int"
@@ -104,7 +104,7 @@ def group_width(args: QuantArgs) -> int | None:
 class Scheme(BaseModel):
     """A preset: weight arguments, optional input-activation arguments, and the on-disk format."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str
     weights: QuantArgs | None  # None: weights stay in their dtype (DENSE: pruning alone)

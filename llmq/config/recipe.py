@@ -19,7 +19,7 @@ from llmq.errors import InputError
 class CalibConfig(BaseModel):
     """Which calibration text, and how it is sampled (reproducibly, from `seed`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     text: str = "shakespeare+pydoc"
     num_samples: int = Field(128, ge=1, le=100_000)
@@ -30,7 +30,7 @@ class CalibConfig(BaseModel):
 class GPTQConfig(BaseModel):
     """GPTQ's knobs, with llm-compressor's names (arXiv 2210.17323)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     block_size: int = Field(128, ge=16, le=4096)  # columns per lazy batch update
     dampening_frac: float = Field(0.01, gt=0.0, lt=1.0)  # of the Hessian's mean diagonal
@@ -47,7 +47,7 @@ class GPTQConfig(BaseModel):
 class AWQConfig(BaseModel):
     """AWQ's scale search (arXiv 2306.00978): s = mean|x|^alpha over `grid` alphas in [0, 1]."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     grid: int = Field(20, ge=2, le=1000)
     # s = mean|x|^alpha / mean|w|^(1-alpha), as AutoAWQ and llm-compressor do by default; off:
@@ -58,7 +58,7 @@ class AWQConfig(BaseModel):
 class Recipe(BaseModel):
     """Everything `quantize` needs to reproduce a checkpoint; written into the output folder."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     scheme: Scheme
     method: str = "rtn"

@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,10 @@ def _run_lm_eval(
     else:
         requested, manager = list(tasks), TaskManager(include_path=str(task_dir))
     try:
-        with contextlib.redirect_stderr(io.StringIO()):  # lm-eval's own bars: it has no switch
+        with (
+            contextlib.redirect_stderr(io.StringIO()),
+            _no_git_describe(),
+        ):  # lm-eval's own bars: it has no switch
             results = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=requested,
@@ -127,6 +131,21 @@ def _run_lm_eval(
         raise InputError(f"lm-eval could not run {', '.join(tasks)}: {exc}") from None
     metrics = {task: _first_metric(results["results"][task]) for task in tasks}
     return results["samples"], metrics
+
+
+@contextlib.contextmanager
+def _no_git_describe() -> Iterator[None]:
+    """lm-eval records the git commit of the current folder by running `git describe`, whose
+    `fatal: not a git repository` goes straight to the terminal outside a repository (and the
+    commit of the user's folder says nothing about the model); llmq records its own provenance."""
+    import lm_eval.evaluator
+
+    recorded = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = lambda: None
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = recorded
 
 
 def _first_metric(result: dict[str, Any]) -> str:

@@ -7,17 +7,21 @@ effective recipe (defaults filled in) dumps back to YAML that loads into the sam
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from llmq.errors import InputError
-from llmq.recipes.schema import ChainRecipe, StageError
+from llmq.recipes.schema import STAGES, ChainRecipe, StageEntry, StageError
 
 Location = tuple[str | int, ...]
+STAGES_HINT = (
+    "a recipe is a mapping with a `stages` list, e.g. stages: [{quantize: {scheme: w4a16}}]"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +42,7 @@ def locate(path: Path | None, lines: dict[Location, int], location: Location) ->
         (lines[location[:n]] for n in range(len(location), -1, -1) if location[:n] in lines),
         None,
     )
-    place = f"{path}:{line}: " if path is not None and line else ""
+    place = "" if path is None else f"{path}:{line}: " if line else f"{path}: "
     return place + dotted(location)
 
 
@@ -81,7 +85,7 @@ def parse_recipe(
     """A recipe from already-parsed data (a dict, as YAML gives it)."""
     source = RecipeSource(ChainRecipe.model_construct(stages=[]), path, lines or {})
     if not isinstance(data, dict):
-        raise InputError(f"{path or 'recipe'}: a recipe is a mapping with a `stages` list")
+        raise InputError(f"{path or 'recipe'}: not a recipe", hint=STAGES_HINT)
     try:
         recipe = ChainRecipe.model_validate(data)
     except ValidationError as exc:
@@ -89,8 +93,29 @@ def parse_recipe(
         message = first["msg"].removeprefix("Value error, ")
         error = first.get("ctx", {}).get("error")
         location = ("stages", error.index) if isinstance(error, StageError) else _plain(first["loc"])  # fmt: skip
+        if first["type"] == "extra_forbidden":
+            message, hint = _unknown_key(location)
+            raise InputError(f"{source.where(location)}: {message}", hint=hint) from None
+        if first["type"] == "missing" and location == ("stages",):
+            raise InputError(f"{source.where(location)}: missing", hint=STAGES_HINT) from None
         raise InputError(f"{source.where(location)}: {message}") from None
     return RecipeSource(recipe, path, lines or {})
+
+
+def _unknown_key(location: Location) -> tuple[str, str]:
+    """The message and hint for a key no model at `location` has: the keys it could be."""
+    model: type[BaseModel] = ChainRecipe
+    for part in location[:-1]:
+        if isinstance(part, int):
+            continue
+        model = StageEntry if model is ChainRecipe else STAGES[str(part)]
+    key = str(location[-1])
+    if model is StageEntry:
+        return f"unknown stage kind {key!r}", f"a stage is one of: {', '.join(STAGES)}"
+    allowed = list(model.model_fields)
+    close = difflib.get_close_matches(key, allowed, n=1)
+    guess = f"did you mean {close[0]}? " if close else ""
+    return f"unknown key {key!r}", f"{guess}keys: {', '.join(allowed)}"
 
 
 def _plain(loc: tuple[Any, ...]) -> Location:

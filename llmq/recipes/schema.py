@@ -35,7 +35,7 @@ class StageError(ValueError):
 
 
 class _Stage(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")  # default: kind, numbered
 
@@ -88,13 +88,16 @@ class PruneStage(_Calibrated):
     num_heads: int | None = None
     hidden_size: int | None = None
     num_layers: int | None = None
+    # structured: held-out perplexity of the source and the result in the stage's summary (off
+    # by default in a recipe, where an eval stage gates).
+    evaluate: bool = False
 
     @model_validator(mode="after")
     def _one_mode(self) -> PruneStage:
         sizes = (self.params, self.decoder_params, self.intermediate_size, self.num_kv_heads, self.num_heads,
                  self.hidden_size, self.num_layers)  # fmt: skip
-        if not self.structured and any(size is not None for size in sizes):
-            raise ValueError("params and the sizes go with structured: true")
+        if not self.structured and (any(size is not None for size in sizes) or self.evaluate):
+            raise ValueError("params, the sizes and evaluate go with structured: true")
         if self.structured and (self.sparsity is not None or self.pattern is not None):
             raise ValueError("sparsity and pattern prune single weights: not with structured: true")  # fmt: skip
         return self
@@ -161,7 +164,7 @@ STAGES: dict[str, type[_Stage]] = {
 class StageEntry(BaseModel):
     """One item of `stages`: a mapping with exactly one key, the stage's kind."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     quantize: QuantizeStage | None = None
     prune: PruneStage | None = None
@@ -187,7 +190,7 @@ class StageEntry(BaseModel):
 class ChainRecipe(BaseModel):
     """A recipe file: the stages, in order."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     stages: list[StageEntry] = Field(min_length=1)
 

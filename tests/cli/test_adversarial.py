@@ -188,3 +188,33 @@ def test_shards_are_written_with_the_users_umask(tmp_path: Path, tiny_llama: Pat
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
     assert modes and set(modes.values()) == {0o644}, modes
 
+
+
+def test_bad_options_and_recipes_say_what_to_use(tmp_path: Path, tiny_llama: Path) -> None:
+    model = str(tiny_llama)
+    unknown_kind = tmp_path / "kind.yaml"
+    unknown_kind.write_text("stages:\n  - quantise:\n      scheme: w8a16\n")
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("stages:\n  - quantize:\n      schem: w8a16\n")
+    no_stages = tmp_path / "none.yaml"
+    no_stages.write_text("name: mine\n")
+    for args, fragment in (
+        (["prune", model, "--out", str(tmp_path / "p"), "--method", "foo", "--sparsity", "0.5"], "unknown method 'foo' for prune"),  # fmt: skip
+        (["prune", model, "--out", str(tmp_path / "p"), "--method", "gptq", "--sparsity", "0.5"], "unknown method 'gptq' for prune"),  # fmt: skip
+        (["prune", model, "--out", str(tmp_path / "p"), "--sparsity", "nan"], "sparsity: Input should be a finite number"),  # fmt: skip
+        (["recipe", "check", str(unknown_kind)], f"{unknown_kind}:2: stages[0].quantise: unknown stage kind 'quantise'"),  # fmt: skip
+        (["recipe", "check", str(typo)], f"{typo}:3: stages[0].quantize.schem: unknown key 'schem'"),  # fmt: skip
+        (["recipe", "check", str(no_stages)], f"{no_stages}: stages: missing"),
+    ):
+        assert fragment in refused(args, [tiny_llama, tmp_path]), args
+
+
+def test_task_gates_print_no_git_noise(tmp_path: Path, tiny_llama: Path) -> None:
+    """lm-eval runs `git describe` in the current folder; outside a repository git's `fatal:`
+    lines went straight to the user's terminal."""
+    run = subprocess.run(
+        llmq_cmd("eval", str(tiny_llama), "--baseline", str(tiny_llama), "--tasks", "hamlet_next_line", "--limit", "4", "--max-drop", "0.5", "--no-cache"),  # fmt: skip
+        capture_output=True, text=True, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "fatal" not in run.stderr and "Traceback" not in run.stderr, run.stderr

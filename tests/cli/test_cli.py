@@ -144,7 +144,7 @@ def test_quantize_json_and_eval_gate(tmp_path: Path, tiny_llama: Path) -> None:
 def test_models_lists_the_default(default_model: Path) -> None:
     result = run("models", "--json")
     assert result.exit_code == 0
-    assert {"name": "smollm2-135m"}.items() <= json.loads(result.stdout)[0].items()
+    assert {"name": "smollm2-135m", "cached": True}.items() <= json.loads(result.stdout)[0].items()
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is present")

@@ -56,7 +56,7 @@ def test_asymmetric_int4_fails_in_transformers_in_one_line_and_loads_in_llmq(
     reason = result.loaders[0].detail
     assert "\n" not in reason and "weight_zero_point" in reason and "mismatch" in reason
     cli = runner.invoke(app, ["verify", str(out), "--loaders", "transformers,llmq", "--json"])
-    assert cli.exit_code == 1 and json.loads(cli.output)["passed"] is False
+    assert cli.exit_code == 1 and json.loads(cli.stdout)["passed"] is False
 
 
 def test_a_tampered_scale_is_caught_as_wrong_logits(tmp_path: Path, symmetric: Path) -> None:

@@ -1,0 +1,118 @@
+"""`--help` that reads well at 80 columns and in a log: options grouped into sections (each
+option's `rich_help_panel`), `--out OUT` instead of a type in angle brackets, usage with the
+arguments' names as they are typed.
+
+Typer's Rich help lays every option out in six columns, which at 80 columns cuts option names
+and squeezes each help text to a word a line. Plain Click formatting wraps the help under the
+option instead; this command class adds the sections. Option help is one short sentence; the
+details are in docs/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from typer.core import TyperCommand
+
+OPTIONS = "Options"  # the section of an option that names none
+COLUMN = 26  # the widest option names beside their help; wider ones get a line of their own
+_NB_HYPHEN = "\u2011"
+
+
+# Typer carries its own copy of Click: build on its classes, not on the click package's.
+_ClickContext = TyperCommand.context_class
+
+
+class HelpFormatter(_ClickContext.formatter_class):
+    """Click's formatter, but a line never breaks after a hyphen: `--resume-every` and
+    `per-channel` stay whole (the hyphens wait as non-breaking ones while the text wraps)."""
+
+    def write_text(self, text: str) -> None:
+        with self._whole_words():
+            super().write_text(text.replace("-", _NB_HYPHEN))
+
+    def write_dl(self, rows: Any, col_max: int = 30, col_spacing: int = 2) -> None:
+        rows = [(term, text.replace("-", _NB_HYPHEN)) for term, text in rows]
+        with self._whole_words():
+            super().write_dl(rows, col_max, col_spacing)
+
+    @contextmanager
+    def _whole_words(self) -> Iterator[None]:
+        start = len(self.buffer)
+        yield
+        self.buffer[start:] = [text.replace(_NB_HYPHEN, "-") for text in self.buffer[start:]]
+
+
+class _Context(_ClickContext):
+    formatter_class = HelpFormatter
+
+
+class LlmqCommand(TyperCommand):
+    """A Typer command whose help groups its options into sections, in order of first use."""
+
+    context_class = _Context
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                name = _argument_name(param)
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for title, record in _records(self, ctx):
+            sections.setdefault(title, []).append(record)
+        # one column for the help texts in every section: names padded to the widest that fits
+        width = min(max((len(name) for name, _ in _flat(sections)), default=0), COLUMN)
+        for title, records in sections.items():
+            with formatter.section(title):
+                formatter.write_dl([(name.ljust(width), text) for name, text in records], COLUMN)
+
+
+def _flat(sections: dict[str, list[tuple[str, str]]]) -> Iterator[tuple[str, str]]:
+    return (record for records in sections.values() for record in records)
+
+
+def _records(command: TyperCommand, ctx: Any) -> Iterator[tuple[str, tuple[str, str]]]:
+    """(section, (names, help)) of each visible parameter: arguments first, then options."""
+    params = [p for p in command.get_params(ctx) if not getattr(p, "hidden", False)]
+    for param in params:
+        if param.param_type_name == "argument":
+            yield "Arguments", (_argument_name(param), param.help or "")
+    for param in params:
+        if param.param_type_name == "option":
+            section = getattr(param, "rich_help_panel", None) or OPTIONS
+            yield section, (_option_names(param), _option_help(param))
+
+
+def _argument_name(param: Any) -> str:
+    name = (param.metavar or param.name).upper()
+    return f"{name}..." if param.nargs != 1 else name
+
+
+def _option_names(param: Any) -> str:
+    """`-o, --out OUT`, `--overwrite`, `--true-sequential / --no-true-sequential`: a flag that
+    is off by default shows only its positive name (its `--no-` form is the default anyway)."""
+    names = ", ".join(sorted(param.opts, key=len))
+    if param.secondary_opts and param.default is not False:
+        names += " / " + ", ".join(param.secondary_opts)
+    if not param.is_flag:
+        names += f" {param.metavar or param.name.upper()}"
+    return names
+
+
+def _option_help(param: Any) -> str:
+    """The help sentence, then the default where there is one worth saying."""
+    text = param.help or ""
+    default = param.default
+    if param.required:
+        return f"{text}  [required]".strip()
+    if param.is_flag:
+        return f"{text}  [default: on]".strip() if default is True and param.secondary_opts else text  # fmt: skip
+    if default is None or default == [] or default == () or callable(default):
+        return text
+    return f"{text}  [default: {default}]".strip()

@@ -4,6 +4,7 @@ summary (llmq.batch)."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,17 +73,20 @@ def run_plan(
         from llmq.batch.ray_runner import check_ready
 
         check_ready(plan, ray, gpus_per_job)
+    if plan.replace:  # --overwrite: the earlier batch's output goes only now (not on --dry-run)
+        shutil.rmtree(plan.out)
+        plan.replace = False
     (plan.state / "jobs").mkdir(parents=True, exist_ok=True)
     computed = share_windows(plan, progress)
     update = on_update or (lambda states: None)
     if ray is not None:
         from llmq.batch.ray_runner import run_on_ray
 
-        results = run_on_ray(plan, ray, update, gpus_per_job)
+        results, stopped_by = run_on_ray(plan, ray, update, gpus_per_job)
     else:
         from llmq.batch.local import run_local
 
-        results = run_local(plan, update)
+        results, stopped_by = run_local(plan, update)
     jobs = results + [_not_run(item) for item in plan.jobs if item.action in ("skip", "refuse")]
     extra = {
         "runner": f"ray {ray}" if ray else "local",
@@ -91,7 +95,10 @@ def run_plan(
         "calibration_windows_computed": computed,
         "estimated_peak_bytes": {item.spec.id: item.peak_bytes for item in plan.jobs},
     }
-    data = summary(jobs, out=plan.out, jobs_file=plan.jobs_file.path, started=started, extra=extra)
+    data = summary(
+        jobs, out=plan.out, jobs_file=plan.jobs_file.path, started=started, extra=extra,
+        stopped_by=stopped_by,
+    )  # fmt: skip
     write_summary(data, plan.out)
     return BatchResult(data)
 

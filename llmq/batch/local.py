@@ -4,6 +4,8 @@ up to `parallel` at a time, admitted while the running jobs' estimated peaks lea
 A job that raises is recorded by its worker; a child that dies (killed, out of memory) is
 recorded here from its exit code. SIGINT or SIGTERM stops admitting, passes SIGINT to the
 running jobs (each keeps its resume point) and waits for them; a second signal kills them.
+Every worker reads the driver's lifeline pipe and kills itself when the driver dies (see
+`worker._die_with_driver`); the forkserver then exits with the last worker.
 """
 
 from __future__ import annotations
@@ -30,17 +32,21 @@ class Stopping:
     def __init__(self) -> None:
         self.count = 0  # signals received
         self.handled = 0  # signals already passed on to the jobs
+        self.first: int | None = None  # the signal that stopped the batch
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.count += 1
+        if self.first is None:
+            self.first = signum
 
     @property
     def new(self) -> bool:
         return self.count > self.handled
 
 
-def run_local(plan: BatchPlan, on_update: Update) -> list[dict[str, Any]]:
-    """Run the plan's runnable jobs; their results, in the plan's order."""
+def run_local(plan: BatchPlan, on_update: Update) -> tuple[list[dict[str, Any]], int | None]:
+    """Run the plan's runnable jobs: their results, in the plan's order, and the signal that
+    stopped the batch (None when every job ran)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["llmq.batch.worker", "llmq.api.chain", "torch", "transformers"])
     pending = [item for item in plan.jobs if item.action in ("run", "resume")]
@@ -48,6 +54,8 @@ def run_local(plan: BatchPlan, on_update: Update) -> list[dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     stopping = Stopping()
     previous = {sig: signal.signal(sig, stopping) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # the workers' lifeline: only this process holds the write end, so it closes when we die
+    lifeline, alive = context.Pipe(duplex=False)
     try:
         while pending or running:
             if stopping.new:
@@ -55,7 +63,10 @@ def run_local(plan: BatchPlan, on_update: Update) -> list[dict[str, Any]]:
             for item in _admissible(pending, running, plan):
                 pending.remove(item)
                 write_json(Path(item.spec.started), {"key": item.spec.key, "id": item.spec.id})
-                process = context.Process(target=execute, args=(item.spec,), name=item.spec.id)
+                process = context.Process(
+                    target=execute, args=(item.spec,), kwargs={"lifeline": lifeline},
+                    name=item.spec.id,
+                )  # fmt: skip
                 process.start()
                 running[item.spec.id] = (process, item, time.monotonic())
             for job_id, (process, item, started) in list(running.items()):
@@ -66,10 +77,12 @@ def run_local(plan: BatchPlan, on_update: Update) -> list[dict[str, Any]]:
             on_update(_live(plan, running, results))
             time.sleep(POLL_S)
     finally:
+        alive.close()  # a worker still running (the driver failed) dies now, as with a kill
+        lifeline.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     on_update(_live(plan, running, results))
-    return [results[item.spec.id] for item in plan.jobs if item.spec.id in results]
+    return [results[item.spec.id] for item in plan.jobs if item.spec.id in results], stopping.first
 
 
 def _admissible(

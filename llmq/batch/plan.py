@@ -11,8 +11,8 @@ OUT's layout:
 
 from __future__ import annotations
 
+import errno
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +21,7 @@ from llmq.batch.jobs import Job, JobsFile, job_key, load_jobs
 from llmq.batch.memory import ModelSizes, job_peak
 from llmq.batch.worker import JobSpec, read_result
 from llmq.errors import InputError
+from llmq.io.atomic import refuse_inputs
 
 Action = Literal["run", "resume", "skip", "refuse"]
 STATE_DIR = ".batch"
@@ -45,6 +46,7 @@ class BatchPlan:
     max_memory: int
     parallel: int
     windows: list[tuple[Path, Any]]  # (model folder, CalibConfig) computed once each
+    replace: bool = False  # OUT is an earlier batch's, removed when the run starts (--overwrite)
 
     @property
     def state(self) -> Path:
@@ -72,10 +74,12 @@ def plan_batch(
         raise InputError(f"--jobs {parallel}: must be at least 1")
     out = Path(out)
     jobs_file = load_jobs(Path(jobs_path))
-    _check_out(out, resume=resume, overwrite=overwrite)
+    _check_writable(out)
+    replace = _check_out(out, resume=resume, overwrite=overwrite)
     memory = max_memory if max_memory is not None else int(0.9 * machine_memory())
     threads = max(1, (os.cpu_count() or 1) // parallel)
     folders = {m.name: resolve_model(m.spec) for m in jobs_file.models}
+    refuse_inputs(out, _inputs(jobs_file, folders))
     sizes = {name: ModelSizes.of(_checkpoint(folder)) for name, folder in folders.items()}
     planned = []
     for job in jobs_file.jobs:
@@ -90,7 +94,8 @@ def plan_batch(
         )  # fmt: skip
         peak = job_peak(job.recipe.source.recipe, sizes[job.model.name])
         planned.append(_decide(job, spec, peak, memory, resume))
-    return BatchPlan(jobs_file, out, planned, memory, parallel, _shared_windows(planned, folders))
+    windows = _shared_windows(planned, folders)
+    return BatchPlan(jobs_file, out, planned, memory, parallel, windows, replace=replace)
 
 
 def _checkpoint(folder: Path) -> Any:
@@ -99,22 +104,53 @@ def _checkpoint(folder: Path) -> Any:
     return open_checkpoint(folder)
 
 
-def _check_out(out: Path, *, resume: bool, overwrite: bool) -> None:
+def _inputs(jobs_file: JobsFile, folders: dict[str, Path]) -> list[tuple[str, Path | None]]:
+    """What the batch reads, as inputs OUT may not cover: the jobs file, the models, the
+    recipe files and what their stages read."""
+    recipes = [entry.source for entry in jobs_file.recipes]
+    return [
+        ("jobs file", jobs_file.path),
+        *(("model", folder) for folder in folders.values()),
+        *(("recipe", source.path) for source in recipes),
+        *(found for source in recipes for found in source.recipe.inputs()),
+    ]
+
+
+def _check_out(out: Path, *, resume: bool, overwrite: bool) -> bool:
     """OUT is new, or an earlier batch's (resume, or overwrite); never a folder llmq did not
-    make."""
+    make. True when OUT is to be replaced (an earlier batch's, --overwrite)."""
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
-        return
+        return False
     ours = (out / STATE_DIR).is_dir()
     if resume and ours:
-        return
+        return False
     if overwrite and ours:
-        shutil.rmtree(out)
-        return
+        return True
     if not ours:
         raise InputError(
             f"{out}: exists and is not an `llmq batch` output", hint="choose another --out"
         )
     raise InputError(f"{out}: an earlier batch's output", hint="--resume continues it, --overwrite starts over")  # fmt: skip
+
+
+def _check_writable(out: Path) -> None:
+    """OUT, or the folder it will be made in, can be written: a read-only file system, a folder
+    we may not write or a file in the way is one OutputError now, before the plan is shown or
+    anything written (nothing is written to find out)."""
+    from llmq.io.atomic import output_error
+
+    where = out.absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        problem = errno.ENOTDIR
+    elif os.statvfs(where).f_flag & os.ST_RDONLY:
+        problem = errno.EROFS
+    elif not os.access(where, os.W_OK | os.X_OK):
+        problem = errno.EACCES
+    else:
+        return
+    raise output_error(OSError(problem, os.strerror(problem), str(out)))
 
 
 def _decide(job: Job, spec: JobSpec, peak: int, memory: int, resume: bool) -> PlannedJob:

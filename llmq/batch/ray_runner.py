@@ -7,18 +7,25 @@ Each job is one task with the resources its estimate asks for (CPUs, memory) and
 application error (bad model, failing stage) is recorded in the job's result and never retried,
 since it would fail again. Outputs go to OUT, which every worker must see: checked up front by
 a task that writes and removes a file there.
+
+SIGINT or SIGTERM stops as on one machine: tasks not started are cancelled, running ones get a
+KeyboardInterrupt (each records "interrupted" and keeps its resume point), a second signal kills
+their workers; the summary is written. A driver that dies (even by SIGKILL) takes its tasks
+with it: Ray ends a job's tasks when its driver disconnects, and the Ray instance `--ray local`
+starts shares the driver's fate.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
-from llmq.batch.local import Update, _live
+from llmq.batch.local import Stopping, Update, _live
 from llmq.batch.plan import BatchPlan, PlannedJob
-from llmq.batch.worker import JobSpec, execute, failed_result
+from llmq.batch.worker import JobSpec, execute, failed_result, read_result
 from llmq.errors import InputError
 from llmq.io.atomic import write_json
 
@@ -65,7 +72,7 @@ def _probe(out: str) -> str | None:
 
 
 def _run_job(spec: JobSpec) -> dict[str, Any]:
-    return execute(spec, child=False)
+    return execute(spec)
 
 
 def check_ready(plan: BatchPlan, address: str, gpus_per_job: float = 0.0) -> None:
@@ -83,9 +90,9 @@ def check_ready(plan: BatchPlan, address: str, gpus_per_job: float = 0.0) -> Non
 
 def run_on_ray(
     plan: BatchPlan, address: str, on_update: Update, gpus_per_job: float = 0.0
-) -> list[dict[str, Any]]:
-    """The plan's runnable jobs as Ray tasks (after check_ready); their results, in the plan's
-    order."""
+) -> tuple[list[dict[str, Any]], int | None]:
+    """The plan's runnable jobs as Ray tasks (after check_ready): their results, in the plan's
+    order, and the signal that stopped the batch (None when every job ran)."""
     ray = connect(address)
     task = ray.remote(_run_job)
     refs: dict[Any, tuple[PlannedJob, float]] = {}
@@ -97,14 +104,24 @@ def run_on_ray(
             refs[task.options(**options).remote(item.spec)] = (item, time.monotonic())
     results: dict[str, dict[str, Any]] = {}
     running = {item.spec.id: (None, item, started) for item, started in refs.values()}
-    while refs:
-        ready, _ = ray.wait(list(refs), num_returns=1, timeout=0.2)
-        for ref in ready:
-            item, started = refs.pop(ref)
-            results[item.spec.id] = _collect(ray, ref, item, started)
-            running.pop(item.spec.id)
-        on_update(_live(plan, running, results))
-    return [results[item.spec.id] for item in plan.jobs if item.spec.id in results]
+    stopping = Stopping()
+    previous = {sig: signal.signal(sig, stopping) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while refs:
+            if stopping.new:  # cancelled tasks are not retried
+                for ref in refs:
+                    ray.cancel(ref, force=stopping.count > 1)
+                stopping.handled = stopping.count
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=0.2)
+            for ref in ready:
+                item, started = refs.pop(ref)
+                results[item.spec.id] = _collect(ray, ref, item, started)
+                running.pop(item.spec.id)
+            on_update(_live(plan, running, results))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return [results[item.spec.id] for item in plan.jobs if item.spec.id in results], stopping.first
 
 
 def _check_memory(ray: Any, plan: BatchPlan) -> None:
@@ -123,6 +140,12 @@ def _collect(ray: Any, ref: Any, item: PlannedJob, started: float) -> dict[str, 
     recorded as failed with Ray's reason."""
     try:
         return ray.get(ref)
+    except ray.exceptions.TaskCancelledError:  # a signal stopped the batch
+        result = read_result(Path(item.spec.result))
+        if result is not None and result.get("key") == item.spec.key and result.get("status") == "interrupted":  # fmt: skip
+            return result  # the task recorded its interruption before Ray reported the cancel
+        return {"id": item.spec.id, "key": item.spec.key, "status": "interrupted",
+                "error": "stopped by a signal; --resume continues it"}  # fmt: skip
     except ray.exceptions.RayError as exc:
         error = f"Ray: {type(exc).__name__}: {str(exc).splitlines()[0]}"
         return failed_result(item.spec, error, time.monotonic() - started)

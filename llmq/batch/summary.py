@@ -1,9 +1,10 @@
 """The batch's report: `summary.json` (schema `llmq.batch/1`) and `summary.md`, one row per job
 sorted by model then recipe, and the exit code CI reads (0 every job passed, 1 a gate failed,
-2 a job could not run)."""
+2 a job could not run, 128 + the signal's number when SIGINT or SIGTERM stopped the batch)."""
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,12 @@ EXIT_OK, EXIT_GATE, EXIT_ERROR = 0, 1, 2
 NOT_RUN = ("failed", "refused", "interrupted", "not_started")
 
 
-def exit_code(jobs: list[dict[str, Any]]) -> int:
-    """2 when a job could not run, else 1 when a gate failed (this run's, or a skipped job's
-    earlier run), else 0."""
+def exit_code(jobs: list[dict[str, Any]], stopped_by: int | None = None) -> int:
+    """128 + the signal's number when a signal stopped the batch (130 for SIGINT, 143 for
+    SIGTERM, as a shell reports a command the signal ended), else 2 when a job could not run,
+    else 1 when a gate failed (this run's, or a skipped job's earlier run), else 0."""
+    if stopped_by is not None:
+        return 128 + stopped_by
     statuses = {job.get("previous_status", job["status"]) for job in jobs}
     if statuses & set(NOT_RUN):
         return EXIT_ERROR
@@ -25,8 +29,15 @@ def exit_code(jobs: list[dict[str, Any]]) -> int:
 
 
 def summary(
-    jobs: list[dict[str, Any]], *, out: Path, jobs_file: Path, started: float, extra: dict[str, Any]
+    jobs: list[dict[str, Any]],
+    *,
+    out: Path,
+    jobs_file: Path,
+    started: float,
+    extra: dict[str, Any],
+    stopped_by: int | None = None,
 ) -> dict[str, Any]:
+    """`stopped_by`: the signal that stopped the batch, if one did."""
     ordered = sorted(jobs, key=lambda job: job["id"])
     counts: dict[str, int] = {}
     for job in ordered:
@@ -38,7 +49,8 @@ def summary(
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": round(time.time() - started, 3),
         "counts": counts,
-        "exit_code": exit_code(ordered),
+        "exit_code": exit_code(ordered, stopped_by),
+        "stopped_by": None if stopped_by is None else signal.Signals(stopped_by).name,
         **extra,
         "jobs": ordered,
     }
@@ -54,6 +66,7 @@ def markdown(data: dict[str, Any]) -> str:
         f"# llmq batch: {data['jobs_file']}",
         "",
         f"{len(data['jobs'])} jobs, " + ", ".join(f"{n} {s}" for s, n in sorted(data["counts"].items()))
+        + (f"; stopped by {data['stopped_by']}" if data.get("stopped_by") else "")
         + f"; exit code {data['exit_code']}; {data['seconds']:.0f} s.",
         "",
         "| job | status | seconds | peak memory | output | gates | error |",

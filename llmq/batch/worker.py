@@ -7,12 +7,12 @@ out of the worker), so only a worker's death is left to retry.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import resource
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -23,7 +23,6 @@ from llmq.io.atomic import write_json
 from llmq.recipes.schema import ChainRecipe
 
 STATUS_EVERY_S = 0.5  # how often a job's live status file is rewritten at most
-PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies (Linux)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +83,15 @@ class StatusProgress:
                 write_json(self.path, {**self.state, "pid": self.pid})
 
 
-def execute(spec: JobSpec, *, child: bool = True) -> dict[str, Any]:
-    """Run one job and return (and write) its result. `child`: this process exists for the job
-    alone (die with the driver, log into the job's file)."""
+def execute(spec: JobSpec, *, lifeline: Any = None) -> dict[str, Any]:
+    """Run one job and return (and write) its result. `lifeline`: the read end of a pipe whose
+    write end only the driver holds, given when this process exists for the job alone (it
+    dies with the driver, logs into the job's file and stops at the first SIGINT); None in a
+    shared worker (Ray's)."""
+    child = lifeline is not None
     if child:
-        _die_with_parent()
+        _die_with_driver(lifeline)
+        signal.signal(signal.SIGINT, _interrupt_once)
     os.environ["LLMQ_SHARED_WINDOWS"] = spec.shared_windows
     Path(spec.log).parent.mkdir(parents=True, exist_ok=True)
     with open(spec.log, "a", buffering=1) as log, _redirected(log, child):
@@ -148,11 +151,28 @@ def _tree_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this worker when the driver dies (even by SIGKILL): no orphan keeps writing."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _die_with_driver(lifeline: Any) -> None:
+    """SIGKILL this worker when the driver dies, however it dies (SIGKILL included), so that
+    no orphan keeps running, writing and holding its output's lock. The kernel closes the
+    driver's end of the lifeline when the driver dies, and a thread reading this end then
+    reads end-of-file. (PR_SET_PDEATHSIG cannot do this: a worker's parent is the forkserver,
+    and the forkserver lives as long as any worker does.)"""
+
+    def watch() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                lifeline.recv_bytes()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="llmq-lifeline", daemon=True).start()
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """The first SIGINT stops the job (the KeyboardInterrupt records it as interrupted); the
+    next ones are ignored, so that the same Ctrl-C, sent by the terminal and passed on by the
+    driver, cannot interrupt the recording. The driver's SIGKILL still stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

@@ -16,12 +16,46 @@ from typer.testing import CliRunner
 
 from llmq.api.batch import batch, plan_batch
 from llmq.batch.local import _admissible
-from llmq.batch.summary import SCHEMA
+from llmq.batch.summary import SCHEMA, exit_code
 from llmq.cli.main import app
 from tests.batch.conftest import RECIPES, output_bytes, write_jobs
 from tests.conftest import assert_bad_input
 
 runner = CliRunner()
+CLI = [sys.executable, "-m", "llmq.cli.main"]
+GONE_WITHIN_S = 10  # a killed driver's workers (and their forkserver) are gone by then
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """Every process below `root`, by pid, with its start time (pids can be reused)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        fields = _stat(int(entry.name)) if entry.name.isdigit() else None
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found: dict[int, str] = {}
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        fields = _stat(pid)
+        if fields is not None:
+            found[pid] = fields[19]  # starttime
+            todo.extend(children.get(pid, []))
+    return found
+
+
+def _alive(pid: int, started: str) -> bool:
+    """The same process (same start time) still running (a zombie has ended)."""
+    fields = _stat(pid)
+    return fields is not None and fields[19] == started and fields[0] not in "ZX"
 
 
 def test_expansion_only_and_keys(tmp_path, batch_models) -> None:
@@ -64,6 +98,46 @@ def test_bad_jobs_files_are_refused_in_one_line(tmp_path, jobs: str, fragment: s
     )
     assert_bad_input(result, fragment)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_jobs_file_that_is_not_utf8_is_refused_in_one_line(tmp_path, batch_models) -> None:
+    """Non-UTF-8 bytes in the jobs file, or in a recipe file it names: one `error:` line naming
+    the file and line, exit 2, no traceback, the files left as they were, nothing written."""
+    recipe = tmp_path / "latin1.yaml"
+    recipe.write_bytes(b"# caf\xe9\nstages: [{quantize: {scheme: w8a16}}]\n")
+    cases = {  # the file, its bytes, where the error must point
+        tmp_path / "jobs.yaml": (b"models: [x]\n# r\xe9sum\xe9\nrecipes: [a.yaml]\n", "jobs.yaml:2:"),
+        tmp_path / "jobs2.yaml": (f"models: [{batch_models}/tiny-a]\nrecipes: [latin1.yaml]\n".encode(), "latin1.yaml:1:"),
+    }  # fmt: skip
+    for path, (data, where) in cases.items():
+        path.write_bytes(data)
+        result = runner.invoke(app, ["batch", str(path), "--out", str(tmp_path / "o")])
+        assert result.exit_code == 2, result.output
+        assert "Traceback" not in result.output and "UnicodeDecodeError" not in result.output
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and where in errors[0] and "UTF-8" in errors[0], result.output
+        assert path.read_bytes() == data
+    assert recipe.read_bytes() == b"# caf\xe9\nstages: [{quantize: {scheme: w8a16}}]\n"
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_read_only_out_prints_only_its_error(read_only_folder, tmp_path, batch_models) -> None:
+    """No jobs table, no live table: the error and its hint."""
+    jobs = str(write_jobs(tmp_path, batch_models))
+    for extra in ([], ["--dry-run"], ["--json"]):
+        result = runner.invoke(app, ["batch", jobs, "--out", str(read_only_folder / "out"), *extra])  # fmt: skip
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert lines[0].startswith("error:") and lines[1:] and all(line.startswith("  hint:") for line in lines[1:]), result.output  # fmt: skip
+        assert "Read-only file system" in lines[0] or "Permission denied" in lines[0]
+    assert list(read_only_folder.iterdir()) == []
+
+
+def test_exit_code_of_a_batch_stopped_by_a_signal() -> None:
+    """128 + the signal's number, whatever the jobs' statuses (as a shell reports it)."""
+    jobs = [{"id": "a/b", "status": "interrupted"}, {"id": "a/c", "status": "passed"}]
+    assert exit_code(jobs, signal.SIGINT) == 130 and exit_code(jobs, signal.SIGTERM) == 143
+    assert exit_code(jobs) == 2
 
 
 def test_bad_options_are_refused(tmp_path, batch_models) -> None:
@@ -145,6 +219,7 @@ def test_summary_schema_and_resume(tmp_path, batch_models) -> None:
     assert {k for k in before if before[k] != after[k]} <= {k for k in before if "w8a16" in k}
 
 
+@pytest.mark.slow  # three batches of four jobs: about two minutes on two cores
 def test_sigkill_half_way_then_resume_gives_the_same_outputs(tmp_path, batch_models) -> None:
     """The driver is killed (SIGKILL) after its first job finished: its workers die with it,
     --resume skips the finished job and the outputs equal an uninterrupted batch's, byte for
@@ -159,15 +234,70 @@ def test_sigkill_half_way_then_resume_gives_the_same_outputs(tmp_path, batch_mod
     deadline = time.monotonic() + 120
     while not list(results.glob("*.result.json")) and time.monotonic() < deadline:
         time.sleep(0.1)
+    below = _descendants(driver.pid)
     driver.send_signal(signal.SIGKILL)
     driver.wait()
     finished = {p.name for p in results.glob("*.result.json")}
     assert 1 <= len(finished) < 4
-    time.sleep(1)  # the workers die with the driver (no orphan keeps writing)
+    _wait_gone(below)  # the workers die with the driver (no orphan keeps writing)
     resumed = batch(jobs, out, resume=True)
     status = [job["status"] for job in resumed.summary["jobs"]]
     assert status.count("skipped") == len(finished) and resumed.exit_code == 0
     assert output_bytes(out) == output_bytes(reference)
+
+
+def _wait_gone(processes: dict[int, str]) -> None:
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while any(_alive(pid, t) for pid, t in processes.items()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid, t in processes.items() if _alive(pid, t)]
+    assert not left, f"still running {GONE_WITHIN_S} s after the driver was killed: {left}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_killed_driver_leaves_no_worker_and_one_resume_finishes(tmp_path, batch_models) -> None:
+    """kill -9 of the driver while its two workers run: every process it started (workers,
+    forkserver) is gone within seconds, so nothing holds a job's lock; one --resume then
+    finishes both jobs (exit 0) and its summary says so."""
+    jobs = tmp_path / "jobs.yaml"
+    recipes = RECIPES.replace("w4a16-gptq", "w4a16").replace(", method: gptq", "")  # quicker
+    jobs.write_text(f"models: [{batch_models}/tiny-a]\nrecipes:\n{recipes}")
+    out = tmp_path / "out"
+    command = [*CLI, "batch", str(jobs), "--out", str(out), "--jobs", "2", "--json"]
+    driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state = out / ".batch" / "jobs"
+    workers: set[int] = set()
+    deadline = time.monotonic() + 120
+    while not workers and time.monotonic() < deadline and driver.poll() is None:
+        workers = {s["pid"] for s in map(_json_or_none, state.glob("*.status.json")) if s and "pid" in s}  # fmt: skip
+        time.sleep(0.05)
+    below = _descendants(driver.pid)
+    assert workers and workers <= set(below), (workers, below)  # a worker runs, below the driver
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    finished = {p.name.split("--")[1].removesuffix(".result.json") for p in state.glob("*.result.json")}  # fmt: skip
+    assert len(finished) < 2
+    _wait_gone(below)
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert json.loads(resumed.stdout) == summary and summary["exit_code"] == 0
+    status = {job["id"]: (job["status"], job.get("previous_status")) for job in summary["jobs"]}
+    assert status == {
+        f"tiny-a/{name}": ("skipped", "passed") if name in finished else ("passed", None)
+        for name in ("w8a16", "w4a16")
+    }
+    assert (out / "summary.md").read_text().count("| passed |") == 2 - len(finished)
+    for job in summary["jobs"]:
+        assert Path(job["out"], "1-quantize", "config.json").is_file()
+        assert "another llmq run" not in Path(job["log"]).read_text()
+
+
+def _json_or_none(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def test_sigint_stops_cleanly(tmp_path, batch_models) -> None:
@@ -181,8 +311,10 @@ def test_sigint_stops_cleanly(tmp_path, batch_models) -> None:
         time.sleep(0.05)
     driver.send_signal(signal.SIGINT)
     stdout, _ = driver.communicate(timeout=120)
-    assert driver.returncode == 2
+    assert driver.returncode == 130  # as a shell reports a command Ctrl-C stopped
     summary = json.loads(stdout)
+    assert summary["stopped_by"] == "SIGINT" and summary["exit_code"] == 130
+    assert json.loads((out / "summary.json").read_text()) == summary
     states = {job["status"] for job in summary["jobs"]}
     assert states <= {"passed", "interrupted", "not_started"} and "not_started" in states
     resumed = batch(jobs, out, resume=True)
@@ -200,3 +332,10 @@ def test_dry_run_shows_the_plan_and_writes_nothing(tmp_path, batch_models) -> No
     ]  # fmt: skip
     assert all(job["action"] == "run" and job["estimated_peak_bytes"] > 2**30 for job in planned)
     assert not (tmp_path / "o").exists()
+    # --overwrite with --dry-run: the earlier batch's output is still there afterwards
+    earlier = tmp_path / "earlier"
+    (earlier / ".batch").mkdir(parents=True)
+    (earlier / "summary.md").write_text("kept")
+    again = runner.invoke(app, ["batch", str(jobs), "--out", str(earlier), "--dry-run", "--overwrite"])  # fmt: skip
+    assert again.exit_code == 0, again.output
+    assert (earlier / "summary.md").read_text() == "kept"

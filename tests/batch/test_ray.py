@@ -13,8 +13,10 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from llmq.api.batch import batch
+from llmq.api.batch import batch, plan_batch
+from llmq.batch.ray_runner import check_ready
 from llmq.cli.main import app
+from llmq.errors import InputError
 from tests.batch.conftest import RECIPES, output_bytes, write_jobs
 from tests.conftest import assert_bad_input
 
@@ -86,12 +88,17 @@ def test_a_worker_killed_mid_job_is_retried(tmp_path, batch_models, ray_local) -
 
 
 def test_an_output_path_a_worker_cannot_write_is_refused(tmp_path, batch_models, ray_local):
+    """The driver refuses an OUT it cannot write itself when planning; one that it can write
+    but a worker cannot (storage not mounted on that node) is refused by a probe task."""
     (tmp_path / "a-file").write_text("not a folder")
     out = tmp_path / "a-file" / "out"
-    result = runner.invoke(
-        app, ["batch", str(write_jobs(tmp_path, batch_models)), "--out", str(out), "--ray", "local"]
-    )
-    assert_bad_input(result, "a Ray worker cannot write there")
+    jobs = write_jobs(tmp_path, batch_models)
+    result = runner.invoke(app, ["batch", str(jobs), "--out", str(out), "--ray", "local"])
+    assert_bad_input(result, "Not a directory")
+    plan = plan_batch(jobs, tmp_path / "out")
+    plan.out = out  # as a worker that does not mount OUT's storage sees it
+    with pytest.raises(InputError, match="a Ray worker cannot write there"):
+        check_ready(plan, "local")
 
 
 def test_gpus_per_job_needs_ray_and_gpus_the_cluster_has(tmp_path, batch_models, ray_local):

@@ -218,3 +218,18 @@ def test_task_gates_print_no_git_noise(tmp_path: Path, tiny_llama: Path) -> None
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "fatal" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_batch_refuses_an_out_that_holds_its_inputs(tmp_path: Path, tiny_llama: Path) -> None:
+    """An earlier batch's OUT, replaced by --overwrite, must not hold the jobs file or a model."""
+    out = tmp_path / "runs"
+    (out / ".batch").mkdir(parents=True)
+    model = out / "my-model"
+    shutil.copytree(tiny_llama, model)
+    jobs = out / "jobs.yaml"
+    jobs.write_text(f"models: [{model}]\nrecipes:\n  - {{name: w8, stages: [{{quantize: {{scheme: w8a16}}}}]}}\n")  # fmt: skip
+    line = refused(["batch", str(jobs), "--out", str(out), "--overwrite"], [out])
+    assert f"would contain the jobs file {jobs}" in line
+    jobs.rename(tmp_path / "jobs.yaml")
+    line = refused(["batch", str(tmp_path / "jobs.yaml"), "--out", str(out), "--overwrite"], [out])
+    assert f"would contain the model {model}" in line

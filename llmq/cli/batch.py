@@ -18,9 +18,10 @@ from llmq.cli.console import (
     print_json,
     quiet_libraries,
 )
-from llmq.cli.options import JsonFlag, Overwrite
+from llmq.cli.options import OUTPUT, RUN, JsonFlag, Overwrite
 from llmq.errors import InputError
 
+RAY = "Ray"
 UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
@@ -38,7 +39,7 @@ def batch(
     jobs_file: Annotated[
         Path,
         typer.Argument(
-            help="Jobs file (YAML): `models:` (folders or built-in names), `recipes:` (recipe files, or inline `{name, stages}`), optional `only: {model: [recipe names]}`."
+            help="Jobs file (YAML): models:, recipes: and optionally only: (see docs/batch.md).",
         ),
     ],
     out: Annotated[
@@ -47,44 +48,69 @@ def batch(
             "--out",
             "-o",
             help="Output folder: OUT/MODEL/RECIPE/ per job, logs/, summary.json and summary.md.",
+            rich_help_panel=OUTPUT,
         ),
     ],
     jobs: Annotated[
-        int, typer.Option("--jobs", "-j", help="Jobs run at the same time (on this machine).")
+        int,
+        typer.Option(
+            "--jobs",
+            "-j",
+            metavar="N",
+            help="Jobs run at the same time (on this machine).",
+            rich_help_panel=RUN,
+        ),
     ] = 1,
     max_memory: Annotated[
         str | None,
         typer.Option(
-            help="Memory the running jobs may use together, e.g. 16GiB (default 90% of this machine's). A job waits until its estimated peak fits; one that can never fit is refused before any work."
+            metavar="SIZE",
+            help="Memory the running jobs may use together, e.g. 16GiB (default: 90% of this "
+            "machine's).",
+            rich_help_panel=RUN,
         ),
     ] = None,
     resume: Annotated[
         bool,
         typer.Option(
-            help="Continue an earlier batch into OUT: finished jobs whose model files and recipe are unchanged are skipped, interrupted ones continue from their resume points, changed ones run again."
+            help="Continue an earlier batch into OUT: skip finished jobs, continue interrupted "
+            "ones.",
+            rich_help_panel=OUTPUT,
         ),
     ] = False,
     overwrite: Overwrite = False,
     dry_run: Annotated[
-        bool, typer.Option(help="Show the jobs, their memory estimates and actions; run nothing.")
+        bool,
+        typer.Option(
+            help="Show the jobs, their memory estimates and actions; run nothing.",
+            rich_help_panel=RUN,
+        ),
     ] = False,
     ray: Annotated[
         str | None,
         typer.Option(
-            help="Run the jobs as Ray tasks: `local` (a Ray instance on this machine), `auto` (the running cluster) or the cluster's address. Needs `pip install llmq[ray]`."
+            metavar="ADDRESS",
+            help="Run the jobs as Ray tasks: local, auto (the running cluster) or an address.",
+            rich_help_panel=RAY,
         ),
     ] = None,
     gpus_per_job: Annotated[
         float,
         typer.Option(
-            help="--ray: GPUs each job's task reserves (Ray gives the task those GPUs; fractions share one)."
+            metavar="X",
+            help="--ray: GPUs each job reserves (a fraction shares one).",
+            rich_help_panel=RAY,
         ),
     ] = 0.0,
     json_out: JsonFlag = False,
 ) -> None:
-    """Run every model x recipe of JOBS_FILE into OUT, each job atomically into its own folder.
-    A failing job is recorded and the others go on. Exit 0 when every job passed, 1 when a gate
-    failed, 2 when a job could not run (its error is in summary.md and its log)."""
+    """Run every model x recipe of a jobs file into OUT.
+
+    Each job runs atomically into its own folder; a failing job is recorded and the others go
+    on. Exit 0 when every job passed, 1 when a gate failed, 2 when a job could not run (its
+    error is in summary.md and its log), 130 when Ctrl-C stopped the batch (143 for SIGTERM;
+    the summary is written). See docs/batch.md.
+    """
     quiet_libraries()
     from llmq.api.batch import plan_batch, run_plan
 
@@ -113,6 +139,8 @@ def batch(
     else:
         counts = ", ".join(f"{n} {s}" for s, n in sorted(result.summary["counts"].items()))
         out_console.print(f"{counted(len(result.summary['jobs']), 'job')}: {counts}; wrote {out / 'summary.md'}")  # fmt: skip
+        if result.summary.get("stopped_by"):
+            err_console.print(f"stopped by {result.summary['stopped_by']}; continue with: --out {out} --resume")  # fmt: skip
     if result.exit_code:
         raise typer.Exit(result.exit_code)
 

@@ -34,40 +34,56 @@ def _int_list(text: str | None, option: str) -> list[int] | None:
 def bench(
     model: Annotated[
         str | None,
-        typer.Argument(help="Quantized checkpoint folder (omit it to time --shapes)."),
+        typer.Argument(
+            help="Quantized checkpoint folder (omit it to time --shapes).",
+        ),
     ] = None,
     shapes: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated MxNxK products (y[M,N] = x[M,K] W[N,K]^T) on synthetic weights "
-            "of --scheme, instead of a checkpoint's layers, e.g. 1x4096x4096,16x14336x4096."
+            metavar="LIST",
+            help="Comma-separated MxNxK products to time on synthetic weights, e.g. 1x4096x4096.",
         ),
     ] = None,
     scheme: Annotated[
-        str, typer.Option(help="Scheme of the synthetic weights for --shapes: w4a16, w8a8, fp8.")
+        str,
+        typer.Option(
+            metavar="NAME",
+            help="Scheme of the synthetic weights for --shapes: w4a16, w8a8 or fp8.",
+        ),
     ] = "w4a16",
     batch: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated M (tokens per call) to time each layer shape at "
-            "(default 1,16,256 on a GPU, 1,16 on the CPU)."
+            metavar="LIST",
+            help="Comma-separated M (tokens per call) to time each layer shape at.",
         ),
     ] = None,
     prompt_tokens: Annotated[
         int | None,
-        typer.Option(help="Prefill length for the end-to-end run (default 256 GPU, 32 CPU)."),
+        typer.Option(
+            metavar="N",
+            help="Prefill length of the end-to-end run (default 256 on a GPU, 32 on the CPU).",
+        ),
     ] = None,
     new_tokens: Annotated[
         int | None,
-        typer.Option(help="Greedy tokens decoded at batch 1 (default 64 GPU, 8 CPU)."),
+        typer.Option(
+            metavar="N",
+            help="Tokens decoded greedily at batch 1 (default 64 on a GPU, 8 on the CPU).",
+        ),
     ] = None,
     device: Device = "auto",
     dtype: Dtype = "auto",
     kernels: Kernels = "auto",
     json_out: JsonFlag = False,
 ) -> None:
-    """Time a quantized checkpoint (or --shapes) against its dense twin: per layer shape
-    (speedup and fraction of the memory roofline) and end to end (prefill, batch-1 decode)."""
+    """Time a quantized checkpoint against its 16-bit twin.
+
+    Per layer shape (speedup and fraction of the memory roofline) and end to end (prefill,
+    batch-1 decode); --shapes times synthetic layers instead. The default --batch is 1,16,256
+    on a GPU and 1,16 on the CPU. See docs/kernels.md.
+    """
     quiet_libraries()
     from llmq import api
 

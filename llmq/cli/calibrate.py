@@ -15,31 +15,74 @@ from llmq.cli.console import (
     progress_bars,
     quiet_libraries,
 )
-from llmq.cli.options import CalibText, Device, JsonFlag, ModelArg, Seed, SpaceCheck
+from llmq.cli.options import (
+    CALIBRATION,
+    OUTPUT,
+    CalibText,
+    Device,
+    JsonFlag,
+    ModelArg,
+    Seed,
+    SpaceCheck,
+)
 from llmq.texts import DEFAULT_CALIBRATION_TEXT
 
 
 def calibrate(
     model: ModelArg,
     out: Annotated[
-        Path, typer.Option("--out", "-o", help="Statistics file to write (.safetensors).")
+        Path,
+        typer.Option(
+            "--out",
+            "-o",
+            metavar="FILE",
+            help="Statistics file to write (.safetensors).",
+            rich_help_panel=OUTPUT,
+        ),
     ],
     calib_text: CalibText = DEFAULT_CALIBRATION_TEXT,
-    num_samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
-    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 512,
+    num_samples: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="Calibration windows.",
+            rich_help_panel=CALIBRATION,
+        ),
+    ] = 128,
+    seq_len: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="Tokens per window.",
+            rich_help_panel=CALIBRATION,
+        ),
+    ] = 512,
     seed: Seed = 0,
     hessian: Annotated[
         bool,
         typer.Option(
-            help="Also accumulate the Hessian XᵀX per input (GPTQ), [in, in] float32 each."
+            "--hessian",
+            help="Also collect each input's Hessian XᵀX, [in, in] float32 (for gptq).",
+            rich_help_panel=CALIBRATION,
         ),
     ] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing statistics file.")] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Replace an existing statistics file.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = False,
     space_check: SpaceCheck = True,
     device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:
-    """Collect per-channel absmax and mean |x| (and optionally XᵀX) of every linear's input."""
+    """Collect every linear's input statistics, for reuse.
+
+    Per-channel absmax and mean |x| of every linear's input (with --hessian also XᵀX), saved
+    for llmq quantize --calib-stats and llmq fallback-scan --calib-stats. See docs/quantize.md.
+    """
     quiet_libraries()
     from llmq import api
 

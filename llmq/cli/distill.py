@@ -18,20 +18,38 @@ from llmq.cli.console import (
     quiet_libraries,
     resume_hint_on_interrupt,
 )
-from llmq.cli.options import Device, JsonFlag, Overwrite, Reference, Resume, SpaceCheck
+from llmq.cli.options import (
+    OUTPUT,
+    PRUNING,
+    RUN,
+    Device,
+    JsonFlag,
+    Overwrite,
+    Reference,
+    Resume,
+    SpaceCheck,
+)
 from llmq.config.distill import DISTILL_RESUME_EVERY_S, ITERATIVE_ROUNDS
 from llmq.texts import DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT
+
+MODELS, LOSS, TRAINING, EVALUATION, QAT = "Models", "Loss", "Training", "Evaluation", "Quantization"
 
 
 def distill(
     teacher: Annotated[
         str,
-        typer.Option(help="The model to learn from: a float checkpoint folder or a built-in name."),
+        typer.Option(
+            metavar="MODEL",
+            help="The model to learn from: a float checkpoint folder or a built-in name.",
+            rich_help_panel=MODELS,
+        ),
     ],
     student: Annotated[
         str,
         typer.Option(
-            help="The model to train (usually a pruned copy of the teacher): a float checkpoint folder or built-in name with the teacher's tokenizer."
+            metavar="MODEL",
+            help="The model to train (often a pruned teacher), with the teacher's tokenizer.",
+            rich_help_panel=MODELS,
         ),
     ],
     out: Annotated[
@@ -39,159 +57,300 @@ def distill(
         typer.Option(
             "--out",
             "-o",
-            help="Output folder: the trained student, shaped and typed like --student; must not exist unless --overwrite.",
+            help="Output folder: the trained student; must not exist unless --overwrite.",
+            rich_help_panel=OUTPUT,
         ),
     ],
     loss: Annotated[
         str,
         typer.Option(
-            help="forward-kl: KL(teacher ‖ student) of the next-token distributions (Minitron); reverse-kl: KL(student ‖ teacher) (mode-seeking, MiniLLM); ce: plain cross-entropy on the text without a teacher (fine-tuning, the baseline)."
+            metavar="NAME",
+            help="forward-kl, reverse-kl (mode-seeking) or ce (plain cross-entropy, no teacher).",
+            rich_help_panel=LOSS,
         ),
     ] = "forward-kl",
     temperature: Annotated[
         float,
-        typer.Option(help="Softens both distributions; the KL is scaled by T² (Hinton)."),
+        typer.Option(
+            metavar="T",
+            help="Softens both distributions; the KL is scaled by T².",
+            rich_help_panel=LOSS,
+        ),
     ] = 1.0,
     ce_weight: Annotated[
-        float, typer.Option(help="Adds this much next-token cross-entropy to a KL loss.")
+        float,
+        typer.Option(
+            metavar="X",
+            help="Weight of the next-token cross-entropy added to a KL loss.",
+            rich_help_panel=LOSS,
+        ),
     ] = 0.0,
     hidden_weight: Annotated[
         float,
         typer.Option(
-            help="Adds this much 1 - cos between matched layers' hidden states (DistilBERT): the layers a depth-pruned student kept, else spread evenly."
+            metavar="X",
+            help="Weight of a 1 - cos loss between matched layers' hidden states.",
+            rich_help_panel=LOSS,
         ),
     ] = 0.0,
     data: Annotated[
         str,
         typer.Option(
-            help="Training text: shakespeare, pydoc, news (their calibration splits; joined with +), a .txt/.jsonl/.parquet file, or a dataset in the local HF cache. Packed into --seq-len windows, shuffled each epoch."
+            metavar="TEXT",
+            help="Training text: shakespeare, pydoc, news (join with +), a file or a cached "
+            "dataset.",
+            rich_help_panel=TRAINING,
         ),
     ] = DEFAULT_CALIBRATION_TEXT,
-    seq_len: Annotated[int, typer.Option(help="Tokens per training window.")] = 512,
-    batch_size: Annotated[int, typer.Option(help="Windows per forward pass, per process.")] = 1,
+    seq_len: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="Tokens per training window.",
+            rich_help_panel=TRAINING,
+        ),
+    ] = 512,
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="Windows per forward pass, per process.",
+            rich_help_panel=TRAINING,
+        ),
+    ] = 1,
     grad_accum: Annotated[
         int,
         typer.Option(
-            help="Forward passes per optimizer step. Global batch: batch-size x grad-accum x processes windows."
+            metavar="N",
+            help="Forward passes per optimizer step.",
+            rich_help_panel=TRAINING,
         ),
     ] = 8,
-    max_steps: Annotated[int | None, typer.Option(help="Optimizer steps to train.")] = None,
+    max_steps: Annotated[
+        int | None,
+        typer.Option(
+            metavar="N",
+            help="Optimizer steps to train.",
+            rich_help_panel=TRAINING,
+        ),
+    ] = None,
     max_tokens: Annotated[
         int | None,
-        typer.Option(help="Or: training tokens, turned into whole optimizer steps."),
+        typer.Option(
+            metavar="N",
+            help="Or: training tokens, turned into whole optimizer steps.",
+            rich_help_panel=TRAINING,
+        ),
     ] = None,
-    lr: Annotated[float, typer.Option(help="Peak learning rate of AdamW.")] = 1e-4,
+    lr: Annotated[
+        float,
+        typer.Option(
+            metavar="X",
+            help="Peak learning rate of AdamW.",
+            rich_help_panel=TRAINING,
+        ),
+    ] = 1e-4,
     warmup_steps: Annotated[
-        int, typer.Option(help="Steps of linear warm-up before the cosine decay.")
+        int,
+        typer.Option(
+            metavar="N",
+            help="Steps of linear warm-up before the cosine decay.",
+            rich_help_panel=TRAINING,
+        ),
     ] = 0,
     min_lr_ratio: Annotated[
-        float, typer.Option(help="The cosine ends at this share of --lr.")
+        float,
+        typer.Option(
+            metavar="X",
+            help="The cosine ends at this share of --lr.",
+            rich_help_panel=TRAINING,
+        ),
     ] = 0.1,
-    weight_decay: Annotated[float, typer.Option(help="AdamW's decoupled weight decay.")] = 0.0,
+    weight_decay: Annotated[
+        float,
+        typer.Option(
+            metavar="X",
+            help="AdamW's decoupled weight decay.",
+            rich_help_panel=TRAINING,
+        ),
+    ] = 0.0,
     max_grad_norm: Annotated[
-        float, typer.Option(help="Clip the gradient's global norm to this; 0: no clipping.")
+        float,
+        typer.Option(
+            metavar="X",
+            help="Clip the gradient's global norm to this; 0: no clipping.",
+            rich_help_panel=TRAINING,
+        ),
     ] = 1.0,
-    seed: Annotated[int, typer.Option(help="Seed of the data order (and anything random).")] = 0,
+    seed: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="Seed of the data order (and anything random).",
+            rich_help_panel=TRAINING,
+        ),
+    ] = 0,
     eval_text: Annotated[
         str,
         typer.Option(
-            help="Held-out text for the student's perplexity during training (the held-out split of a built-in; never the training data)."
+            metavar="TEXT",
+            help="Held-out text scored during training (never the training data).",
+            rich_help_panel=EVALUATION,
         ),
     ] = DEFAULT_EVAL_TEXT,
     eval_windows: Annotated[
-        int, typer.Option(help="Held-out windows of 512 tokens scored at each evaluation.")
+        int,
+        typer.Option(
+            metavar="N",
+            help="Held-out windows of 512 tokens scored at each evaluation.",
+            rich_help_panel=EVALUATION,
+        ),
     ] = 16,
     eval_every: Annotated[
         int,
-        typer.Option(help="Steps between held-out evaluations; 0: at the start and the end only."),
+        typer.Option(
+            metavar="N",
+            help="Steps between held-out evaluations; 0: at the start and the end only.",
+            rich_help_panel=EVALUATION,
+        ),
     ] = 0,
     keep: Annotated[
         str,
         typer.Option(
-            help="best: write the student with the lowest held-out perplexity seen; last: the final one."
+            metavar="NAME",
+            help="Which student to write: best (lowest held-out perplexity) or last.",
+            rich_help_panel=EVALUATION,
         ),
     ] = "best",
     prune: Annotated[
         str,
         typer.Option(
-            help="gmp: gradual pruning while training (Zhu & Gupta): the decoder linears' sparsity rises along the cubic schedule to --sparsity (or --pattern) between --prune-start and --prune-end. iterative: --rounds of one-shot `llmq prune --method PRUNE_METHOD` then distillation (--steps-per-round each), the sparsity rising by --round-schedule; perplexity after each. Pruned weights stay zero. none: no pruning."
+            metavar="NAME",
+            help="none, gmp (gradually while training) or iterative (prune, distill, repeat).",
+            rich_help_panel=PRUNING,
         ),
     ] = "none",
     prune_method: Annotated[
         str,
         typer.Option(
-            help="How pruning scores weights: magnitude (|w|), wanda (|w|·‖x‖; with gmp from the running norms of the training inputs since the previous mask update) sparsegpt (iterative only: the one-shot solver, which updates the remaining weights) or structured (iterative only: `llmq prune --structured --params`, whole MLP channels; --sparsity is then the share of the decoder's parameters removed)."
+            metavar="NAME",
+            help="Scores weights: magnitude, wanda, or (iterative only) sparsegpt or structured.",
+            rich_help_panel=PRUNING,
         ),
     ] = "magnitude",
     sparsity: Annotated[
         float | None,
         typer.Option(
-            help="--prune gmp or iterative: the final share of each row's weights removed, in (0, 1)."
+            metavar="X",
+            help="The final share of each row's weights removed; --sparsity or --pattern (not "
+            "both).",
+            rich_help_panel=PRUNING,
         ),
     ] = None,
     pattern: Annotated[
         str | None,
         typer.Option(
-            help="--prune gmp: an N:M pattern to reach instead (2:4: at most 2 non-zeros in every 4 inputs); the number removed per group rises with the schedule."
+            metavar="N:M",
+            help="--prune gmp: an N:M pattern to reach (2:4); --sparsity or --pattern (not both).",
+            rich_help_panel=PRUNING,
         ),
     ] = None,
-    prune_start: Annotated[int, typer.Option(help="--prune gmp: the step pruning starts at.")] = 0,
+    prune_start: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="--prune gmp: the step pruning starts at.",
+            rich_help_panel=PRUNING,
+        ),
+    ] = 0,
     prune_end: Annotated[
         int | None,
         typer.Option(
-            help="--prune gmp: the step the final sparsity is reached at (default: 3/4 of the steps); training goes on with the masks fixed."
+            metavar="N",
+            help="--prune gmp: the step the final sparsity is reached at (default: 3/4 of them).",
+            rich_help_panel=PRUNING,
         ),
     ] = None,
-    prune_every: Annotated[int, typer.Option(help="--prune gmp: steps between mask updates.")] = 1,
+    prune_every: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="--prune gmp: steps between mask updates.",
+            rich_help_panel=PRUNING,
+        ),
+    ] = 1,
     rounds: Annotated[
-        int, typer.Option(help="--prune iterative: prune-then-distill rounds.")
+        int,
+        typer.Option(
+            metavar="N",
+            help="--prune iterative: prune-then-distill rounds.",
+            rich_help_panel=PRUNING,
+        ),
     ] = ITERATIVE_ROUNDS,
     round_schedule: Annotated[
         str,
         typer.Option(
-            help="--prune iterative: the sparsity after round r of R. cubic: s(1 - (1 - r/R)^3), Zhu & Gupta's schedule, most of the pruning in the first rounds and the last one small (measured better at 70%). geometric: 1 - (1 - s)^(r/R), the same share of the remaining weights every round."
+            metavar="NAME",
+            help="--prune iterative: the sparsity after each round, cubic or geometric.",
+            rich_help_panel=PRUNING,
         ),
     ] = "cubic",
     steps_per_round: Annotated[
         int | None,
         typer.Option(
-            help="--prune iterative: optimizer steps of distillation after each pruning (in place of --max-steps, which is split evenly over the rounds)."
+            metavar="N",
+            help="--prune iterative: training steps after each pruning (default: --max-steps "
+            "split).",
+            rich_help_panel=PRUNING,
         ),
     ] = None,
     qat: Annotated[
         str | None,
         typer.Option(
-            help="Quantization-aware distillation: train on this scheme's fake-quantized weights (w4a16, w4a16-asym, w8a16, w8a8, fp8; straight-through gradients, scales recomputed from the weights each step; w8a8 and fp8 also quantize each linear's input per token, as the checkpoint runs) and write OUT as that scheme's compressed-tensors checkpoint, whose codes reproduce the trained forward exactly."
+            metavar="SCHEME",
+            help="Train fake-quantized and write this scheme: w4a16, w4a16-asym, w8a16, w8a8 or "
+            "fp8.",
+            rich_help_panel=QAT,
         ),
     ] = None,
     qat_group_size: Annotated[
         int | None,
         typer.Option(
-            help="--qat: the group size, or -1 for one scale per output channel (default the scheme's, with `llmq quantize`'s fallback where it does not divide a layer)."
+            metavar="N",
+            help="--qat: the group size, or -1 per output channel (default: the scheme's).",
+            rich_help_panel=QAT,
         ),
     ] = None,
     qat_init: Annotated[
         str,
         typer.Option(
-            help="--qat: start from the float weights (float) or from a post-training solution for the scheme (gptq or awq: `llmq quantize --method gptq|awq` first, default calibration; AWQ's scales folded into the norms come with it)."
+            metavar="NAME",
+            help="--qat: start from the float weights (float) or a gptq or awq solution.",
+            rich_help_panel=QAT,
         ),
     ] = "float",
     checkpoint_every: Annotated[
         int | None,
         typer.Option(
-            help="Steps between resume points (student, optimizer, data position). Default: by time, see --resume-every."
+            metavar="N",
+            help="Steps between resume points (default: by time, see --resume-every).",
+            rich_help_panel=OUTPUT,
         ),
     ] = None,
     resume_every: Annotated[
         float,
         typer.Option(
-            help="Seconds between resume points when --checkpoint-every is not given; an interruption loses at most this much training."
+            metavar="SECONDS",
+            help="Seconds between resume points, without --checkpoint-every.",
+            rich_help_panel=OUTPUT,
         ),
     ] = DISTILL_RESUME_EVERY_S,
     sharding: Annotated[
         str,
         typer.Option(
-            help="Under torchrun: ddp replicates the student, its AdamW state and the teacher in every process; fsdp (FSDP2) shards all three over the processes, each holding 1/N and gathering one decoder layer at a time (for models DDP does not fit). Resume points are then written by every process (torch.distributed.checkpoint) and need the same number of processes."
+            metavar="NAME",
+            help="Under torchrun: ddp (replicate the models) or fsdp (shard them).",
+            rich_help_panel=RUN,
         ),
     ] = "ddp",
     resume: Resume = False,
@@ -199,7 +358,8 @@ def distill(
     evaluate: Annotated[
         bool,
         typer.Option(
-            help="Report teacher, student and result perplexity under `llmq eval`'s default protocol, and the share of the gap recovered."
+            help="Report teacher, student and result perplexity, and the share of the gap closed.",
+            rich_help_panel=EVALUATION,
         ),
     ] = True,
     reference: Reference = True,
@@ -207,13 +367,12 @@ def distill(
     device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:
-    """Distill TEACHER into STUDENT: train the student on the teacher's next-token
-    distributions (KL divergence), then write it as a plain checkpoint every loader reads.
+    """Train --student on --teacher's next-token distributions.
 
-    The usual chain: `llmq prune --structured` makes the student, `llmq distill` repairs it,
-    `llmq quantize` compresses it. Data-parallel on several GPUs or CPU processes:
-    `torchrun --nproc-per-node N -m llmq distill ...` (each process takes its slice of every
-    global batch). Zeros of a pruned student (linears at least 10% zeros) stay zero.
+    The student is written back as a plain checkpoint every loader reads. The usual chain:
+    llmq prune --structured makes the student, llmq distill repairs it, llmq quantize
+    compresses it. Data-parallel under torchrun --nproc-per-node N -m llmq distill ...; zeros of
+    a pruned student stay zero. See docs/distill.md for details.
     """
     quiet_libraries()
     from llmq import api

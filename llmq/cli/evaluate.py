@@ -23,93 +23,154 @@ from llmq.config import DEFAULT_CONFIDENCE
 from llmq.errors import InputError
 from llmq.texts import DEFAULT_EVAL_TEXT
 
+GATES, PERPLEXITY, TASKS = "Gates", "Perplexity", "Tasks"
+
 
 def evaluate(
     models: Annotated[
         list[str] | None,
         typer.Argument(
-            help="Checkpoint folders (quantized or not) or built-in names; one table for all."
+            help="Checkpoint folders (quantized or not) or built-in names; one table for all.",
         ),
     ] = None,
     baseline: Annotated[
         str | None,
         typer.Option(
-            help="Reference model scored on the same windows (cached after the first run)."
+            metavar="MODEL",
+            help="Reference model scored on the same windows or items; the gates compare with it.",
+            rich_help_panel=GATES,
         ),
     ] = None,
     text: Annotated[
         str,
         typer.Option(
-            help="Held-out text: news, pydoc, shakespeare (its held-out splits), or a .txt/.jsonl/.parquet file."
+            metavar="TEXT",
+            help="Held-out text: news, pydoc, shakespeare, or a .txt/.jsonl/.parquet file.",
+            rich_help_panel=PERPLEXITY,
         ),
     ] = DEFAULT_EVAL_TEXT,
-    seq_len: Annotated[int, typer.Option(help="Tokens per window (windows do not overlap).")] = 512,
+    seq_len: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="Tokens per window (windows do not overlap).",
+            rich_help_panel=PERPLEXITY,
+        ),
+    ] = 512,
     max_windows: Annotated[
-        int, typer.Option(help="Score at most this many windows from the start of the text.")
+        int,
+        typer.Option(
+            metavar="N",
+            help="Score at most this many windows from the start of the text.",
+            rich_help_panel=PERPLEXITY,
+        ),
     ] = 40,
     max_ppl_increase: Annotated[
         str | None,
         typer.Option(
-            help="Gate: exit 1 when perplexity rises more than this over --baseline, e.g. 3% or 0.03."
+            metavar="X",
+            help="Exit 1 when perplexity rises more than this over --baseline, e.g. 3% or 0.03.",
+            rich_help_panel=GATES,
         ),
     ] = None,
     no_cache: Annotated[
         bool,
         typer.Option(
-            "--no-cache", help="Score the baseline again instead of reusing a cached result."
+            "--no-cache",
+            help="Score the baseline again instead of reusing a cached result.",
+            rich_help_panel=GATES,
         ),
     ] = False,
     tasks: Annotated[
         str | None,
         typer.Option(
-            help="Task accuracy instead of perplexity: comma-separated lm-eval tasks, run offline (built-in: see --list-tasks; your own with --task-dir)."
+            metavar="NAMES",
+            help="Score these lm-eval tasks instead of perplexity, comma-separated.",
+            rich_help_panel=TASKS,
         ),
     ] = None,
     task_dir: Annotated[
         Path | None,
         typer.Option(
-            help="A folder of your own lm-eval task YAMLs (reading local files, e.g. dataset_path: json with data_files)."
+            metavar="DIR",
+            help="A folder of your own lm-eval task YAMLs (reading local files).",
+            rich_help_panel=TASKS,
         ),
     ] = None,
     limit: Annotated[
         int | None,
         typer.Option(
-            help="--tasks: score the first N items of each task (items are spread over the source)."
+            metavar="N",
+            help="Score the first N items of each task.",
+            rich_help_panel=TASKS,
         ),
     ] = None,
     num_fewshot: Annotated[
-        int | None, typer.Option(help="--tasks: examples in each prompt.")
+        int | None,
+        typer.Option(
+            metavar="N",
+            help="Examples in each prompt.",
+            rich_help_panel=TASKS,
+        ),
     ] = None,
     max_drop: Annotated[
         list[str] | None,
         typer.Option(
-            help="--tasks gate: exit 1 when a task's score drops more than this below --baseline's (absolute, e.g. 0.02), and the paired drop is significant at --confidence. TASK=VALUE for one task; repeatable."
+            metavar="X",
+            help="Exit 1 when a task scores this much below --baseline, significantly; TASK=X for "
+            "one.",
+            rich_help_panel=GATES,
         ),
     ] = None,
     min_recovery: Annotated[
         list[str] | None,
         typer.Option(
-            help="--tasks gate: exit 1 when score / baseline score is below this (e.g. 0.95, the peers' convention), and the paired drop is significant. TASK=VALUE for one task; repeatable."
+            metavar="X",
+            help="Exit 1 when score / baseline score is below this, significantly; TASK=X for one.",
+            rich_help_panel=GATES,
         ),
     ] = None,
     confidence: Annotated[
         float | None,
         typer.Option(
-            help="--max-drop, --min-recovery: a drop fails only when significant at this level (one-sided, paired per-item differences). Default 0.95."
+            metavar="X",
+            help="--max-drop, --min-recovery: the significance level (default 0.95).",
+            rich_help_panel=GATES,
         ),
     ] = None,
     batch_size: Annotated[
-        int, typer.Option(help="--tasks: lm-eval requests per forward pass.")
+        int,
+        typer.Option(
+            metavar="N",
+            help="lm-eval requests per forward pass.",
+            rich_help_panel=TASKS,
+        ),
     ] = 8,
-    seed: Annotated[int, typer.Option(help="--tasks: lm-eval's seeds (few-shot sampling).")] = 0,
+    seed: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="lm-eval's seed (few-shot sampling).",
+            rich_help_panel=TASKS,
+        ),
+    ] = 0,
     list_tasks: Annotated[
-        bool, typer.Option("--list-tasks", help="List the built-in tasks and exit.")
+        bool,
+        typer.Option(
+            "--list-tasks",
+            help="List the built-in tasks and exit.",
+            rich_help_panel=TASKS,
+        ),
     ] = False,
     device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:
-    """Token perplexity of MODELS on held-out text (W8A8/FP8 activations really quantized per
-    token), or with --tasks their accuracy on lm-eval tasks, gated against a baseline."""
+    """Score MODELS on held-out text or lm-eval tasks, with gates.
+
+    Token perplexity on held-out text (W8A8 and FP8 activations really quantized per token),
+    or with --tasks accuracy on lm-eval tasks, side by side with --baseline; a gate that fails
+    exits 1. See docs/eval.md for the protocol and the gates.
+    """
     quiet_libraries()
     from llmq import api
     from llmq.api.tasks import evaluate_tasks

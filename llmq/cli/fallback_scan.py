@@ -18,10 +18,11 @@ from llmq.cli.console import (
     progress_bars,
     quiet_libraries,
 )
-from llmq.cli.options import JsonFlag
+from llmq.cli.options import OUTPUT, RUN, SCHEME, JsonFlag
 from llmq.config import SCAN_RATIO_THRESHOLD, SCAN_SCHEME, SCAN_SHARE_THRESHOLD
 from llmq.errors import InputError
 
+FLAGGING, TENSORS = "Flagging", "Tensors"
 _OUTPUT_SUFFIXES = {"--report": ".json", "--csv": ".csv", "--markdown": ".md", "--plot": ".png"}
 
 
@@ -29,91 +30,148 @@ def fallback_scan(
     path: Annotated[
         str,
         typer.Argument(
-            help="A folder (searched recursively for .safetensors, shards and all), one .safetensors file, or a built-in model name."
+            help="A folder (searched recursively), a .safetensors file, or a built-in model name.",
         ),
     ],
     scheme: Annotated[
         str,
         typer.Option(
-            help="Quantization to simulate: int8-tensor (int8 symmetric per-tensor, the classic check), fp8-tensor, or a quantize preset with its weight arguments: w8a8/w8a16 (int8 per-channel), w4a16/w4a16-asym (int4 group 128), fp8 (E4M3 per-channel). Computed by the same code as `llmq quantize`."
+            metavar="NAME",
+            help="Quantization to simulate: int8-tensor, fp8-tensor, or a quantize preset (w4a16, "
+            "...).",
+            rich_help_panel=SCHEME,
         ),
     ] = SCAN_SCHEME,
     group_size: Annotated[
         int | None,
         typer.Option(
-            help="Override the scheme's group size, as in `llmq quantize`: -1 (per-channel) or a power of two >= 16; a tensor whose width it does not divide uses its largest power-of-two divisor."
+            metavar="N",
+            help="Override the scheme's group size: -1 (per channel) or a power of two >= 16.",
+            rich_help_panel=SCHEME,
         ),
     ] = None,
     nrmse_threshold: Annotated[
         float | None,
         typer.Option(
-            help="Flag tensors whose NRMSE = ||W - deq(q(W))||₂ / ||W||₂ exceeds this. Default by scheme: 0.05 for int8, 0.2 for int4, 0.06 for fp8 (a Gaussian tensor scores about 0.012, 0.11 and 0.02). The range-normalised RMSE / (max - min) is reported beside it but never flags."
+            metavar="X",
+            help="Flag tensors whose NRMSE exceeds this (default: by scheme).",
+            rich_help_panel=FLAGGING,
         ),
     ] = None,
     ratio_threshold: Annotated[
         float,
         typer.Option(
-            help="Flag tensors whose spread ratio (max - min) / (Q3 - Q1) exceeds this (heavy outliers; a Gaussian tensor scores about 8-10). inf turns it off."
+            metavar="X",
+            help="Flag tensors whose spread ratio (range / interquartile range) exceeds this; inf: "
+            "off.",
+            rich_help_panel=FLAGGING,
         ),
     ] = SCAN_RATIO_THRESHOLD,
     error_share_threshold: Annotated[
         float | None,
         typer.Option(
-            help="With --calib-stats: flag linears causing more than this share of the estimated output error of all scanned linears (default 5%; the average share is 1 / their number)."
+            metavar="X",
+            help="With --calib-stats: flag linears above this share of the output error (0.05).",
+            rich_help_panel=FLAGGING,
         ),
     ] = None,
-    top: Annotated[int, typer.Option(help="Rows of the worst-NRMSE table (and --markdown).")] = 20,
+    top: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="Rows of the worst-NRMSE table (and --markdown).",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = 20,
     include: Annotated[
         str | None,
         typer.Option(
-            help="Scan only tensors whose name matches this regex (searched anywhere in the name). Filters that leave no tensor are an error (exit 2), so a typo cannot pass a --fail-on-flagged gate."
+            metavar="REGEX",
+            help="Scan only tensors whose name matches this regex (searched anywhere).",
+            rich_help_panel=TENSORS,
         ),
     ] = None,
     exclude: Annotated[
         str | None,
-        typer.Option(help="Skip tensors whose name matches this regex (searched anywhere)."),
+        typer.Option(
+            metavar="REGEX",
+            help="Skip tensors whose name matches this regex.",
+            rich_help_panel=TENSORS,
+        ),
     ] = None,
     workers: Annotated[
-        int, typer.Option(help="Tensors scanned in parallel (threads), each with its own chunk.")
+        int,
+        typer.Option(
+            metavar="N",
+            help="Tensors scanned in parallel (threads).",
+            rich_help_panel=RUN,
+        ),
     ] = 2,
     sample: Annotated[
         int | None,
         typer.Option(
-            help="Approximate: about this many values per tensor (whole rows, chosen reproducibly). Default: every value, exact."
+            metavar="N",
+            help="Approximate from about N values per tensor (default: every value, exact).",
+            rich_help_panel=TENSORS,
         ),
     ] = None,
     calib_stats: Annotated[
         Path | None,
         typer.Option(
-            help="Statistics from `llmq calibrate` (--hessian gives E[x²]; without it mean|x|² stands in): each linear's output error is estimated as Σⱼ ||ΔW:ⱼ||² E[xⱼ²], and linears are ranked and flagged by their share of the total (see --error-share-threshold). The activation-weighted NRMSE is reported beside it."
+            metavar="FILE",
+            help="Statistics from llmq calibrate: also flag by output error, Σⱼ ||ΔW:ⱼ||² E[xⱼ²].",
+            rich_help_panel=FLAGGING,
         ),
     ] = None,
     report: Annotated[
         Path | None,
         typer.Option(
-            help="Write the JSON report here: what `llmq quantize --fallback REPORT` reads (same as --json)."
+            metavar="FILE",
+            help="Write the JSON report here (what llmq quantize --fallback reads).",
+            rich_help_panel=OUTPUT,
         ),
     ] = None,
-    csv: Annotated[Path | None, typer.Option(help="Write one CSV row per tensor here.")] = None,
+    csv: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="FILE",
+            help="Write one CSV row per tensor here.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
     markdown: Annotated[
-        Path | None, typer.Option(help="Write the summary and worst tensors as Markdown here.")
+        Path | None,
+        typer.Option(
+            metavar="FILE",
+            help="Write the summary and the worst tensors as Markdown here.",
+            rich_help_panel=OUTPUT,
+        ),
     ] = None,
     plot: Annotated[
         Path | None,
-        typer.Option(help="Write a heat map of NRMSE per layer and projection here (.png)."),
+        typer.Option(
+            metavar="FILE",
+            help="Write a heat map of NRMSE per layer and projection here (.png).",
+            rich_help_panel=OUTPUT,
+        ),
     ] = None,
     fail_on_flagged: Annotated[
-        bool, typer.Option(help="Exit 1 when any tensor is flagged (for CI).")
+        bool,
+        typer.Option(
+            "--fail-on-flagged",
+            help="Exit 1 when any tensor is flagged (for CI).",
+            rich_help_panel=FLAGGING,
+        ),
     ] = False,
     json_out: JsonFlag = False,
 ) -> None:
-    """Find the tensors that will not survive quantization: exact statistics, from the files alone.
+    """Find the tensors that will not survive quantization.
 
-    For every float tensor: the NRMSE of a simulated quantize-dequantize, the spread ratio,
-    quartiles (exact for every size), absmax, the share of values beyond 6 standard deviations,
-    NaN/Inf counts. Integer (packed) tensors are listed as skipped. Exit codes: 0 ok, 1 flagged
-    tensors with --fail-on-flagged, 2 bad input or a file that could not be read (the other
-    files are still scanned).
+    Exact statistics from the files alone, for every float tensor: the NRMSE of a simulated
+    quantize-dequantize, the spread ratio, quartiles, absmax, the share of values beyond 6
+    standard deviations, NaN/Inf counts. Integer (packed) tensors are listed as skipped. Exit
+    codes: 0 ok, 1 flagged tensors with --fail-on-flagged, 2 bad input or a file that could not
+    be read (the other files are still scanned). See docs/fallback-scan.md.
     """
     quiet_libraries()
     from llmq import api

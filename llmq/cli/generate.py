@@ -14,16 +14,30 @@ from llmq.cli.options import Device, Dtype, JsonFlag, Kernels, ModelArg
 
 def generate(
     model: ModelArg,
-    prompt: Annotated[str, typer.Option(help="Text to continue (no chat template is applied).")],
+    prompt: Annotated[
+        str,
+        typer.Option(
+            metavar="TEXT",
+            help="Text to continue (no chat template is applied).",
+        ),
+    ],
     max_new_tokens: Annotated[
-        int, typer.Option(help="Stop after this many new tokens (or at end of sequence).")
+        int,
+        typer.Option(
+            metavar="N",
+            help="Stop after this many new tokens (or at the end of sequence).",
+        ),
     ] = 32,
     device: Device = "auto",
     dtype: Dtype = "auto",
     kernels: Kernels = "auto",
     json_out: JsonFlag = False,
 ) -> None:
-    """Greedy continuation of --prompt by a quantized checkpoint: a smoke test that it runs."""
+    """Continue --prompt greedily with a quantized MODEL.
+
+    A smoke test that the checkpoint runs on llmq's kernels: prints the text, then the decode
+    speed. See docs/kernels.md.
+    """
     quiet_libraries()
     from llmq import api
 

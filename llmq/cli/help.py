@@ -18,7 +18,7 @@ from typer.core import TyperCommand
 
 OPTIONS = "Options"  # the section of an option that names none
 COLUMN = 26  # the widest option names beside their help; wider ones get a line of their own
-_NB_HYPHEN = "\u2011"
+_NB_HYPHEN, _NB_SPACE = "\u2011", "\u00a0"  # held while the text wraps, then plain again
 
 
 # Typer carries its own copy of Click: build on its classes, not on the click package's.
@@ -26,8 +26,8 @@ _ClickContext = TyperCommand.context_class
 
 
 class HelpFormatter(_ClickContext.formatter_class):
-    """Click's formatter, but a line never breaks after a hyphen: `--resume-every` and
-    `per-channel` stay whole (the hyphens wait as non-breaking ones while the text wraps)."""
+    """Click's formatter, but a line never breaks after a hyphen (`--resume-every` and
+    `per-channel` stay whole) nor inside `[default: 512]`."""
 
     def write_text(self, text: str) -> None:
         with self._whole_words():
@@ -42,7 +42,8 @@ class HelpFormatter(_ClickContext.formatter_class):
     def _whole_words(self) -> Iterator[None]:
         start = len(self.buffer)
         yield
-        self.buffer[start:] = [text.replace(_NB_HYPHEN, "-") for text in self.buffer[start:]]
+        plain = {ord(_NB_HYPHEN): "-", ord(_NB_SPACE): " "}
+        self.buffer[start:] = [text.translate(plain) for text in self.buffer[start:]]
 
 
 class _Context(_ClickContext):
@@ -112,7 +113,7 @@ def _option_help(param: Any) -> str:
     if param.required:
         return f"{text}  [required]".strip()
     if param.is_flag:
-        return f"{text}  [default: on]".strip() if default is True and param.secondary_opts else text  # fmt: skip
+        return f"{text}  [default:{_NB_SPACE}on]".strip() if default is True and param.secondary_opts else text  # fmt: skip
     if default is None or default == [] or default == () or callable(default):
         return text
-    return f"{text}  [default: {default}]".strip()
+    return f"{text}  [default:{_NB_SPACE}{default}]".strip()

@@ -11,7 +11,10 @@ from llmq.cli.options import JsonFlag
 def models(
     json_out: JsonFlag = False,
 ) -> None:
-    """List the built-in models: use their names wherever a MODEL folder is expected."""
+    """List the built-in models.
+
+    Their names work wherever a MODEL folder is expected.
+    """
     from llmq.api import list_models
 
     rows = list_models()
@@ -22,5 +25,5 @@ def models(
     for column in ("name", "description", "cached"):
         table.add_column(column)
     for row in rows:
-        table.add_row(row["name"], row["description"], row["cached"])
+        table.add_row(row["name"], row["description"], "yes" if row["cached"] else "no")
     out_console.print(table)

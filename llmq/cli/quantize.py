@@ -20,6 +20,10 @@ from llmq.cli.console import (
     resume_hint_on_interrupt,
 )
 from llmq.cli.options import (
+    CALIBRATION,
+    METHOD,
+    OUTPUT,
+    SCHEME,
     CalibStatsPath,
     CalibText,
     DampeningFrac,
@@ -42,6 +46,8 @@ from llmq.cli.options import (
 from llmq.config import RESUME_EVERY_S, scheme_names
 from llmq.texts import DEFAULT_CALIBRATION_TEXT
 
+ACTIVATIONS = "Activations"
+
 
 def quantize(
     model: ModelArg,
@@ -51,75 +57,96 @@ def quantize(
             "--out",
             "-o",
             help="Output folder (compressed-tensors); must not exist unless --overwrite.",
+            rich_help_panel=OUTPUT,
         ),
     ],
     scheme: Annotated[
         str,
         typer.Option(
-            help=f"Preset: {', '.join(scheme_names())}. w4a16: int4 weights, group 128, symmetric; w8a8: int8 per-channel weights + dynamic per-token int8 activations; fp8 (= fp8-dynamic): E4M3 per-channel weights + dynamic per-token activations; fp8-tensor: one weight scale per linear; fp8-block: 128x128 weight blocks + per-token 128-column activation groups (DeepSeek-V3; narrower where 128 does not divide a layer)."
+            metavar="NAME", help=f"Preset: {', '.join(scheme_names())}.", rich_help_panel=SCHEME
         ),
     ] = "w4a16",
     method: Annotated[
         str,
         typer.Option(
-            help="rtn: round to nearest (no data needed). gptq: GPTQ, errors spread over the columns not yet quantized using each input's Hessian. awq: AWQ scales searched on the calibration data and folded into the preceding norm/linear, then rtn. awq+gptq: AWQ scales, then gptq. Pruned and quantized (with --sparsity or --pattern): magnitude (drop the smallest |w|, then rtn; no data needed), wanda (drop the smallest |w|·‖x‖ per row, then rtn), sparsegpt (GPTQ's solver prunes and quantizes each block together, updating the weights kept)."
+            metavar="NAME",
+            help="rtn, gptq, awq or awq+gptq; to prune too: magnitude, wanda or sparsegpt.",
+            rich_help_panel=METHOD,
         ),
     ] = "rtn",
     group_size: Annotated[
         int | None,
         typer.Option(
-            help="Override the scheme's group size: -1 (per-channel) or a power of two >= 16. A layer whose in_features it does not divide uses the largest power-of-two divisor (listed in the summary)."
+            metavar="N",
+            help="Override the scheme's group size: -1 (per channel) or a power of two >= 16.",
+            rich_help_panel=SCHEME,
         ),
     ] = None,
     strict_group_size: Annotated[
         bool,
         typer.Option(
-            help="Refuse, before any work, when the group size does not divide some layer."
+            "--strict-group-size",
+            help="Refuse, before any work, a group size that does not divide every layer.",
+            rich_help_panel=SCHEME,
         ),
     ] = False,
     ignore: Ignore = None,
     clip: Annotated[
         str | None,
         typer.Option(
-            help="Per-group range: none (min/max); mse (shrink factor minimising the weight error); output (shrink factor minimising the group's output error on the calibration data, as AWQ's clip search). Default: output for gptq, awq and awq+gptq on int4 weights; otherwise the preset's (mse for fp8, none for the rest)."
+            metavar="MODE",
+            help="Group range: none (min/max), mse or output (least weight or output error).",
+            rich_help_panel=SCHEME,
         ),
     ] = None,
     dampening_frac: DampeningFrac = 0.01,
     actorder: Annotated[
         str,
         typer.Option(
-            help="gptq column order: static (largest Hessian diagonal first, groups fixed up front; loads everywhere) or none (in order, as in the paper)."
+            metavar="ORDER",
+            help="gptq column order: static (largest Hessian diagonal first) or none (in order).",
+            rich_help_panel=METHOD,
         ),
     ] = "static",
     true_sequential: TrueSequential = True,
     awq_duo_scaling: Annotated[
         bool,
         typer.Option(
-            help="awq: scales from activation and weight magnitudes, s = mean|x|^a / mean|w|^(1-a) (as AutoAWQ and llm-compressor); --no-awq-duo-scaling: the paper's s = mean|x|^a."
+            help="awq: scales from activation and weight magnitudes (off: activations alone).",
+            rich_help_panel=METHOD,
         ),
     ] = True,
     smooth: Annotated[
         str,
         typer.Option(
-            help="SmoothQuant (schemes that quantize activations): ALPHA in [0, 1] moves that share of the activation outliers' range into the weights, s_j = max|x_j|^ALPHA / max|w_j|^(1-ALPHA), folded into the preceding norm (or v_proj where the widths match; 0.5 is the paper's default); auto searches ALPHA per pairing on the calibration data, up_proj -> down_proj included, and may leave one unscaled; none: off."
+            metavar="ALPHA",
+            help="SmoothQuant: move this share, in [0, 1], of the activation outliers into the "
+            "weights; auto or none.",
+            rich_help_panel=ACTIVATIONS,
         ),
     ] = "none",
     activations: Annotated[
         str,
         typer.Option(
-            help="Input activation scales: dynamic (per token, computed at run time: the default) or static (one per-tensor scale per linear, calibrated and stored as input_scale)."
+            metavar="MODE",
+            help="Activation scales: dynamic (per token, at run time) or static (calibrated).",
+            rich_help_panel=ACTIVATIONS,
         ),
     ] = "dynamic",
     observer: Annotated[
         str,
         typer.Option(
-            help="--activations static: absmax (largest |x| in the calibration data), percentile (99.99th percentile of |x|) or mse (range with the smallest quantization error)."
+            metavar="NAME",
+            help="--activations static: range by absmax, percentile (99.99th of |x|) or mse.",
+            rich_help_panel=ACTIVATIONS,
         ),
     ] = "absmax",
     kv_cache: Annotated[
         str,
         typer.Option(
-            help="Quantize the KV cache: fp8 or int8, one calibrated scale per layer for keys and one for values (k_scale, v_scale, as vLLM reads them); none: full precision."
+            metavar="TYPE",
+            help="Quantize the KV cache to fp8 or int8 (a calibrated scale per layer), or none.",
+            rich_help_panel=ACTIVATIONS,
         ),
     ] = "none",
     sparsity: SparsityOption = None,
@@ -129,14 +156,18 @@ def quantize(
     num_samples: Annotated[
         int | None,
         typer.Option(
-            help="Calibration windows. Default 1 for plain rtn (it needs no data: they feed only the per-layer output-error report), 128 otherwise (other methods, --smooth, static activations, --kv-cache)."
+            metavar="N",
+            help="Calibration windows: default 1 for plain rtn (the report only), else 128.",
+            rich_help_panel=CALIBRATION,
         ),
     ] = None,
     seq_len: SeqLen = 512,
     skip_layer_check: Annotated[
         bool,
         typer.Option(
-            help="rtn only: run no forward passes (no per-layer output error; weights and scales are still checked for NaN/Inf). The fastest conversion, as data-free as llm-compressor's RTN."
+            "--skip-layer-check",
+            help="rtn only: run no forward passes (no per-layer output error); the fastest.",
+            rich_help_panel=CALIBRATION,
         ),
     ] = False,
     seed: Seed = 0,
@@ -144,13 +175,17 @@ def quantize(
     fallback: Annotated[
         str | None,
         typer.Option(
-            help="Keep the linears a fallback scan flags in full precision (they join the checkpoint's ignore list): a JSON report from `llmq fallback-scan MODEL --report FILE`, or auto to scan now with this scheme's weight arguments and default thresholds."
+            metavar="REPORT",
+            help="Keep the linears a fallback-scan report flags in full precision; auto: scan now.",
+            rich_help_panel=SCHEME,
         ),
     ] = None,
     fallback_threshold: Annotated[
         float | None,
         typer.Option(
-            help="--fallback auto: flag linears whose NRMSE exceeds this (default: the scheme's, as in `fallback-scan`); with --calib-stats, whose share of the estimated output error exceeds this (default 0.05)."
+            metavar="X",
+            help="--fallback auto: flag above this NRMSE (or error share, with --calib-stats).",
+            rich_help_panel=SCHEME,
         ),
     ] = None,
     overwrite: Overwrite = False,
@@ -159,7 +194,9 @@ def quantize(
     require_loader: Annotated[
         list[str] | None,
         typer.Option(
-            help="Refuse, before any work, a scheme this loader cannot load: transformers, vllm or llmq; repeatable. Plain transformers cannot load asymmetric int4/int8 (w4a16-asym) today: its packed zero points. `llmq verify OUT` checks a written checkpoint."
+            metavar="LOADER",
+            help="Refuse a scheme this loader cannot load: transformers, vllm or llmq; repeatable.",
+            rich_help_panel=SCHEME,
         ),
     ] = None,
     space_check: SpaceCheck = True,
@@ -167,10 +204,11 @@ def quantize(
     device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:
-    """Quantize MODEL and write a checkpoint that transformers and vLLM load.
+    """Quantize MODEL into a compressed-tensors checkpoint.
 
-    One decoder layer at a time is loaded, quantized, checked against its float output and
-    written, so memory stays near one layer whatever the model size.
+    transformers and vLLM load the result. One decoder layer at a time is loaded, quantized,
+    checked against its float output and written, so memory stays near one layer whatever the
+    model size. See docs/quantize.md for the schemes, methods and every option.
     """
     quiet_libraries()
     from llmq import api
@@ -204,7 +242,9 @@ def quantize(
 def render(result: Any) -> None:
     compare = any(layer.rtn_output_rel_rmse is not None for layer in result.layers)
     baseline = "magnitude" if result.scheme == "DENSE" else "RTN"  # pruning alone, quantizing
-    table = Table(title=f"{result.scheme} ({result.method}) per-layer report")
+    pruning_only = result.scheme == "DENSE"
+    what = f"{result.method} pruning" if pruning_only else f"{result.scheme} ({result.method})"
+    table = Table(title=f"{what} per-layer report")
     table.add_column("layer", justify="right")
     table.add_column("output rel. RMSE", justify="right")
     if compare:

@@ -17,36 +17,48 @@ from llmq.cli.console import (
     progress_bars,
     quiet_libraries,
 )
-from llmq.cli.options import Device, JsonFlag, Overwrite
+from llmq.cli.help import LlmqCommand
+from llmq.cli.options import OUTPUT, Device, JsonFlag, Overwrite
 
-RecipeArg = Annotated[Path, typer.Argument(help="Recipe file (YAML): `stages:`, a list of quantize, prune, distill and eval stages.")]  # fmt: skip
+RecipeArg = Annotated[Path, typer.Argument(help="Recipe file (YAML): stages of quantize, prune, distill and eval.")]  # fmt: skip
 
 
 def run(
     recipe: RecipeArg,
     model: Annotated[
-        str, typer.Option(help="The model the first stage reads: a folder or a built-in name.")
+        str,
+        typer.Option(
+            metavar="MODEL",
+            help="The model the first stage reads: a folder or a built-in name.",
+        ),
     ],
     out: Annotated[
         Path,
         typer.Option(
             "--out",
             "-o",
-            help="Output folder: one folder (or eval report) per stage, numbered, and llmq-run.json.",
+            help="Output folder: a numbered folder (or eval report) per stage, and llmq-run.json.",
+            rich_help_panel=OUTPUT,
         ),
     ],
     resume: Annotated[
         bool,
         typer.Option(
-            help="Continue an interrupted run into OUT: finished stages are skipped, the first unfinished one continues from its own resume point."
+            "--resume",
+            help="Continue an interrupted run into OUT: finished stages are skipped.",
+            rich_help_panel=OUTPUT,
         ),
     ] = False,
     overwrite: Overwrite = False,
     device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:
-    """Run RECIPE's stages on MODEL: each reads the previous one's output; an eval stage is a
-    gate (exit 1 when it fails, and the stages after it do not run)."""
+    """Run RECIPE's stages on --model, one after the other.
+
+    Each stage reads the previous one's output and writes its own numbered folder in OUT; an
+    eval stage is a gate (exit 1 when it fails, and the stages after it do not run). See
+    docs/recipes.md.
+    """
     quiet_libraries()
     from llmq.api.chain import run as run_recipe
 
@@ -84,12 +96,15 @@ def _outcome(stage: Any) -> str:
     return f"{written / 1e6:.1f} MB" if written else "written"
 
 
-recipe_app = typer.Typer(help="Check recipe files and show them with every default filled in.", no_args_is_help=True)  # fmt: skip
+recipe_app = typer.Typer(help="Check recipe files, or show them with defaults filled in.", no_args_is_help=True, rich_markup_mode=None)  # fmt: skip
 
 
-@recipe_app.command("check")
+@recipe_app.command("check", cls=LlmqCommand)
 def check(recipe: RecipeArg) -> None:
-    """Validate RECIPE as `llmq run` would, before any work (exit 2 naming file, line and key)."""
+    """Validate RECIPE as llmq run would, before any work.
+
+    An error is one line naming the file, the line and the key (exit 2).
+    """
     from llmq.api.chain import check_recipe
 
     with cli_errors():
@@ -97,10 +112,12 @@ def check(recipe: RecipeArg) -> None:
     out_console.print(f"{recipe}: {counted(len(source.recipe.stages), 'stage')}, valid")
 
 
-@recipe_app.command("show")
+@recipe_app.command("show", cls=LlmqCommand)
 def show(recipe: RecipeArg) -> None:
-    """Print RECIPE as it will run: every option of every stage, defaults filled in (YAML that
-    loads back into the same recipe)."""
+    """Print RECIPE with every default filled in.
+
+    Every option of every stage, as it will run: YAML that loads back into the same recipe.
+    """
     from llmq.api.chain import check_recipe
     from llmq.recipes.load import dump_recipe
 

@@ -25,24 +25,28 @@ def verify(
     loaders: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated loaders to check: transformers (plain AutoModelForCausalLM), vllm, llmq (its kernels). Default: every installed one. Naming one that is not installed is an error (exit 2)."
+            metavar="NAMES",
+            help="Comma-separated loaders: transformers, vllm, llmq (default: every installed "
+            "one).",
         ),
     ] = None,
     against: Annotated[
         str | None,
         typer.Option(
-            help="The original model (folder or built-in name): also report the checkpoint's distance from it on the same prompts."
+            metavar="MODEL",
+            help="The original model: also report the checkpoint's distance from it.",
         ),
     ] = None,
     device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:
-    """Load MODEL with each loader, run the prompts its llmq.json records and compare the
-    log-probabilities with the reference llmq computed from the files it wrote; check the
-    files against their recorded SHA-256.
+    """Check which loaders load MODEL with the right logits.
 
-    A loader ends as ok, does not load (the reason), or wrong logits (how far off). Exit codes:
-    0 every loader ok and no file changed, 1 a loader failed or a file changed, 2 bad input.
+    Loads MODEL with each loader, runs the prompts its llmq.json records and compares the
+    log-probabilities with the reference llmq computed from the files it wrote; checks the
+    files against their recorded SHA-256. A loader ends as ok, does not load (the reason), or
+    wrong logits (how far off). Exit codes: 0 every loader ok and no file changed, 1 a loader
+    failed or a file changed, 2 bad input. See docs/verify.md.
     """
     quiet_libraries()
     from llmq import api

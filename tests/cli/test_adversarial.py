@@ -20,7 +20,10 @@ def fingerprint(path: Path) -> dict[str, tuple[str, int]]:
     """Every file under `path` (or `path` itself): its SHA-256 and mode."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     return {
-        str(p.relative_to(path.parent)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mode)  # fmt: skip
+        str(p.relative_to(path.parent)): (
+            hashlib.sha256(p.read_bytes()).hexdigest(),
+            p.stat().st_mode,
+        )
         for p in files
     }
 
@@ -91,9 +94,7 @@ def test_overwrite_replaces_only_a_folder_llmq_wrote(tmp_path: Path, tiny_llama:
         assert (out / "llmq.json").is_file()
 
 
-def test_calibrate_and_scan_never_write_into_their_inputs(
-    tmp_path: Path, tiny_llama: Path
-) -> None:
+def test_calibrate_and_scan_never_write_into_their_inputs(tmp_path: Path, tiny_llama: Path) -> None:
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
     text = tmp_path / "calib.txt"
@@ -165,14 +166,26 @@ def test_recipe_check_names_bad_bytes(tmp_path: Path) -> None:
 def test_thresholds_that_gate_nothing_are_refused(tmp_path: Path, tiny_llama: Path) -> None:
     model = str(tiny_llama)
     for args, fragment in (
-        (["eval", model, "--baseline", model, "--max-drop", "0.05"], "--max-drop applies to task accuracy"),  # fmt: skip
-        (["eval", model, "--baseline", model, "--min-recovery", "0.9"], "--min-recovery applies to task accuracy"),  # fmt: skip
+        (
+            ["eval", model, "--baseline", model, "--max-drop", "0.05"],
+            "--max-drop applies to task accuracy",
+        ),
+        (
+            ["eval", model, "--baseline", model, "--min-recovery", "0.9"],
+            "--min-recovery applies to task accuracy",
+        ),
         (["eval", model, "--confidence", "0.9"], "--confidence applies to task accuracy"),
-        (["eval", model, "--tasks", "hamlet_next_line", "--confidence", "0.9"], "give --max-drop or --min-recovery"),  # fmt: skip
+        (
+            ["eval", model, "--tasks", "hamlet_next_line", "--confidence", "0.9"],
+            "give --max-drop or --min-recovery",
+        ),
         (["eval", model, "--max-ppl-increase", "3%"], "needs --baseline"),
         (["eval", model, "--tasks", "hamlet_next_line", "--max-drop", "0.05"], "give --baseline"),
         (["fallback-scan", model, "--error-share-threshold", "0.1"], "give --calib-stats"),
-        (["quantize", model, "--out", str(tmp_path / "q"), "--fallback-threshold", "0.1"], "use --fallback auto"),  # fmt: skip
+        (
+            ["quantize", model, "--out", str(tmp_path / "q"), "--fallback-threshold", "0.1"],
+            "use --fallback auto",
+        ),
     ):
         assert fragment in refused(args, [tiny_llama]), args
     assert not (tmp_path / "q").exists()
@@ -181,13 +194,28 @@ def test_thresholds_that_gate_nothing_are_refused(tmp_path: Path, tiny_llama: Pa
 def test_shards_are_written_with_the_users_umask(tmp_path: Path, tiny_llama: Path) -> None:
     out = tmp_path / "q"
     run = subprocess.run(
-        ["sh", "-c", 'umask 022 && exec "$@"', "sh", *llmq_cmd("quantize", str(tiny_llama), "--out", str(out), "--scheme", "w8a16", "--no-reference")],  # fmt: skip
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            "sh",
+            "-c",
+            'umask 022 && exec "$@"',
+            "sh",
+            *llmq_cmd(
+                "quantize",
+                str(tiny_llama),
+                "--out",
+                str(out),
+                "--scheme",
+                "w8a16",
+                "--no-reference",
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
     assert modes and set(modes.values()) == {0o644}, modes
-
 
 
 def test_bad_options_and_recipes_say_what_to_use(tmp_path: Path, tiny_llama: Path) -> None:
@@ -199,11 +227,26 @@ def test_bad_options_and_recipes_say_what_to_use(tmp_path: Path, tiny_llama: Pat
     no_stages = tmp_path / "none.yaml"
     no_stages.write_text("name: mine\n")
     for args, fragment in (
-        (["prune", model, "--out", str(tmp_path / "p"), "--method", "foo", "--sparsity", "0.5"], "unknown method 'foo' for prune"),  # fmt: skip
-        (["prune", model, "--out", str(tmp_path / "p"), "--method", "gptq", "--sparsity", "0.5"], "unknown method 'gptq' for prune"),  # fmt: skip
-        (["prune", model, "--out", str(tmp_path / "p"), "--sparsity", "nan"], "sparsity: Input should be a finite number"),  # fmt: skip
-        (["recipe", "check", str(unknown_kind)], f"{unknown_kind}:2: stages[0].quantise: unknown stage kind 'quantise'"),  # fmt: skip
-        (["recipe", "check", str(typo)], f"{typo}:3: stages[0].quantize.schem: unknown key 'schem'"),  # fmt: skip
+        (
+            ["prune", model, "--out", str(tmp_path / "p"), "--method", "foo", "--sparsity", "0.5"],
+            "unknown method 'foo' for prune",
+        ),
+        (
+            ["prune", model, "--out", str(tmp_path / "p"), "--method", "gptq", "--sparsity", "0.5"],
+            "unknown method 'gptq' for prune",
+        ),
+        (
+            ["prune", model, "--out", str(tmp_path / "p"), "--sparsity", "nan"],
+            "sparsity: Input should be a finite number",
+        ),
+        (
+            ["recipe", "check", str(unknown_kind)],
+            f"{unknown_kind}:2: stages[0].quantise: unknown stage kind 'quantise'",
+        ),
+        (
+            ["recipe", "check", str(typo)],
+            f"{typo}:3: stages[0].quantize.schem: unknown key 'schem'",
+        ),
         (["recipe", "check", str(no_stages)], f"{no_stages}: stages: missing"),
     ):
         assert fragment in refused(args, [tiny_llama, tmp_path]), args
@@ -213,9 +256,24 @@ def test_task_gates_print_no_git_noise(tmp_path: Path, tiny_llama: Path) -> None
     """lm-eval runs `git describe` in the current folder; outside a repository git's `fatal:`
     lines went straight to the user's terminal."""
     run = subprocess.run(
-        llmq_cmd("eval", str(tiny_llama), "--baseline", str(tiny_llama), "--tasks", "hamlet_next_line", "--limit", "4", "--max-drop", "0.5", "--no-cache"),  # fmt: skip
-        capture_output=True, text=True, cwd=tmp_path, timeout=600,
-    )  # fmt: skip
+        llmq_cmd(
+            "eval",
+            str(tiny_llama),
+            "--baseline",
+            str(tiny_llama),
+            "--tasks",
+            "hamlet_next_line",
+            "--limit",
+            "4",
+            "--max-drop",
+            "0.5",
+            "--no-cache",
+        ),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     assert "fatal" not in run.stderr and "Traceback" not in run.stderr, run.stderr
 

@@ -44,12 +44,12 @@ def test_paths_with_brackets_are_printed_as_given(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("command", "fragment"),
-    [("calibrate", "[in, in] float32"), ("fallback-scan", "E[xⱼ²]"), ("fallback-scan", "E[x²]")],
+    [("calibrate", "[in, in] float32"), ("fallback-scan", "E[xⱼ²]")],
 )
 def test_help_shows_bracketed_text(command: str, fragment: str) -> None:
     """Rich markup read `[x²]` and `[in, in]` as style tags and dropped them from --help."""
     result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "400"})
-    assert result.exit_code == 0 and fragment in result.output
+    assert result.exit_code == 0 and fragment in " ".join(result.output.split())  # as wrapped
 
 
 @pytest.mark.parametrize(

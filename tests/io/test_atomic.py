@@ -81,7 +81,10 @@ def test_a_released_claim_removes_its_lock_file_and_can_be_claimed_again(tmp_pat
 
 def test_os_errors_inside_a_claim_become_one_output_error(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    with pytest.raises(OutputError) as failed, claim_output(out, inputs=(), kept=lambda: "kept for --resume"):
+    with (
+        pytest.raises(OutputError) as failed,
+        claim_output(out, inputs=(), kept=lambda: "kept for --resume"),
+    ):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "shard"))
     assert failed.value.message == f"{out / 'shard'}: No space left on device"
     assert failed.value.hint is not None and failed.value.hint.endswith("; kept for --resume")

@@ -3,8 +3,9 @@
     python benchmarks/bench_distill.py [--steps 60 --lr 2e-4 --windows 20 --data shakespeare+pydoc]
 
 Teacher: SmolLM2-135M-Instruct (float32). Student: the teacher with its MLP narrowed by
-`llmq prune --structured --params 0.75` (activation importance on llmq's default calibration
-text; 1536 -> 1024 channels, -25% of the decoder's parameters, -20% of all with the embedding).
+`llmq prune --structured --intermediate-size 1024` (activation importance on llmq's default
+calibration text; 1536 -> 1024 channels, -25% of the decoder's parameters, -20% of all with the
+embedding).
 Both runs train the same student for the same steps on the same windows (the calibration
 splits of --data, by default shakespeare+pydoc, 512-token windows, 4 a step, seed 0; AdamW, warm-up then cosine,
 the last step's student kept, no selection on any evaluation text):
@@ -51,7 +52,7 @@ def make_student(teacher: Path, out: Path) -> Path:
     import llmq
 
     if not (out / "config.json").is_file():
-        llmq.prune_structured(teacher, out, params=0.75, evaluate=False, overwrite=True)
+        llmq.prune_structured(teacher, out, intermediate_size=1024, evaluate=False, overwrite=True)
     return out
 
 

@@ -23,10 +23,12 @@ class StructuredResult:
     out_dir: Path
     model: str
     removed: dict[str, Any]  # per axis: what went (StructuredPlan.removed)
-    parameters: dict[str, int]  # "source", "output"
+    parameters: dict[str, int]  # "source", "output": all of them (a tied lm_head once)
+    decoder_parameters: dict[str, int]  # "source", "output": the decoder layers'
     size_bytes: dict[str, int]  # "source", "output"
     importance: str  # the file the scores came from, or "computed"
     calibration: dict[str, Any] | None
+    budget: dict[str, Any] | None = None  # --params / --decoder-params: option, share, reached
     seconds: float = 0.0
     perplexity: dict[str, Any] = field(default_factory=dict)  # source, output, protocol
 
@@ -44,6 +46,7 @@ def prune_structured(
     hidden_size: int | None = None,
     num_heads: int | None = None,
     params: float | None = None,
+    decoder_params: float | None = None,
     depth_metric: str = "block",
     importance: str | Path | None = None,
     save_importance: str | Path | None = None,
@@ -59,9 +62,10 @@ def prune_structured(
     device: str | None = None,
 ) -> StructuredResult:
     """Remove MODEL's least important MLP channels, key-value groups (with their query heads),
-    hidden channels and decoder layers down to the targets (`params`: about that share of the decoder's
-    parameters, by narrowing the MLP), the same width in every layer, and write a plain
-    checkpoint at OUT. Importance is scored on the calibration windows (or read from
+    hidden channels and decoder layers down to the targets, the same width in every layer, and
+    write a plain checkpoint at OUT. `params` (or `decoder_params`): the MLP width that keeps
+    the nearest to that share of all the parameters (of the decoder layers'), the other
+    targets as given. Importance is scored on the calibration windows (or read from
     `importance`, a file a previous run saved with `save_importance`). `depth_metric`: layers
     ranked by Block Importance ("block") or by the perplexity increase from dropping each alone
     ("ppl": about layers² / 2 more layer passes, on the first 16 windows). `evaluate`: held-out
@@ -79,6 +83,7 @@ def prune_structured(
         Importance,
         Targets,
         budget_targets,
+        count_parameters,
         kept_sizes,
         plan_structured,
     )
@@ -86,10 +91,13 @@ def prune_structured(
     started = time.perf_counter()
     ckpt = _open(model, progress)
     _check_family(ckpt)
-    explicit = Targets(intermediate_size, num_kv_heads, num_layers, hidden_size, num_heads)
-    if params is not None and explicit != Targets():
-        raise InputError("--params chooses the sizes itself: give it or explicit targets, not both")
-    targets = budget_targets(ckpt.config, params) if params is not None else explicit
+    targets = Targets(intermediate_size, num_kv_heads, num_layers, hidden_size, num_heads)
+    if params is not None and decoder_params is not None:
+        raise InputError("--params and --decoder-params: give one (a share of all the parameters, or of the decoder layers')")  # fmt: skip
+    share = params if params is not None else decoder_params
+    if share is not None:
+        decoder = params is None
+        targets = budget_targets(ckpt.config, ckpt.layout.layers, share, decoder=decoder, given=targets)  # fmt: skip
     if targets == Targets():
         raise InputError("nothing to remove", hint="give --params, --intermediate-size, --num-kv-heads, --num-heads, --hidden-size or --num-layers")  # fmt: skip
     kept_sizes(ckpt.config, targets)  # before the scoring pass
@@ -116,6 +124,10 @@ def prune_structured(
             if save_importance is not None:
                 scores.save(Path(save_importance))
         plan = plan_structured(ckpt.config, scores, targets)
+        counts = {
+            "source": count_parameters(ckpt.config, ckpt.layout.layers).to_dict(),
+            "output": count_parameters(plan.config, ckpt.layout.layers).to_dict(),
+        }
         if space_check:
             check_free_space(out, _output_bytes(ckpt, plan.config))
         staging = staging_path(out)
@@ -123,7 +135,12 @@ def prune_structured(
             "llmq_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "source_model": str(model),
-            "structured": {"removed": plan.removed(ckpt.config), "importance": source},
+            "structured": {
+                "removed": plan.removed(ckpt.config),
+                "importance": source,
+                "parameters": counts,
+                "budget": _budget(params, decoder_params, counts),
+            },
             "calibration": calibration,
         }
         try:
@@ -133,11 +150,13 @@ def prune_structured(
             raise
         publish(staging, out)
 
+    stored = {"source": _stored(ckpt), "output": _stored(_open(out))}
     result = StructuredResult(
         out_dir=out, model=str(model), removed=plan.removed(ckpt.config),
-        parameters={"source": _stored(ckpt), "output": _stored(_open(out))},
+        parameters={k: total for k, (total, _) in stored.items()},
+        decoder_parameters={k: decoder for k, (_, decoder) in stored.items()},
         size_bytes={"source": weights_size(ckpt.path), "output": weights_size(out)},
-        importance=source, calibration=calibration,
+        importance=source, calibration=calibration, budget=record["structured"]["budget"],
     )  # fmt: skip
     if evaluate:
         result.perplexity = _perplexities(ckpt.path, out, progress, device)
@@ -145,9 +164,25 @@ def prune_structured(
     return result
 
 
-def _stored(ckpt: Any) -> int:
-    """Parameters as stored (a tied lm_head once)."""
-    return sum(math.prod(info.shape) for info in ckpt.tensors.values())
+def _stored(ckpt: Any) -> tuple[int, int]:
+    """Parameters as stored (a tied lm_head once): all of them, the decoder layers'."""
+    layers = ckpt.layout.layers + "."
+    sizes = {name: math.prod(info.shape) for name, info in ckpt.tensors.items()}
+    return sum(sizes.values()), sum(n for name, n in sizes.items() if name.startswith(layers))
+
+
+def _budget(
+    params: float | None, decoder_params: float | None, counts: dict[str, dict[str, int]]
+) -> dict[str, Any] | None:
+    """The share asked for and the share reached, or None without --params/--decoder-params."""
+    if params is None and decoder_params is None:
+        return None
+    part = "total" if params is not None else "decoder"
+    return {
+        "option": "--params" if params is not None else "--decoder-params",
+        "share": params if params is not None else decoder_params,
+        "reached": counts["output"][part] / counts["source"][part],
+    }
 
 
 def _check_family(ckpt: Any) -> None:

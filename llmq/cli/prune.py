@@ -18,15 +18,19 @@ from llmq.cli.console import (
     resume_hint_on_interrupt,
 )
 from llmq.cli.options import (
+    CALIBRATION,
+    METHOD,
+    OUTPUT,
+    PRUNING,
     CalibStatsPath,
     CalibText,
     DampeningFrac,
     Device,
-    Ignore,
     JsonFlag,
     ModelArg,
     Overwrite,
     PatternOption,
+    PruneIgnore,
     Reference,
     Resume,
     ResumeEvery,
@@ -42,6 +46,8 @@ from llmq.config import RESUME_EVERY_S
 from llmq.errors import InputError
 from llmq.texts import DEFAULT_CALIBRATION_TEXT
 
+STRUCTURED = "Structured pruning"
+
 
 def prune(
     model: ModelArg,
@@ -50,13 +56,16 @@ def prune(
         typer.Option(
             "--out",
             "-o",
-            help="Output folder (a plain Hugging Face checkpoint); must not exist unless --overwrite.",
+            help="Output folder (a plain checkpoint); must not exist unless --overwrite.",
+            rich_help_panel=OUTPUT,
         ),
     ],
     method: Annotated[
         str,
         typer.Option(
-            help="sparsegpt: GPTQ's solver chooses each block's mask from the updated weights and spreads each pruned weight over the inputs not yet visited, using each input's Hessian. wanda: drop the smallest |w|·‖x‖ in each row (no weight update). magnitude: drop the smallest |w| (no data needed)."
+            metavar="NAME",
+            help="sparsegpt (updates the weights kept), wanda (by |w|·‖x‖) or magnitude (by |w|).",
+            rich_help_panel=METHOD,
         ),
     ] = "sparsegpt",
     sparsity: SparsityOption = None,
@@ -65,81 +74,121 @@ def prune(
     structured: Annotated[
         bool,
         typer.Option(
-            help="Remove whole MLP channels, key-value groups (with their query heads) and layers instead of single weights: a smaller dense model, the same width in every layer (give --params or the sizes below). Importance: activation norms on the calibration windows (Minitron), layers by Block Importance (ShortGPT)."
+            "--structured",
+            help="Remove whole channels, heads and layers instead: a smaller dense model.",
+            rich_help_panel=STRUCTURED,
         ),
     ] = False,
     params: Annotated[
         float | None,
         typer.Option(
-            help="--structured: keep about this share of the decoder's parameters, e.g. 0.75, by narrowing the MLP (Minitron: width before depth, MLP first; to a multiple of 64 channels)."
+            help="Keep this share of all the parameters (e.g. 0.75) by narrowing the MLP.",
+            metavar="X",
+            rich_help_panel=STRUCTURED,
+        ),
+    ] = None,
+    decoder_params: Annotated[
+        float | None,
+        typer.Option(
+            help="As --params, a share of the decoder layers' parameters alone.",
+            metavar="X",
+            rich_help_panel=STRUCTURED,
         ),
     ] = None,
     intermediate_size: Annotated[
-        int | None, typer.Option(help="--structured: MLP channels to keep in every layer.")
+        int | None,
+        typer.Option(
+            metavar="N", help="MLP channels to keep in every layer.", rich_help_panel=STRUCTURED
+        ),
     ] = None,
     num_kv_heads: Annotated[
         int | None,
         typer.Option(
-            help="--structured: key-value groups to keep in every layer, each with its query heads (grouped-query attention stays valid)."
+            metavar="N",
+            help="Key-value groups to keep in every layer, each with its query heads.",
+            rich_help_panel=STRUCTURED,
         ),
     ] = None,
     num_layers: Annotated[
         int | None,
-        typer.Option(help="--structured: decoder layers to keep (the highest Block Importance)."),
+        typer.Option(
+            metavar="N",
+            help="Decoder layers to keep, the most important (see --depth-metric).",
+            rich_help_panel=STRUCTURED,
+        ),
     ] = None,
     num_heads: Annotated[
         int | None,
         typer.Option(
-            help="--structured: query heads to keep, the same number in every key-value group kept (its most important ones, by the L2 norm of each head's output)."
+            metavar="N",
+            help="Query heads to keep, the same number in every key-value group kept.",
+            rich_help_panel=STRUCTURED,
         ),
     ] = None,
     hidden_size: Annotated[
         int | None,
         typer.Option(
-            help="--structured: hidden (embedding) channels to keep, the same in every layer, the embedding, the norms and lm_head (by the L2 norm of the RMSNorm outputs). The hardest axis on quality: distill afterwards."
+            metavar="N",
+            help="Hidden (embedding) channels to keep, everywhere; the hardest cut on quality.",
+            rich_help_panel=STRUCTURED,
         ),
     ] = None,
     depth_metric: Annotated[
         str,
         typer.Option(
-            help="--structured: rank layers by block (Block Importance, 1 - cos of a layer's input and output; ShortGPT) or ppl (the perplexity increase from dropping each layer alone, on the first 16 calibration windows: about layers²/2 more layer passes)."
+            metavar="NAME",
+            help="Rank layers by block (1 - cos of input and output) or ppl (slower).",
+            rich_help_panel=STRUCTURED,
         ),
     ] = "block",
     importance: Annotated[
         Path | None,
         typer.Option(
-            help="--structured: reuse the scores a previous run saved with --save-importance (no scoring pass)."
+            metavar="FILE",
+            help="Reuse the scores saved by --save-importance (no scoring pass).",
+            rich_help_panel=STRUCTURED,
         ),
     ] = None,
     save_importance: Annotated[
         Path | None,
-        typer.Option(help="--structured: save the scores to this .safetensors file."),
+        typer.Option(
+            metavar="FILE",
+            help="Save the importance scores to this .safetensors file.",
+            rich_help_panel=STRUCTURED,
+        ),
     ] = None,
     evaluate: Annotated[
         bool,
         typer.Option(
-            help="--structured: held-out perplexity of the source and the result in the report (`llmq eval`'s default protocol)."
+            help="Report held-out perplexity of the source and the result.",
+            rich_help_panel=STRUCTURED,
         ),
     ] = True,
     sparse_format: Annotated[
         str,
         typer.Option(
-            help="dense: the pruned weights as plain safetensors (loads everywhere). bitmask (compressed-tensors' sparse-bitmask) is refused: compressed-tensors 0.15+ cannot write it and transformers silently re-initialises such weights."
+            metavar="FORMAT",
+            help="dense: plain safetensors that load everywhere (bitmask is refused).",
+            rich_help_panel=PRUNING,
         ),
     ] = "dense",
-    ignore: Ignore = None,
+    ignore: PruneIgnore = None,
     calib_text: CalibText = DEFAULT_CALIBRATION_TEXT,
     num_samples: Annotated[
         int | None,
         typer.Option(
-            help="Calibration windows. Default 128 (wanda, sparsegpt); 1 for magnitude (it needs no data: the window feeds only the per-layer output-error report)."
+            metavar="N",
+            help="Calibration windows: default 128, or 1 for magnitude (the report only).",
+            rich_help_panel=CALIBRATION,
         ),
     ] = None,
     seq_len: SeqLen = 512,
     skip_layer_check: Annotated[
         bool,
         typer.Option(
-            help="magnitude only: run no forward passes (no per-layer output error; the weights are still checked for NaN/Inf)."
+            "--skip-layer-check",
+            help="magnitude only: run no forward passes (no per-layer output error).",
+            rich_help_panel=CALIBRATION,
         ),
     ] = False,
     seed: Seed = 0,
@@ -154,18 +203,18 @@ def prune(
     device: Device = "auto",
     json_out: JsonFlag = False,
 ) -> None:
-    """Prune MODEL's decoder linears (--sparsity or --pattern), or with --structured remove whole
-    MLP channels, key-value groups, hidden channels and layers, and write a plain checkpoint that transformers
-    and vLLM load; llmq.json records what was removed.
+    """Prune MODEL and write a plain checkpoint.
 
-    One decoder layer at a time, as `llmq quantize`: each layer sees the already-pruned
-    layers' outputs, and the report compares it with the dense layer and with magnitude
-    pruning. lm_head and the embeddings are never pruned. To prune and quantize in one pass,
-    use `llmq quantize --method sparsegpt --sparsity 0.5`.
+    --sparsity or --pattern zero single weights of the decoder linears; --structured removes
+    whole MLP channels, key-value groups, hidden channels and layers for a smaller dense model.
+    transformers and vLLM load the result; llmq.json records what was removed. One decoder
+    layer at a time, as llmq quantize; lm_head and the embeddings are never pruned. To prune
+    and quantize in one pass: llmq quantize --method sparsegpt --sparsity 0.5. See
+    docs/prune.md for details.
     """
     quiet_libraries()
     from llmq import api
-    from llmq.api.quantize import check_sparse_format
+    from llmq.api.quantize import check_pruning_method, check_sparse_format
 
     if structured:
         unstructured = {"--sparsity": sparsity, "--pattern": pattern}
@@ -176,7 +225,7 @@ def prune(
             with progress_bars(json_out=json_out) as progress:
                 result = api.prune_structured(
                     model, out, intermediate_size=intermediate_size, num_kv_heads=num_kv_heads,
-                    num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, params=params, depth_metric=depth_metric, importance=importance,
+                    num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, params=params, decoder_params=decoder_params, depth_metric=depth_metric, importance=importance,
                     save_importance=save_importance, calib_text=calib_text,
                     num_samples=num_samples, seq_len=seq_len, seed=seed,
                     evaluate=evaluate, overwrite=overwrite, space_check=space_check,
@@ -186,6 +235,7 @@ def prune(
         return
     with cli_errors():
         check_sparse_format(sparse_format)  # before any work
+        check_pruning_method(method)
         recipe = api.make_recipe(
             scheme="dense", method=method, ignore=("lm_head", *(ignore or [])),
             calib_text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed,
@@ -214,10 +264,10 @@ def render_structured(result: Any) -> None:
         if axis == "layers":
             continue
         table.add_row(axis, str(value[0]), str(value[1]))
-    params, sizes = result.parameters, result.size_bytes
-    table.add_row(
-        "parameters", f"{params['source'] / 1e6:.1f} M", f"{params['output'] / 1e6:.1f} M"
-    )
+    for label, counts in (("parameters", result.parameters), ("  decoder layers", result.decoder_parameters)):  # fmt: skip
+        share = counts["output"] / counts["source"]
+        table.add_row(label, f"{counts['source'] / 1e6:.1f} M", f"{counts['output'] / 1e6:.1f} M ({share:.1%})")  # fmt: skip
+    sizes = result.size_bytes
     table.add_row("file size", f"{sizes['source'] / 1e6:.1f} MB", f"{sizes['output'] / 1e6:.1f} MB")
     if result.perplexity:
         ppl = result.perplexity

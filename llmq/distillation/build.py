@@ -5,6 +5,7 @@ resume points and best students; and the state dict finally written.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from llmq.errors import InputError
 from llmq.progress import Progress
 
 SHARDINGS = ("ddp", "fsdp")
+
+log = logging.getLogger(__name__)
 
 
 def prepare_run(
@@ -65,6 +68,10 @@ def prepare_run(
             staging, parameters, optimizer, fingerprint, buffers, rank=processes.rank,
             sharded=student_model if sharded else None,
         )  # fmt: skip
+        if processes.is_main and state is None:
+            log.warning("no interrupted run to resume; starting from the first step")
+        elif processes.is_main:
+            log.info("resuming from step %d of %d (the last resume point)", state.step, config.max_steps)  # fmt: skip
     if state is not None and config.prune == "gmp":
         from llmq.distillation.gmp import masks_from_zeros
 
@@ -200,7 +207,7 @@ def final_student(run: Any, staging: Path) -> tuple[int, dict[str, Tensor]]:
 
 def check_pattern(model: nn.Module, config: DistillConfig) -> None:
     """GMP's N:M groups must tile every linear's inputs."""
-    from llmq.distillation.gmp import prunable_linears
+    from llmq.distillation.masks import prunable_linears
 
     pattern = config.nm_pattern
     if pattern is None:
@@ -217,7 +224,7 @@ def check_pattern(model: nn.Module, config: DistillConfig) -> None:
 def linear_sparsity(run: Any) -> float:
     """The share of zeros in the student's decoder linears (their rows summed over the
     processes when sharded)."""
-    from llmq.distillation.gmp import prunable_linears
+    from llmq.distillation.masks import prunable_linears
     from llmq.distillation.sharding import local
 
     weights = [local(linear.weight.data) for linear in prunable_linears(run.student).values()]

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from llmq.config import DistillConfig
+from llmq.distillation.masks import prunable_linears
 from llmq.distillation.sharding import local
 from llmq.pruning.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scores
 
@@ -40,15 +41,6 @@ def scheduled_sparsity(step: int, config: DistillConfig) -> float:
 def is_pruning_step(step: int, config: DistillConfig) -> bool:
     start, end = config.prune_start, config.pruning_end
     return start <= step <= end and ((step - start) % config.prune_every == 0 or step == end)
-
-
-def prunable_linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """The decoder's linears (not lm_head, which every llmq pruner leaves dense)."""
-    return {
-        f"{name}.weight": module
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and not name.endswith("lm_head")
-    }
 
 
 class InputNorms:

@@ -14,7 +14,7 @@ the layers kept are those of highest Block Importance, in order.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -201,20 +201,19 @@ def plan_structured(
         config["num_attention_heads"],
     )
     kv_heads = _kv_heads(config)
-    keep_layers, keep_inter, keep_groups, keep_hidden, keep_heads = kept_sizes(config, targets)
+    new = pruned_config(config, targets)
+    keep_inter, keep_groups, keep_heads = (
+        new["intermediate_size"],
+        new["num_key_value_heads"],
+        new["num_attention_heads"],
+    )
     if (len(importance.blocks), len(importance.channels[0]), len(importance.hidden)) != (
         layers_n,
         inter,
         config["hidden_size"],
     ):
         raise InputError("--importance: scored on a model of another shape")
-    layers = kept_indices(importance.blocks, keep_layers).tolist()
-    new = dict(config)
-    new.update(
-        num_hidden_layers=keep_layers, intermediate_size=keep_inter,
-        num_key_value_heads=keep_groups, num_attention_heads=keep_heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads, hidden_size=keep_hidden,
-    )  # fmt: skip
+    layers = kept_indices(importance.blocks, new["num_hidden_layers"]).tolist()
     if isinstance(config.get("layer_types"), list):
         new["layer_types"] = [config["layer_types"][i] for i in layers]
     kv_groups = [kept_indices(importance.kv_groups[i], keep_groups) for i in layers]
@@ -228,9 +227,25 @@ def plan_structured(
             )
             for i, groups in zip(layers, kv_groups, strict=True)
         ],
-        hidden=_kept_hidden(importance.hidden, keep_hidden),
+        hidden=_kept_hidden(importance.hidden, new["hidden_size"]),
         config=new,
     )
+
+
+def pruned_config(config: dict[str, Any], targets: Targets) -> dict[str, Any]:
+    """config.json of the result (InputError for a target the model cannot take). Its
+    `layer_types` are the first layers' until `plan_structured` knows which layers stay."""
+    keep_layers, keep_inter, keep_groups, keep_hidden, keep_heads = kept_sizes(config, targets)
+    new = dict(config)
+    new.update(
+        num_hidden_layers=keep_layers, intermediate_size=keep_inter,
+        num_key_value_heads=keep_groups, num_attention_heads=keep_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+        hidden_size=keep_hidden,
+    )  # fmt: skip
+    if isinstance(config.get("layer_types"), list):
+        new["layer_types"] = config["layer_types"][:keep_layers]
+    return new
 
 
 def _kept_query_heads(scores: Tensor, groups: Tensor, per_group: int, keep: int) -> Tensor:
@@ -274,24 +289,84 @@ def kept_sizes(config: dict[str, Any], targets: Targets) -> tuple[int, int, int,
     return (*sizes, heads)
 
 
-def budget_targets(config: dict[str, Any], params: float) -> Targets:
-    """`--params F`: keep about F of the decoder layers' parameters by narrowing the MLP alone
-    (Minitron's guidance: width before depth, MLP first), to a multiple of 64 channels."""
-    if not 0 < params < 1:
-        raise InputError(f"--params {params}: a share of the parameters in (0, 1)")
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    attention = hidden * head_dim * (2 * config["num_attention_heads"] + 2 * _kv_heads(config))
-    mlp = 3 * hidden * inter
-    wanted = params * (attention + mlp) - attention
-    channels = int(wanted / (3 * hidden)) // 64 * 64
-    if channels < 64:
+BUDGET_CHANNELS = 64
+"""`--params` and `--decoder-params` narrow the MLP to a multiple of this many channels."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParameterCount:
+    total: int  # every parameter once (a tied lm_head is the embedding)
+    decoder: int  # the decoder layers' alone
+
+    def to_dict(self) -> dict[str, int]:
+        return {"total": self.total, "decoder": self.decoder}
+
+
+def count_parameters(config: dict[str, Any], layers: str) -> ParameterCount:
+    """The parameters of the model transformers builds from `config`, exactly as it loads them
+    (biases, q/k norms, a tied lm_head once), built on the meta device: nothing is allocated.
+    `layers`: the decoder layers' prefix (DecoderLayout.layers)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**plain))
+    total = decoder = 0
+    for name, param in model.named_parameters():
+        total += param.numel()
+        decoder += param.numel() if name.startswith(f"{layers}.") else 0
+    return ParameterCount(total, decoder)
+
+
+def budget_targets(
+    config: dict[str, Any],
+    layers: str,
+    share: float,
+    *,
+    decoder: bool = False,
+    given: Targets = Targets(),
+) -> Targets:
+    """`--params F`: the widest MLP, a multiple of BUDGET_CHANNELS, whose model keeps at most F
+    of all the source's parameters (the embedding and a tied lm_head once), so within one such
+    step of F; `decoder` (`--decoder-params F`): of the decoder layers' alone. The other sizes
+    are `given` (Minitron's guidance: width before depth, the MLP first; the hidden size, which
+    narrows the embedding too, only when asked). `layers`: as in `count_parameters`."""
+    option = "--decoder-params" if decoder else "--params"
+    if not 0 < share < 1:
+        raise InputError(f"{option} {share}: a share of the parameters in (0, 1)")
+    if given.intermediate_size is not None:
+        raise InputError(f"{option} chooses the MLP width: give it or --intermediate-size, not both")  # fmt: skip
+
+    def counted(channels: int) -> ParameterCount:
+        return count_parameters(pruned_config(config, replace(given, intermediate_size=channels)), layers)  # fmt: skip
+
+    def part(count: ParameterCount) -> int:
+        return count.decoder if decoder else count.total
+
+    source = count_parameters(config, layers)
+    whole, inter, step = part(source), config["intermediate_size"], BUDGET_CHANNELS
+    of_what = f"of the {'decoder layers' if decoder else 'model'}'s {whole / 1e6:.1f}M parameters"
+    widest = counted(inter)
+    per_channel = part(widest) - part(counted(inter - 1)) if inter > 1 else part(widest)
+    exact = inter - (part(widest) - share * whole) / per_channel  # the count is affine in the width
+    if exact >= inter + step:
         raise InputError(
-            f"--params {params}: narrowing the MLP alone cannot reach it (attention is "
-            f"{attention / (attention + mlp):.0%} of each layer)",
-            hint="give explicit targets: --num-layers, --num-kv-heads, --intermediate-size",
+            f"{option} {share}: the other targets alone keep {part(widest) / whole:.1%} {of_what}",
+            hint="ask for less, or keep more layers, groups or hidden channels",
         )
-    return Targets(intermediate_size=min(channels, inter))
+    channels = min(math.floor(exact / step + 1e-9) * step, inter)
+    narrowest = min(step, inter)
+    if channels < narrowest:
+        least = counted(narrowest)
+        rest = part(least) - per_channel * narrowest  # what narrowing the MLP cannot remove
+        outside = 0 if decoder else least.total - least.decoder
+        why = f"embeddings {outside / whole:.1%}, " if outside else ""
+        raise InputError(
+            f"{option} {share}: narrowing the MLP keeps at least {part(least) / whole:.1%} "
+            f"{of_what} ({why}attention and norms {(rest - outside) / whole:.1%})",
+            hint=f"give --hidden-size or --num-layers too: {option} sizes the MLP around them",
+        )
+    return replace(given, intermediate_size=channels)
 
 
 def slice_layer(

@@ -56,7 +56,7 @@ def test_structured_rounds_keep_the_schedules_densities() -> None:
         config = DistillConfig(prune="iterative", prune_method="structured", sparsity=0.4,
                                rounds=3, round_schedule=schedule, max_steps=3)  # fmt: skip
         stages = rounds_recipe(config, Path("teacher"), None).model_dump()["stages"]
-        keeps = [stage["prune"]["params"] for stage in stages if stage.get("prune")]
+        keeps = [stage["prune"]["decoder_params"] for stage in stages if stage.get("prune")]
         assert math.prod(keeps) == pytest.approx(0.6, abs=1e-12)
         densities = [1.0] + [1 - s for s in round_sparsities(0.4, 3, schedule)]
         assert keeps == pytest.approx([densities[r + 1] / densities[r] for r in range(3)])

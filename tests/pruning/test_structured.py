@@ -14,8 +14,16 @@ from typer.testing import CliRunner
 
 import llmq
 from llmq.cli.main import app
-from llmq.pruning.structured import Importance
-from tests.conftest import assert_bad_input, make_tiny, sharpen
+from llmq.errors import InputError
+from llmq.pruning.structured import (
+    BUDGET_CHANNELS,
+    Importance,
+    Targets,
+    budget_targets,
+    count_parameters,
+    pruned_config,
+)
+from tests.conftest import TOKENIZER_FILES, assert_bad_input, make_tiny, sharpen
 
 runner = CliRunner()
 CALIB = {"num_samples": 4, "seq_len": 64, "evaluate": False}
@@ -181,7 +189,10 @@ def test_saved_scores_give_the_same_checkpoint(tmp_path: Path, gqa_model: Path) 
         (["--intermediate-size", "0"], "keep between 1 and 512"),
         (["--params", "0"], "a share of the parameters in (0, 1)"),
         (["--params", "1.5"], "a share of the parameters in (0, 1)"),
-        (["--params", "0.5", "--num-layers", "2"], "not both"),
+        (["--params", "0.5", "--intermediate-size", "128"], "not both"),
+        (["--params", "0.5", "--decoder-params", "0.5"], "give one"),
+        (["--decoder-params", "1"], "a share of the parameters in (0, 1)"),
+        (["--params", "0.05"], "narrowing the MLP keeps at least"),
         (["--sparsity", "0.5"], "--structured removes whole channels"),
         ([], "nothing to remove"),
     ],
@@ -193,3 +204,119 @@ def test_bad_structured_options_exit_2_before_any_work(
     result = runner.invoke(app, ["prune", str(gqa_model), "--out", str(out), "--structured", *options])  # fmt: skip
     assert_bad_input(result, fragment)
     assert list(tmp_path.iterdir()) == []
+
+
+LAYERS = "model.layers"
+
+
+def budget_step(config: dict, part: str, source: int) -> float:
+    """The share of `source` parameters ("total" or "decoder") that one rounding step of a
+    budget's MLP width holds in a model of `config`."""
+
+    def count(channels: int) -> int:
+        return getattr(count_parameters({**config, "intermediate_size": channels}, LAYERS), part)
+
+    inter = config["intermediate_size"]
+    return (count(inter) - count(inter - BUDGET_CHANNELS)) / source
+
+
+@pytest.mark.parametrize("decoder", [False, True], ids=["params", "decoder-params"])
+def test_a_budget_is_met_within_one_step_below_on_the_default_models_shapes(
+    default_model: Path, decoder: bool
+) -> None:
+    """SmolLM2-135M's own config, counted on the meta device: --params counts every parameter
+    (the tied embedding once), --decoder-params the decoder layers'."""
+    config = json.loads((default_model / "config.json").read_text())
+    part = "decoder" if decoder else "total"
+    source = getattr(count_parameters(config, LAYERS), part)
+    assert count_parameters(config, LAYERS).total == 134_515_008
+    step = budget_step(config, part, source)
+    for share in (0.5, 0.6, 0.75, 0.9):
+        targets = budget_targets(config, LAYERS, share, decoder=decoder)
+        assert targets.intermediate_size % BUDGET_CHANNELS == 0
+        kept = getattr(count_parameters(pruned_config(config, targets), LAYERS), part)
+        assert 0 <= share - kept / source < step, share
+    # 1024 channels keep 75.008% of the decoder (its norms too), so 960 is the widest that fits
+    assert budget_targets(config, LAYERS, 0.75, decoder=decoder).intermediate_size == (960 if decoder else 832)  # fmt: skip
+
+
+def test_an_unreachable_budget_says_what_is_reachable(default_model: Path) -> None:
+    config = json.loads((default_model / "config.json").read_text())
+    with pytest.raises(InputError) as caught:
+        budget_targets(config, LAYERS, 0.3)
+    assert caught.value.message == (
+        "--params 0.3: narrowing the MLP keeps at least 43.3% of the model's 134.5M parameters "
+        "(embeddings 21.0%, attention and norms 19.8%)"
+    )
+    assert "--hidden-size" in str(caught.value.hint)
+    # as the hint says: with the hidden size given, the budget sizes the MLP around it
+    narrow = pruned_config(config, budget_targets(config, LAYERS, 0.3, given=Targets(hidden_size=288)))  # fmt: skip
+    kept = count_parameters(narrow, LAYERS).total
+    assert narrow["hidden_size"] == 288
+    assert 0 <= 0.3 - kept / 134_515_008 < budget_step(narrow, "total", 134_515_008)
+
+
+def small_vocabulary_model(folder: Path, tokenizer_from: Path, *, tied: bool) -> Path:
+    """A tiny Llama whose embedding is as small a share as the default model's (a 49k vocabulary
+    would be 90% of a tiny model): 1024 tokens (2048 tied), hidden 192, MLP 1024, 4 layers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=2048 if tied else 1024, hidden_size=192, intermediate_size=1024,
+        num_hidden_layers=4, num_attention_heads=3, num_key_value_heads=1, head_dim=64,
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        (folder / name).write_bytes((tokenizer_from / name).read_bytes())
+    return folder
+
+
+def random_importance(path: Path, config: dict) -> Path:
+    layers, generator = config["num_hidden_layers"], torch.Generator().manual_seed(0)
+
+    def scores(n: int) -> list[torch.Tensor]:
+        return [torch.rand(n, generator=generator) for _ in range(layers)]
+
+    Importance(
+        scores(config["intermediate_size"]), scores(config["num_key_value_heads"]),
+        scores(config["num_attention_heads"]), torch.rand(layers, dtype=torch.float64),
+        torch.rand(config["hidden_size"]),
+    ).save(path)  # fmt: skip
+    return path
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("option", ["--params", "--decoder-params"])
+def test_the_written_model_keeps_the_budgets_share(
+    tmp_path: Path, default_model: Path, tied: bool, option: str
+) -> None:
+    """Through the CLI: the checkpoint transformers loads holds at most the share asked for,
+    within one step of the MLP's width; the report and llmq.json give both counts, before and
+    after."""
+    model = small_vocabulary_model(tmp_path / "model", default_model, tied=tied)
+    config = json.loads((model / "config.json").read_text())
+    scores = random_importance(tmp_path / "scores.safetensors", config)
+    out = tmp_path / "out"
+    args = ["prune", str(model), "--out", str(out), "--structured", option, "0.6",
+            "--importance", str(scores), "--no-evaluate", "--no-reference", "--json"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    part = "decoder" if option == "--decoder-params" else "total"
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    total = sum(p.numel() for p in loaded.parameters())  # a tied lm_head once
+    decoder = sum(p.numel() for n, p in loaded.named_parameters() if n.startswith(f"{LAYERS}."))
+    assert report["parameters"]["output"] == total
+    assert report["decoder_parameters"]["output"] == decoder
+    source = report["parameters" if part == "total" else "decoder_parameters"]["source"]
+    kept = total if part == "total" else decoder
+    assert 0 <= 0.6 - kept / source < budget_step(config, part, source)
+    assert report["budget"] == {"option": option, "share": 0.6, "reached": kept / source}
+    record = json.loads((out / "llmq.json").read_text())["structured"]
+    assert record["parameters"]["output"] == {"total": total, "decoder": decoder}
+    assert record["parameters"]["source"] == {
+        "total": report["parameters"]["source"], "decoder": report["decoder_parameters"]["source"]
+    }  # fmt: skip
+    assert record["budget"] == report["budget"]

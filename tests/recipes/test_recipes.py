@@ -85,7 +85,7 @@ def write(tmp_path: Path, text: str) -> Path:
     [
         (
             "stages:\n  - quantize:\n      scheme: w4a16\n      group_sise: 64\n",
-            "recipe.yaml:4: stages[0].quantize.group_sise: Extra inputs",
+            "recipe.yaml:4: stages[0].quantize.group_sise: unknown key 'group_sise'",
         ),
         (
             "stages:\n  - quantize:\n      seq_len: many\n",
@@ -99,14 +99,14 @@ def write(tmp_path: Path, text: str) -> Path:
             "stages:\n  - prune:\n      sparsity: 0.5\n  - eval:\n      baseline: distill\n  - distill:\n      max_steps: 3\n",
             "recipe.yaml:4: stages[1]: stage eval compares with distill, which runs later",
         ),
-        ("stages:\n  - quantise: {}\n", "recipe.yaml:2: stages[0].quantise: Extra inputs"),
+        ("stages:\n  - quantise: {}\n", "recipe.yaml:2: stages[0].quantise: unknown stage kind 'quantise'"),
         (
             "stages:\n  - distill:\n      lr: 0.1\n",
             "recipe.yaml:2: stages[0].distill: how long to train",
         ),
         (
             "stages:\n  - prune:\n      params: 0.5\n",
-            "stages[0].prune: params and the sizes go with structured: true",
+            "stages[0].prune: params, the sizes and evaluate go with structured: true",
         ),
         ("stages: []\n", "recipe.yaml:1: stages: List should have at least 1 item"),
         (

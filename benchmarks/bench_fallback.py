@@ -121,7 +121,7 @@ DAMAGE_SCHEMES = {"int8-tensor": ("int8-tensor", None), "int4-g64": ("w4a16", 64
 
 def _damage_args(label: str) -> object:
     from llmq.config import with_group_size
-    from llmq.fallback.scan import scan_args
+    from llmq.fallback.options import scan_args
 
     scheme, group_size = DAMAGE_SCHEMES[label]
     return with_group_size(scan_args(scheme), group_size)
@@ -317,7 +317,7 @@ def naive_scan(files: list[Path], args: object) -> dict[str, dict[str, float]]:
     import torch
     from safetensors import safe_open
 
-    from llmq.fallback.stats import scale_dtype_for
+    from llmq.fallback.quant_error import scale_dtype_for
     from llmq.quant.primitives import quantize_weight
 
     out = {}
@@ -377,7 +377,8 @@ def run_speed(out: Path, synthetic_dir: Path, naive: bool, repeat: int) -> list[
     from common import run_measured
 
     import llmq
-    from llmq.fallback.scan import safetensors_files, scan_args
+    from llmq.fallback.inventory import safetensors_files
+    from llmq.fallback.options import scan_args
     from llmq.io.checkpoint import DTYPE_BYTES
 
     rows = []

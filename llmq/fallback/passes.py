@@ -5,9 +5,10 @@ Written as torch or numpy operations, a float32 scan took some 20 whole-tensor p
 a value on one core): the two compiled passes take about 1.5 ns, packing 8 float32 values a
 vector register wherever they can (int32 counters, float64 sums in loops of their own). Every
 function works on contiguous 1-D numpy arrays (memory-mapped weights are read in place, never
-copied); `stats` keeps the statistics' logic and calls these for the loops. Compiled on first
-use and cached on disk (`cache=True`), so only the first scan on a machine pays the compile
-time (a few seconds); each process still starts LLVM on its first call (`stats.load_passes`).
+copied); `histogram`, `float32` and `quartiles` keep the statistics' logic and call these for
+the loops. Compiled on first use and cached on disk (`cache=True`), so only the first scan on a
+machine pays the compile time (a few seconds); each process still starts LLVM on its first call
+(`stats.load_passes`).
 """
 
 from __future__ import annotations

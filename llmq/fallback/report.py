@@ -24,7 +24,7 @@ from llmq.config import QuantArgs
 from llmq.errors import InputError
 
 if TYPE_CHECKING:
-    from llmq.fallback.stats import TensorStats
+    from llmq.fallback.summary import TensorStats
 
 SCHEMA = "llmq.fallback-scan"
 SCHEMA_VERSION = 1
@@ -97,7 +97,7 @@ class TensorScan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TensorScan:
-        from llmq.fallback.stats import TensorStats
+        from llmq.fallback.summary import TensorStats
 
         stats = TensorStats(**{f.name: data[f.name] for f in fields(TensorStats)})
         return cls(data["name"], data["file"], data["dtype"], data["shape"], stats,

@@ -9,7 +9,6 @@ from typing import Any
 
 __version__ = "0.1.0"
 __all__ = [
-    "batch",
     "bench",
     "calibrate",
     "distill",

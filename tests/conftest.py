@@ -4,9 +4,15 @@ runs on real text."""
 
 from __future__ import annotations
 
+import functools
+import multiprocessing.process
 import os
 import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +23,75 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+# What `scripts/test.sh --fast` leaves out is found by marker, so the markers must be right: a
+# test that starts a Python process without `process`, or launches a Triton kernel in the
+# interpreter without `interpreter`, fails saying which marker it needs (docs/tests.md).
+_running: list[pytest.Item] = []  # the test whose setup, call or teardown is under way
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
+
+
+def _require_marker(marker: str, doing: str) -> None:
+    if _running and _running[-1].get_closest_marker(marker) is None:
+        pytest.fail(
+            f"{_running[-1].nodeid} {doing}: mark it @pytest.mark.{marker} "
+            "(scripts/test.sh --fast leaves such tests out)",
+            pytrace=False,
+        )
+
+
+def _starts_python(args: Any, executable: Any) -> bool:
+    program = executable or (args.split()[0] if isinstance(args, str) else args)
+    if not isinstance(program, (str, bytes, os.PathLike)):
+        program = next(iter(program), "")
+    name = os.path.basename(os.fsdecode(program))
+    return name.startswith("python") or name == os.path.basename(sys.executable)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Each pytest-xdist worker takes its share of the cores: torch's default, a thread per core in
+    # every worker, oversubscribes them and spins (measured: half the CPU time for nothing).
+    if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+    popen_init = subprocess.Popen.__init__
+    process_start = multiprocessing.process.BaseProcess.start
+
+    @functools.wraps(popen_init)
+    def checked_popen_init(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
+        if _starts_python(args, kwargs.get("executable") or (rest[1] if len(rest) > 1 else None)):
+            _require_marker("process", "starts a Python process")
+        popen_init(self, args, *rest, **kwargs)
+
+    @functools.wraps(process_start)
+    def checked_process_start(self: multiprocessing.process.BaseProcess) -> None:
+        _require_marker("process", "starts a multiprocessing process")
+        process_start(self)
+
+    subprocess.Popen.__init__ = checked_popen_init  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start = checked_process_start  # type: ignore[method-assign]
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return
+    interpreted_run = InterpretedFunction.run
+
+    @functools.wraps(interpreted_run)
+    def checked_run(self: InterpretedFunction, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("warmup"):
+            _require_marker("interpreter", f"launches Triton kernel {self.__name__}")
+        return interpreted_run(self, *args, **kwargs)
+
+    InterpretedFunction.run = checked_run  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="session")

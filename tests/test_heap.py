@@ -67,6 +67,7 @@ glibc_only = pytest.mark.skipif(
 
 
 @glibc_only
+@pytest.mark.process
 def test_freed_blocks_are_reused_instead_of_faulted_in_again() -> None:
     pages = (40 << 20) // resource.getpagesize()
     assert _workload("default")[0] > 15 * pages  # glibc maps and unmaps each block
@@ -74,6 +75,7 @@ def test_freed_blocks_are_reused_instead_of_faulted_in_again() -> None:
 
 
 @glibc_only
+@pytest.mark.process
 def test_leaving_hands_memory_back_and_keeps_later_blocks_unfaulted() -> None:
     faults, released_mb = _workload("after")
     # 4 MB blocks come from the heap after the exit, as glibc's own adjustment would have them
@@ -83,6 +85,7 @@ def test_leaving_hands_memory_back_and_keeps_later_blocks_unfaulted() -> None:
 
 
 @glibc_only
+@pytest.mark.process
 def test_a_nested_exit_keeps_the_outer_settings() -> None:
     assert _workload("nested")[0] < 2 * (40 << 20) // resource.getpagesize()
 

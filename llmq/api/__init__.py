@@ -5,9 +5,8 @@ result = quantize("smollm2-135m", "out/w4a16", scheme="w4a16")
 report = evaluate("out/w4a16", baseline="smollm2-135m", max_ppl_increase=0.03)
 """
 
-from llmq.api.batch import BatchResult, batch
 from llmq.api.calibrate import CalibrateResult, calibrate
-from llmq.api.common import DEFAULT_CALIB_SAMPLES, DEFAULT_REPORT_SAMPLES, list_models
+from llmq.api.common import list_models
 from llmq.api.distill import DistillResult, distill
 from llmq.api.evaluate import EvalResult, evaluate, verify
 from llmq.api.quantize import make_recipe, prune, quantize
@@ -16,15 +15,11 @@ from llmq.api.scan import fallback_scan
 from llmq.api.structured import StructuredResult, prune_structured
 
 __all__ = [
-    "DEFAULT_CALIB_SAMPLES",
-    "DEFAULT_REPORT_SAMPLES",
-    "BatchResult",
     "CalibrateResult",
     "DistillResult",
     "EvalResult",
     "GenerateResult",
     "StructuredResult",
-    "batch",
     "bench",
     "calibrate",
     "distill",

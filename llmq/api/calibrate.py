@@ -8,14 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from llmq.api.common import (
-    DEFAULT_CALIB_SAMPLES,
-    _calibration_windows,
     _open,
 )
-from llmq.config import (
-    CalibConfig,
-    build,
-)
+from llmq.config import DEFAULT_CALIB_SAMPLES, CalibConfig, build
 from llmq.errors import InputError
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.texts import DEFAULT_CALIBRATION_TEXT, text_inputs
@@ -53,6 +48,7 @@ def calibrate(
     `space_check=False` skips the refusal of a file that will not fit."""
     from llmq.calib.collect import collect_stats
     from llmq.calib.stats import check_stats_output, saved_stats_bytes
+    from llmq.calib.windows import model_windows
     from llmq.io.atomic import check_free_space, claim_output
 
     started = time.perf_counter()
@@ -69,7 +65,7 @@ def calibrate(
         check_stats_output(out, overwrite=overwrite)
         if space_check:
             check_free_space(out, saved_stats_bytes(ckpt, hessian=hessian))
-        windows = _calibration_windows(ckpt.path, cal, progress)
+        windows = model_windows(ckpt.path, cal, progress)
         stats = collect_stats(
             ckpt, windows.input_ids, hessian=hessian, progress=progress, device=device
         )

@@ -114,28 +114,17 @@ def check_recipe(recipe: ChainRecipe | RecipeSource | str | Path) -> RecipeSourc
     for index, entry in enumerate(source.recipe.stages):
         if entry.kind == "quantize" or (entry.kind == "prune" and not entry.stage.structured):
             try:
-                pipeline_recipe(entry.kind, entry.stage)
+                pipeline_recipe(entry)
             except InputError as exc:
                 where = source.where(("stages", index, entry.kind))
                 raise InputError(f"{where}: {exc.message}", hint=exc.hint) from None
     return source
 
 
-_NOT_RECIPE = ("name", "fallback", "fallback_threshold", "structured", "params", "decoder_params",
-               "intermediate_size", "num_kv_heads", "num_heads", "hidden_size", "num_layers",
-               "evaluate")  # fmt: skip
-
-
-def pipeline_recipe(kind: str, stage: Any) -> Any:
-    """The quantize/prune `Recipe` of a stage: the options its command takes, mapped in one
-    place (`make_recipe`), lm_head always ignored."""
-    from llmq.api.quantize import make_recipe
-
-    options = {k: v for k, v in stage.model_dump().items() if k not in _NOT_RECIPE}
-    options["ignore"] = ("lm_head", *options["ignore"])
-    if kind == "prune":
-        options.update(scheme="dense", actorder="none")
-    return make_recipe(**options)
+def pipeline_recipe(entry: StageEntry) -> Any:
+    """The Recipe a quantize or one-shot prune stage runs: its options' (llmq.config.options),
+    as its command builds it."""
+    return entry.stage.options().recipe()
 
 
 def _start(out: Path, record: dict[str, Any], *, resume: bool, overwrite: bool) -> dict[str, Any]:
@@ -211,38 +200,32 @@ def _run_stage(
 
 def _pipeline(kind: str, stage: Any, model: Path, out: Path, resume: bool, progress: Progress, device: str | None) -> dict[str, Any]:  # fmt: skip
     """quantize, or one-shot prune: the layer pipeline."""
-    from llmq.api.quantize import quantize
+    from llmq.api.quantize import prune, quantize
 
-    recipe = pipeline_recipe(kind, stage)
-    fallback = getattr(stage, "fallback", None)
-    threshold = getattr(stage, "fallback_threshold", None)
-    return quantize(
-        model, out, recipe=recipe, fallback=fallback, fallback_threshold=threshold,
-        resume=resume, overwrite=True, progress=progress, device=device,
+    verb = quantize if kind == "quantize" else prune
+    return verb(
+        model, out, stage.options(), resume=resume, overwrite=True, progress=progress,
+        device=device,
     ).to_dict()  # fmt: skip
 
 
 def _structured(stage: Any, model: Path, out: Path, progress: Progress, device: str | None) -> dict[str, Any]:  # fmt: skip
     from llmq.api.structured import prune_structured
 
-    sizes = ("params", "decoder_params", "intermediate_size", "num_kv_heads", "num_heads", "hidden_size", "num_layers")  # fmt: skip
     return prune_structured(
-        model, out, **{k: getattr(stage, k) for k in sizes}, calib_text=stage.calib_text,
-        num_samples=stage.num_samples, seq_len=stage.seq_len, seed=stage.seed, evaluate=stage.evaluate,
-        overwrite=True, progress=progress, device=device,
-    ).to_dict()  # fmt: skip
+        model, out, stage.options(), overwrite=True, progress=progress, device=device
+    ).to_dict()
 
 
 def _distill(stage: Any, student: Path, teacher: Path, out: Path, resume: bool, progress: Progress, device: str | None) -> dict[str, Any]:  # fmt: skip
-    from llmq.api.distill import distill
+    from llmq.api.train import train
 
     options = stage.options()
     if stage.max_tokens is not None:
         options.pop("max_steps")
-    return distill(
+    return train(
         teacher, student, out, max_tokens=stage.max_tokens, checkpoint_every=stage.checkpoint_every,
-        resume=resume, overwrite=True, evaluate=False, progress=progress, device=device,
-        **options,
+        resume=resume, overwrite=True, progress=progress, device=device, **options,
     ).to_dict()  # fmt: skip
 
 

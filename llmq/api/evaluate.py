@@ -8,7 +8,6 @@ from typing import Any
 
 from llmq.api.common import (
     _open,
-    _tokenizer,
 )
 from llmq.errors import InputError
 from llmq.io.checkpoint import recorded_sparsity
@@ -75,6 +74,7 @@ def evaluate(
     (checkpoint, windows), so repeated gates against one baseline score it once.
     """
     from llmq.calib.data import evaluation_windows
+    from llmq.calib.tokenizer import load_tokenizer
     from llmq.eval.ppl import cached_perplexity
 
     if seq_len < 8:
@@ -88,7 +88,7 @@ def evaluate(
     ckpt = _open(model, progress)
     base_ckpt = _open(baseline, progress) if baseline is not None else None
     windows = evaluation_windows(
-        _tokenizer(ckpt.path), text, seq_len=seq_len, max_windows=max_windows
+        load_tokenizer(ckpt.path), text, seq_len=seq_len, max_windows=max_windows
     )
     cache = cache_dir() / "ppl" if use_cache else None
     base = None

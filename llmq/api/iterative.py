@@ -1,25 +1,9 @@
-"""`distill --prune iterative`: rounds of one-shot pruning and distillation (ModelOpt's advice
-above 50% sparsity: prune about 30%, repair, repeat).
-
-Round r prunes the current student with `llmq prune --method M` (the layer pipeline, calibrated
-on the training data in seq_len windows, its default number of them) to the schedule's sparsity
-s_r (`round_sparsities`): cubic (the default), s (1 - (1 - r/R)^3), is Zhu & Gupta's GMP
-schedule taken in R steps: most of the pruning early, while many weights are redundant, and the
-last rounds small, so the last repair has less damage to undo (at 70% in 3 rounds it beat the
-geometric schedule on both held-out texts, benchmarks/RESULTS.md); geometric, 1 - (1 - s)^(r/R),
-removes the same share of the weights that remain every round. Structured rounds run `llmq
-prune --structured --decoder-params (1 - s_r) / (1 - s_(r-1))`: the same densities, as a
-share of the current decoder's parameters, by narrowing the MLP. Then the round distills from
-the teacher for max_steps / R steps with the run's settings (seed + r - 1: each round draws its
-own windows). The zeros a round leaves stay zero while it trains (llmq.distillation.masks: the
-pruned student's record says it was pruned, so even a light first round keeps its zeros) and
-score lowest in the next round's pruning.
-
-The rounds are the stages of a recipe (`llmq run`) in OUT's staging folder: an interrupted run
-resumes in the stage it stopped in, and a stage's folder is removed once the next one is written,
-so the disk holds about two students at a time. The last round's student is published as OUT;
-its llmq.json adds each round's sparsity (or parameters) and held-out perplexity after pruning
-and after distillation.
+"""`distill --prune iterative`: the rounds of prune and distill stages that
+llmq.recipes.iterative expands the run into (its schedule is described there), run by
+`llmq.api.chain.run` in OUT's staging folder: an interrupted run resumes in the stage it stopped
+in, and a stage's folder is removed once the next one is written, so the disk holds about two
+students at a time. The last round's student is published as OUT; its llmq.json adds each
+round's sparsity (or parameters) and held-out perplexity after pruning and after distillation.
 """
 
 from __future__ import annotations
@@ -32,52 +16,39 @@ from typing import Any
 from llmq.config import DistillConfig
 from llmq.progress import Progress
 
-_NOT_PER_ROUND = ("prune", "prune_method", "sparsity", "pattern", "prune_start", "prune_end",
-                  "prune_every", "rounds", "round_schedule", "max_steps", "seed")  # fmt: skip
-
-
-def round_sparsities(target: float, rounds: int, schedule: str) -> list[float]:
-    """The sparsity after each round: geometric, densities (1 - target)^(r / rounds); cubic,
-    target (1 - (1 - r / rounds)^3)."""
-    if schedule == "cubic":
-        return [target * (1 - (1 - r / rounds) ** 3) for r in range(1, rounds + 1)]
-    return [1 - (1 - target) ** (r / rounds) for r in range(1, rounds + 1)]
-
-
-def _schedule(config: DistillConfig) -> list[float]:
-    return round_sparsities(float(config.sparsity or 0), config.rounds, config.round_schedule)
-
-
-def _prune_stage(config: DistillConfig, round_number: int) -> dict[str, Any]:
-    """Round r's one-shot pruning: to the round's sparsity, or structured, keeping the share of
-    the current decoder's parameters that takes its density from the last round's to this one's."""
-    sparsities = [0.0, *_schedule(config)]
-    stage: dict[str, Any] = {"name": f"prune-{round_number}", "calib_text": config.data, "seq_len": config.seq_len}  # fmt: skip
-    if config.prune_method == "structured":
-        keep = (1 - sparsities[round_number]) / (1 - sparsities[round_number - 1])
-        return {**stage, "structured": True, "decoder_params": keep}
-    return {**stage, "method": config.prune_method, "sparsity": sparsities[round_number]}
-
 
 def distill_iterative(
-    teacher: Any,
-    student: Any,
-    out: Path,
-    config: DistillConfig,
+    teacher: str | Path,
+    student: str | Path,
+    out: str | Path,
     *,
+    config: DistillConfig | None,
+    max_tokens: int | None,
     checkpoint_every: int | None,
+    resume_every_s: float,
     resume: bool,
     overwrite: bool,
+    sharding: str,
     progress: Progress,
     device: str | None,
+    **options: Any,
 ) -> Any:
     """Run the rounds into OUT's staging folder and publish the last student as OUT; the
     `DistillResult` of the whole, with `rounds` filled."""
     from llmq.api.chain import run
+    from llmq.api.common import _open
+    from llmq.api.train import check_models, check_run, distill_config, distill_inputs
+    from llmq.distillation.parallel import launched
     from llmq.io.atomic import check_output_dir, claim_output, publish, staging_path, write_json
+    from llmq.recipes.iterative import rounds_recipe
 
+    teacher, student = _open(teacher, progress), _open(student, progress)
+    check_models(teacher, student)
+    world_size = launched().world_size
+    config = config or distill_config(options, max_tokens, world_size)
+    check_run(config, checkpoint_every, resume_every_s, world_size, sharding)
+    out = Path(out)
     staging = staging_path(out)
-    from llmq.api.distill import distill_inputs
 
     with claim_output(out, inputs=distill_inputs(teacher, student, config), kept=lambda: _kept(staging)):  # fmt: skip
         check_output_dir(out, overwrite=overwrite)
@@ -95,24 +66,8 @@ def distill_iterative(
     return result
 
 
-def rounds_recipe(config: DistillConfig, teacher: Path, checkpoint_every: int | None) -> Any:
-    """The recipe of the rounds: prune-r then distill-r, for r = 1..rounds."""
-    from llmq.recipes.schema import ChainRecipe
-
-    per_round = {k: v for k, v in config.model_dump().items() if k not in _NOT_PER_ROUND}
-    steps = (config.max_steps or 0) // config.rounds
-    stages: list[dict[str, Any]] = []
-    for r in range(1, config.rounds + 1):
-        stages.append({"prune": _prune_stage(config, r)})
-        stages.append({"distill": {
-            **per_round, "name": f"distill-{r}", "teacher": str(teacher), "max_steps": steps,
-            "seed": config.seed + r - 1, "checkpoint_every": checkpoint_every,
-        }})  # fmt: skip
-    return ChainRecipe.model_validate({"stages": stages})
-
-
 def _result(stages: list[Any], config: DistillConfig, teacher: Path, student: Path, out: Path) -> Any:  # fmt: skip
-    from llmq.api.distill import DistillResult
+    from llmq.api.train import DistillResult
 
     pruned = [s.summary for s in stages if s.kind == "prune"]
     trained = [s.summary for s in stages if s.kind == "distill"]

@@ -41,7 +41,7 @@ def fallback_scan(
     (E[x_j^2] from the Hessian's diagonal, or mean|x_j|^2 without one), and linears are flagged
     when their share of the total exceeds `error_share_threshold`."""
     from llmq.config import with_group_size
-    from llmq.fallback.scan import ScanOptions, scan_args
+    from llmq.fallback.options import ScanOptions, scan_args
     from llmq.fallback.scan import fallback_scan as scan
 
     args = with_group_size(scan_args(scheme), group_size) if group_size is not None else None
@@ -60,12 +60,6 @@ def fallback_scan(
 
 
 def _input_weights(path: Path) -> dict[str, Any]:
-    """Per linear, how much each input channel matters: E[x_j^2] (the Hessian's diagonal, up to
-    a constant) or, for statistics collected without --hessian, mean|x_j|^2."""
     from llmq.calib.stats import CalibStats
 
-    stats = CalibStats.load(path)
-    return {
-        name: s.mean_abs.square() if s.hessian is None else s.hessian.diagonal().clone()
-        for name, s in stats.inputs.items()
-    }
+    return CalibStats.load(path).input_weights()

@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from llmq import __version__
-from llmq.api.common import DEFAULT_CALIB_SAMPLES, _calibration_windows, _open
-from llmq.config import CalibConfig, build
+from llmq.api.common import _open, options_of
+from llmq.config import StructuredOptions
 from llmq.errors import InputError
 from llmq.progress import NO_PROGRESS, Progress
-from llmq.texts import DEFAULT_CALIBRATION_TEXT, text_inputs
+from llmq.texts import text_inputs
+
+REPORT_ONLY = {"evaluate", "save_importance"}  # options that change no byte of the checkpoint
 
 
 @dataclass(slots=True)
@@ -39,27 +41,14 @@ class StructuredResult:
 def prune_structured(
     model: str | Path,
     out: str | Path,
+    options: StructuredOptions | None = None,
     *,
-    intermediate_size: int | None = None,
-    num_kv_heads: int | None = None,
-    num_layers: int | None = None,
-    hidden_size: int | None = None,
-    num_heads: int | None = None,
-    params: float | None = None,
-    decoder_params: float | None = None,
-    depth_metric: str = "block",
-    importance: str | Path | None = None,
-    save_importance: str | Path | None = None,
-    calib_text: str = DEFAULT_CALIBRATION_TEXT,
-    num_samples: int | None = None,
-    seq_len: int = 512,
-    seed: int = 0,
-    evaluate: bool = True,
     overwrite: bool = False,
     space_check: bool = True,
     reference: bool = True,
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
+    **values: Any,
 ) -> StructuredResult:
     """Remove MODEL's least important MLP channels, key-value groups (with their query heads),
     hidden channels and decoder layers down to the targets, the same width in every layer, and
@@ -70,6 +59,7 @@ def prune_structured(
     ranked by Block Importance ("block") or by the perplexity increase from dropping each alone
     ("ppl": about layers² / 2 more layer passes, on the first 16 windows). `evaluate`: held-out
     perplexity of the source and the result (the default protocol of `evaluate`)."""
+    from llmq.calib.windows import model_windows
     from llmq.io.atomic import (
         check_free_space,
         check_output_dir,
@@ -89,25 +79,23 @@ def prune_structured(
     )
 
     started = time.perf_counter()
+    o = options_of(StructuredOptions, options, values)
     ckpt = _open(model, progress)
     _check_family(ckpt)
-    targets = Targets(intermediate_size, num_kv_heads, num_layers, hidden_size, num_heads)
-    if params is not None and decoder_params is not None:
+    targets = Targets(o.intermediate_size, o.num_kv_heads, o.num_layers, o.hidden_size, o.num_heads)  # fmt: skip
+    if o.params is not None and o.decoder_params is not None:
         raise InputError("--params and --decoder-params: give one (a share of all the parameters, or of the decoder layers')")  # fmt: skip
-    share = params if params is not None else decoder_params
+    share = o.params if o.params is not None else o.decoder_params
     if share is not None:
-        decoder = params is None
+        decoder = o.params is None
         targets = budget_targets(ckpt.config, ckpt.layout.layers, share, decoder=decoder, given=targets)  # fmt: skip
     if targets == Targets():
         raise InputError("nothing to remove", hint="give --params, --intermediate-size, --num-kv-heads, --num-heads, --hidden-size or --num-layers")  # fmt: skip
     kept_sizes(ckpt.config, targets)  # before the scoring pass
-    if depth_metric not in ("block", "ppl"):
-        raise InputError(f"--depth-metric {depth_metric!r}: choose block or ppl")
-    samples = DEFAULT_CALIB_SAMPLES if num_samples is None else num_samples
-    cal = build(CalibConfig, text=calib_text, num_samples=samples, seq_len=seq_len, seed=seed)
-    assert isinstance(cal, CalibConfig)
+    cal = o.calibration(o.samples)
     out = Path(out)
-    inputs = [("model", ckpt.path), ("importance file", importance), *text_inputs(calib_text, "calibration text")]  # fmt: skip
+    importance, save_importance = o.importance, o.save_importance
+    inputs = [("model", ckpt.path), ("importance file", importance), *text_inputs(o.calib_text, "calibration text")]  # fmt: skip
     if save_importance is not None:
         refuse_inputs(Path(save_importance), inputs)
     with claim_output(out, inputs=inputs):
@@ -115,11 +103,11 @@ def prune_structured(
         if importance is not None:
             scores, source, calibration = Importance.load(Path(importance)), str(importance), None
         else:
-            windows = _calibration_windows(ckpt.path, cal, progress)
+            windows = model_windows(ckpt.path, cal, progress)
             scores = _score(ckpt, windows.input_ids, progress, device)
-            if depth_metric == "ppl":
+            if o.depth_metric == "ppl":
                 scores.blocks = _depth_by_perplexity(ckpt, windows.input_ids, progress, device)
-            source = "computed" if depth_metric == "block" else "computed, layers by perplexity"
+            source = "computed" if o.depth_metric == "block" else "computed, layers by perplexity"
             calibration = {**cal.model_dump(), "tokens": windows.num_tokens}
             if save_importance is not None:
                 scores.save(Path(save_importance))
@@ -135,11 +123,12 @@ def prune_structured(
             "llmq_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "source_model": str(model),
+            "recipe": o.model_dump(mode="json", exclude=REPORT_ONLY),
             "structured": {
                 "removed": plan.removed(ckpt.config),
                 "importance": source,
                 "parameters": counts,
-                "budget": _budget(params, decoder_params, counts),
+                "budget": _budget(o.params, o.decoder_params, counts),
             },
             "calibration": calibration,
         }
@@ -158,7 +147,7 @@ def prune_structured(
         size_bytes={"source": weights_size(ckpt.path), "output": weights_size(out)},
         importance=source, calibration=calibration, budget=record["structured"]["budget"],
     )  # fmt: skip
-    if evaluate:
+    if o.evaluate:
         result.perplexity = _perplexities(ckpt.path, out, progress, device)
     result.seconds = time.perf_counter() - started
     return result

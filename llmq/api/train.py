@@ -1,5 +1,6 @@
-"""`distill`: train a student (usually a pruned copy of the teacher) on the teacher's token
-distributions and write it as a plain checkpoint; resumable, one process or many (torchrun)."""
+"""`train`: a student (usually a pruned copy of the teacher) trained on the teacher's token
+distributions and written as a plain checkpoint; resumable, one process or many (torchrun).
+What `distill` runs, and a recipe's distill stage; iterative pruning runs it once a round."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class DistillResult:
         return {**asdict(self), "out_dir": str(self.out_dir)}
 
 
-def distill(
+def train(
     teacher: str | Path,
     student: str | Path,
     out: str | Path,
@@ -53,7 +54,6 @@ def distill(
     resume_every_s: float = DISTILL_RESUME_EVERY_S,
     resume: bool = False,
     overwrite: bool = False,
-    evaluate: bool = True,
     reference: bool = True,
     space_check: bool = True,
     sharding: str = "ddp",
@@ -69,46 +69,36 @@ def distill(
     batch, with the student replicated (`sharding` "ddp") or the student, its optimizer state
     and the teacher sharded over the processes ("fsdp": FSDP2). A resume point is saved every `checkpoint_every` steps (else every
     `resume_every_s` seconds) in OUT's staging folder; `resume=True` continues from it to the
-    result an uninterrupted run gives. `evaluate`: perplexity of teacher, student and result
-    under `llmq eval`'s default protocol in the report."""
+    result an uninterrupted run gives. `prune="iterative"` runs rounds of stages: `distill`."""
     import torch
 
     from llmq.calib.stream import resolve_device
     from llmq.distillation.parallel import join_processes, leave_processes, process_device
 
     teacher_ckpt, student_ckpt = _open(teacher, progress), _open(student, progress)
-    _check_models(teacher_ckpt, student_ckpt)
+    check_models(teacher_ckpt, student_ckpt)
     run_device = resolve_device(device)
     processes = join_processes(run_device)
     try:
         run_device = process_device(run_device, processes)
-        config = config or _config(options, max_tokens, processes.world_size)
-        _check_run(config, checkpoint_every, resume_every_s, processes.world_size, sharding)
+        config = config or distill_config(options, max_tokens, processes.world_size)
+        check_run(config, checkpoint_every, resume_every_s, processes.world_size, sharding)
         if config.prune == "iterative":
-            from llmq.api.iterative import distill_iterative
-
-            result = distill_iterative(
-                teacher_ckpt, student_ckpt, Path(out), config, checkpoint_every=checkpoint_every,
-                resume=resume, overwrite=overwrite, progress=progress, device=device,
+            raise InputError("prune iterative: runs its own rounds of prune and distill stages", hint="use `llmq distill --prune iterative`, or write the rounds as stages")  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            return _distill(
+                teacher_ckpt, student_ckpt, Path(out), config, processes, run_device,
+                checkpoint_every=checkpoint_every, resume_every_s=resume_every_s,
+                resume=resume, overwrite=overwrite, reference=reference,
+                space_check=space_check, sharding=sharding,
+                progress=progress if processes.is_main else NO_PROGRESS,
             )  # fmt: skip
-        else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(config.seed)
-                result = _distill(
-                    teacher_ckpt, student_ckpt, Path(out), config, processes, run_device,
-                    checkpoint_every=checkpoint_every, resume_every_s=resume_every_s,
-                    resume=resume, overwrite=overwrite, reference=reference,
-                    space_check=space_check, sharding=sharding,
-                    progress=progress if processes.is_main else NO_PROGRESS,
-                )  # fmt: skip
     finally:
         leave_processes(processes)
-    if evaluate and processes.is_main:
-        result.perplexity = _perplexities(teacher_ckpt.path, student_ckpt.path, result.out_dir, progress, device)  # fmt: skip
-    return result
 
 
-def _check_models(teacher: Any, student: Any) -> None:
+def check_models(teacher: Any, student: Any) -> None:
     from llmq.distillation.models import check_same_vocabulary, check_trainable
 
     check_trainable(teacher, "teacher")
@@ -116,7 +106,9 @@ def _check_models(teacher: Any, student: Any) -> None:
     check_same_vocabulary(teacher, student)
 
 
-def _config(options: dict[str, Any], max_tokens: int | None, world_size: int) -> DistillConfig:
+def distill_config(
+    options: dict[str, Any], max_tokens: int | None, world_size: int
+) -> DistillConfig:
     """The config from keyword options, `max_tokens` (or iterative pruning's
     `steps_per_round`) turned into optimizer steps."""
     options = _steps_per_round(dict(options))
@@ -155,7 +147,7 @@ def _steps_per_round(options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "max_steps": per_round * options.get("rounds", ITERATIVE_ROUNDS)}
 
 
-def _check_run(
+def check_run(
     config: DistillConfig,
     checkpoint_every: int | None,
     resume_every_s: float,
@@ -284,22 +276,3 @@ def _disk_needed(student: Any) -> int:
 
     params = sum(math.prod(info.shape) for info in student.tensors.values())
     return weights_size(student.path) + params * 4 * (2 * 3 + 1)
-
-
-def _perplexities(
-    teacher: Path, student: Path, out: Path, progress: Progress, device: str | None
-) -> dict[str, Any]:
-    """Teacher, student before and after, under `llmq eval`'s default protocol; `recovery`:
-    the share of the student's perplexity gap to the teacher that distillation closed."""
-    from llmq.api.evaluate import evaluate
-
-    before = evaluate(student, baseline=teacher, progress=progress, device=device)
-    after = evaluate(out, progress=progress, device=device)
-    t, b, a = before.baseline.perplexity, before.model.perplexity, after.model.perplexity
-    return {
-        "teacher": t,
-        "before": b,
-        "after": a,
-        "recovery": (b - a) / (b - t) if b != t else None,
-        "protocol": before.protocol,
-    }

@@ -175,7 +175,7 @@ def _shared_windows(planned: list[PlannedJob], folders: dict[str, Path]) -> list
     """(model, calibration settings) of every job's first layer-pipeline stage, once per
     distinct windows (models with the same tokenizer share them)."""
     from llmq.api.chain import pipeline_recipe
-    from llmq.api.common import windows_key
+    from llmq.calib.windows import windows_key
 
     seen: dict[str, tuple[Path, Any]] = {}
     for item in planned:
@@ -183,7 +183,7 @@ def _shared_windows(planned: list[PlannedJob], folders: dict[str, Path]) -> list
             continue
         for entry in item.spec.recipe.stages:
             if entry.kind in ("quantize", "prune") and not getattr(entry.stage, "structured", False):  # fmt: skip
-                cal = pipeline_recipe(entry.kind, entry.stage).calibration
+                cal = pipeline_recipe(entry).calibration
                 if cal is not None:
                     folder = folders[item.job.model.name]
                     seen.setdefault(windows_key(folder, cal), (folder, cal))

@@ -1,9 +1,8 @@
-"""`batch`: many models x many recipes, on this machine or on a Ray cluster, resumable, with one
-summary (llmq.batch)."""
+"""`run_batch`: many models x many recipes, on this machine or on a Ray cluster, resumable, with
+one summary. A client of llmq.api, as the CLI is: each job is `llmq.api.chain.run`."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from llmq.batch.summary import summary, write_summary
 from llmq.errors import InputError
 from llmq.progress import NO_PROGRESS, Progress
 
-__all__ = ["BatchResult", "batch", "plan_batch", "run_plan"]
+__all__ = ["BatchResult", "plan_batch", "run_batch", "run_plan"]
 
 
 @dataclass(slots=True)
@@ -31,7 +30,7 @@ class BatchResult:
         return self.summary
 
 
-def batch(
+def run_batch(
     jobs_file: str | Path,
     out: str | Path,
     *,
@@ -106,23 +105,12 @@ def run_plan(
 def share_windows(plan: BatchPlan, progress: Progress) -> int:
     """Compute each (model, calibration settings)'s windows once into the batch's shared folder
     (the jobs read them there); how many were computed now (not found from an earlier run)."""
-    from llmq.api import common
+    from llmq.calib.windows import model_windows, sharing_windows
 
-    folder = plan.state / "windows"
-    before = os.environ.get(common.SHARED_WINDOWS_ENV)
-    os.environ[common.SHARED_WINDOWS_ENV] = str(folder)
-    computed = 0
-    try:
+    with sharing_windows(plan.state / "windows") as shared:
         for model_dir, cal in plan.windows:
-            reads = common.shared_window_reads
-            common._calibration_windows(model_dir, cal, progress)
-            computed += common.shared_window_reads == reads
-    finally:
-        if before is None:
-            os.environ.pop(common.SHARED_WINDOWS_ENV)
-        else:
-            os.environ[common.SHARED_WINDOWS_ENV] = before
-    return computed
+            model_windows(model_dir, cal, progress)
+    return len(plan.windows) - shared.reads
 
 
 def _not_run(item: Any) -> dict[str, Any]:

@@ -92,7 +92,6 @@ def execute(spec: JobSpec, *, lifeline: Any = None) -> dict[str, Any]:
     if child:
         _die_with_driver(lifeline)
         signal.signal(signal.SIGINT, _interrupt_once)
-    os.environ["LLMQ_SHARED_WINDOWS"] = spec.shared_windows
     Path(spec.log).parent.mkdir(parents=True, exist_ok=True)
     with open(spec.log, "a", buffering=1) as log, _redirected(log, child):
         return _run(spec, log)
@@ -101,20 +100,20 @@ def execute(spec: JobSpec, *, lifeline: Any = None) -> dict[str, Any]:
 def _run(spec: JobSpec, log: Any) -> dict[str, Any]:
     import torch
 
-    from llmq.api import common
     from llmq.api.chain import run
+    from llmq.calib.windows import sharing_windows
     from llmq.errors import LlmqError
 
     torch.set_num_threads(spec.threads)
-    reads_before = common.shared_window_reads  # a Ray worker runs many jobs in one process
     started = time.perf_counter()
     print(f"== {spec.id}: {time.strftime('%Y-%m-%d %H:%M:%S')}, resume={spec.resume}", file=log)
     result: dict[str, Any] = {"id": spec.id, "key": spec.key, "out": spec.out, "log": spec.log}
     try:
-        outcome = run(
-            spec.recipe, spec.model, spec.out, resume=spec.resume, overwrite=not spec.resume,
-            progress=StatusProgress(Path(spec.status)),
-        )  # fmt: skip
+        with sharing_windows(spec.shared_windows) as shared:
+            outcome = run(
+                spec.recipe, spec.model, spec.out, resume=spec.resume, overwrite=not spec.resume,
+                progress=StatusProgress(Path(spec.status)),
+            )  # fmt: skip
         result["status"] = "passed" if outcome.passed else "gate_failed"
         result["stages"] = [asdict(stage) for stage in outcome.stages]
         result["gates"] = [_gate(stage) for stage in outcome.stages if stage.kind == "eval"]
@@ -127,7 +126,7 @@ def _run(spec: JobSpec, log: Any) -> dict[str, Any]:
     result["seconds"] = round(time.perf_counter() - started, 3)
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result["output_bytes"] = _tree_bytes(Path(spec.out))
-    result["shared_windows_reads"] = common.shared_window_reads - reads_before
+    result["shared_windows_reads"] = shared.reads
     write_json(Path(spec.result), result)
     print(f"== {spec.id}: {result['status']} in {result['seconds']:.1f} s", file=log)
     return result

@@ -163,6 +163,14 @@ class CalibStats:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_safetensors(path, tensors, metadata)
 
+    def input_weights(self) -> dict[str, Tensor]:
+        """Per linear, how much each input channel matters: E[x_j^2] (the Hessian's diagonal, up
+        to a constant) or, for statistics collected without a Hessian, mean|x_j|^2."""
+        return {
+            name: s.mean_abs.square() if s.hessian is None else s.hessian.diagonal().clone()
+            for name, s in self.inputs.items()
+        }
+
     @classmethod
     def load(cls, path: Path) -> CalibStats:
         from safetensors import safe_open

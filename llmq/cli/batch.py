@@ -112,7 +112,7 @@ def batch(
     the summary is written). See docs/batch.md.
     """
     quiet_libraries()
-    from llmq.api.batch import plan_batch, run_plan
+    from llmq.batch.run import plan_batch, run_plan
 
     with cli_errors():
         plan = plan_batch(

@@ -1,9 +1,10 @@
-"""Options several commands share, declared once."""
+"""Options several commands share, declared once; the defaults of a command's options come from
+its options model in llmq.config (`defaults`), and its parameters go back into one (`given`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -168,3 +169,19 @@ SparsityProfile = Annotated[
         rich_help_panel=PRUNING,
     ),
 ]
+
+
+def defaults(kind: Any) -> dict[str, Any]:
+    """The default of each option of `kind` (a llmq.config options model): a command's
+    parameters default to these, so that a default is stated once."""
+    return {name: info.default for name, info in kind.model_fields.items()}
+
+
+def given(kind: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """The command's parameters that are options of `kind`, by name."""
+    return {name: value for name, value in params.items() if name in kind.model_fields}
+
+
+def explicit(ctx: Any) -> set[str]:
+    """The parameters given on the command line (not left at their defaults)."""
+    return {name for name in ctx.params if ctx.get_parameter_source(name).name != "DEFAULT"}

@@ -40,16 +40,22 @@ from llmq.cli.options import (
     SparsityOption,
     SparsityProfile,
     TrueSequential,
+    defaults,
+    explicit,
+    given,
 )
 from llmq.cli.quantize import render
-from llmq.config import RESUME_EVERY_S
+from llmq.config import RESUME_EVERY_S, CalibrationOptions, PruneOptions, StructuredOptions
 from llmq.errors import InputError
-from llmq.texts import DEFAULT_CALIBRATION_TEXT
+
+P = defaults(PruneOptions)
+S = defaults(StructuredOptions)
 
 STRUCTURED = "Structured pruning"
 
 
 def prune(
+    ctx: typer.Context,
     model: ModelArg,
     out: Annotated[
         Path,
@@ -67,10 +73,10 @@ def prune(
             help="sparsegpt (updates the weights kept), wanda (by |w|·‖x‖) or magnitude (by |w|).",
             rich_help_panel=METHOD,
         ),
-    ] = "sparsegpt",
+    ] = P["method"],
     sparsity: SparsityOption = None,
     pattern: PatternOption = None,
-    sparsity_profile: SparsityProfile = "uniform",
+    sparsity_profile: SparsityProfile = P["sparsity_profile"],
     structured: Annotated[
         bool,
         typer.Option(
@@ -140,7 +146,7 @@ def prune(
             help="Rank layers by block (1 - cos of input and output) or ppl (slower).",
             rich_help_panel=STRUCTURED,
         ),
-    ] = "block",
+    ] = S["depth_metric"],
     importance: Annotated[
         Path | None,
         typer.Option(
@@ -163,7 +169,7 @@ def prune(
             help="Report held-out perplexity of the source and the result.",
             rich_help_panel=STRUCTURED,
         ),
-    ] = True,
+    ] = S["evaluate"],
     sparse_format: Annotated[
         str,
         typer.Option(
@@ -171,9 +177,9 @@ def prune(
             help="dense: plain safetensors that load everywhere (bitmask is refused).",
             rich_help_panel=PRUNING,
         ),
-    ] = "dense",
+    ] = P["sparse_format"],
     ignore: PruneIgnore = None,
-    calib_text: CalibText = DEFAULT_CALIBRATION_TEXT,
+    calib_text: CalibText = P["calib_text"],
     num_samples: Annotated[
         int | None,
         typer.Option(
@@ -182,7 +188,7 @@ def prune(
             rich_help_panel=CALIBRATION,
         ),
     ] = None,
-    seq_len: SeqLen = 512,
+    seq_len: SeqLen = P["seq_len"],
     skip_layer_check: Annotated[
         bool,
         typer.Option(
@@ -191,10 +197,10 @@ def prune(
             rich_help_panel=CALIBRATION,
         ),
     ] = False,
-    seed: Seed = 0,
+    seed: Seed = P["seed"],
     calib_stats: CalibStatsPath = None,
-    dampening_frac: DampeningFrac = 0.01,
-    true_sequential: TrueSequential = True,
+    dampening_frac: DampeningFrac = P["dampening_frac"],
+    true_sequential: TrueSequential = P["true_sequential"],
     overwrite: Overwrite = False,
     resume: Resume = False,
     resume_every: ResumeEvery = RESUME_EVERY_S,
@@ -214,45 +220,40 @@ def prune(
     """
     quiet_libraries()
     from llmq import api
-    from llmq.api.quantize import check_pruning_method, check_sparse_format
 
-    if structured:
-        unstructured = {"--sparsity": sparsity, "--pattern": pattern}
-        given = [name for name, value in unstructured.items() if value is not None]
-        with cli_errors():
-            if given:
-                raise InputError(f"{given[0]}: prunes single weights; --structured removes whole channels, groups and layers")  # fmt: skip
-            with progress_bars(json_out=json_out) as progress:
-                result = api.prune_structured(
-                    model, out, intermediate_size=intermediate_size, num_kv_heads=num_kv_heads,
-                    num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, params=params, decoder_params=decoder_params, depth_metric=depth_metric, importance=importance,
-                    save_importance=save_importance, calib_text=calib_text,
-                    num_samples=num_samples, seq_len=seq_len, seed=seed,
-                    evaluate=evaluate, overwrite=overwrite, space_check=space_check,
-                    reference=reference, progress=progress, device=device,
-                )  # fmt: skip
-        print_json(result.to_dict()) if json_out else render_structured(result)
-        return
+    params = locals()
+    run = {"overwrite": overwrite, "space_check": space_check, "reference": reference, "device": device}  # fmt: skip
     with cli_errors():
-        check_sparse_format(sparse_format)  # before any work
-        check_pruning_method(method)
-        recipe = api.make_recipe(
-            scheme="dense", method=method, ignore=("lm_head", *(ignore or [])),
-            calib_text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed,
-            skip_layer_check=skip_layer_check, dampening_frac=dampening_frac, actorder="none",
-            true_sequential=true_sequential, sparsity=sparsity, pattern=pattern,
-            sparsity_profile=sparsity_profile,
-        )  # fmt: skip
+        _check_mode(structured, explicit(ctx))
+        if structured:
+            options = StructuredOptions.of(**given(StructuredOptions, params))
+            with progress_bars(json_out=json_out) as progress:
+                result = api.prune_structured(model, out, options, progress=progress, **run)
+            print_json(result.to_dict()) if json_out else render_structured(result)
+            return
+        options = PruneOptions.of(**{**given(PruneOptions, params), "ignore": tuple(ignore or ())})
         with progress_bars(json_out=json_out) as progress, resume_hint_on_interrupt(out):
-            result = api.quantize(
-                model, out, recipe=recipe, calib_stats=calib_stats, overwrite=overwrite,
-                resume=resume, resume_every_s=resume_every, space_check=space_check,
-                reference=reference, progress=progress, device=device,
+            result = api.prune(
+                model, out, options, resume=resume, resume_every_s=resume_every,
+                progress=progress, **run,
             )  # fmt: skip
     if json_out:
         print_json(result.to_dict())
     else:
         render(result)
+
+
+def _check_mode(structured: bool, explicit: set[str]) -> None:
+    """An option of the other kind of pruning is refused, not ignored."""
+    shared = set(CalibrationOptions.model_fields)
+    if structured:
+        other = sorted(explicit & (set(PruneOptions.model_fields) - shared))
+        if other:
+            raise InputError(f"--{other[0].replace('_', '-')}: prunes single weights; --structured removes whole channels, groups and layers")  # fmt: skip
+    else:
+        other = sorted(explicit & (set(StructuredOptions.model_fields) - shared))
+        if other:
+            raise InputError(f"--{other[0].replace('_', '-')}: goes with --structured")
 
 
 def render_structured(result: Any) -> None:

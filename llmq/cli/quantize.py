@@ -42,9 +42,12 @@ from llmq.cli.options import (
     SparsityOption,
     SparsityProfile,
     TrueSequential,
+    defaults,
+    given,
 )
-from llmq.config import RESUME_EVERY_S, scheme_names
-from llmq.texts import DEFAULT_CALIBRATION_TEXT
+from llmq.config import RESUME_EVERY_S, QuantizeOptions, scheme_names
+
+Q = defaults(QuantizeOptions)
 
 ACTIVATIONS = "Activations"
 
@@ -65,7 +68,7 @@ def quantize(
         typer.Option(
             metavar="NAME", help=f"Preset: {', '.join(scheme_names())}.", rich_help_panel=SCHEME
         ),
-    ] = "w4a16",
+    ] = Q["scheme"],
     method: Annotated[
         str,
         typer.Option(
@@ -73,7 +76,7 @@ def quantize(
             help="rtn, gptq, awq or awq+gptq; to prune too: magnitude, wanda or sparsegpt.",
             rich_help_panel=METHOD,
         ),
-    ] = "rtn",
+    ] = Q["method"],
     group_size: Annotated[
         int | None,
         typer.Option(
@@ -99,7 +102,7 @@ def quantize(
             rich_help_panel=SCHEME,
         ),
     ] = None,
-    dampening_frac: DampeningFrac = 0.01,
+    dampening_frac: DampeningFrac = Q["dampening_frac"],
     actorder: Annotated[
         str,
         typer.Option(
@@ -107,15 +110,29 @@ def quantize(
             help="gptq column order: static (largest Hessian diagonal first) or none (in order).",
             rich_help_panel=METHOD,
         ),
-    ] = "static",
-    true_sequential: TrueSequential = True,
+    ] = Q["actorder"],
+    true_sequential: TrueSequential = Q["true_sequential"],
+    block_size: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="gptq, sparsegpt: columns solved together before the rest are updated.",
+            rich_help_panel=METHOD,
+        ),
+    ] = Q["block_size"],
+    awq_grid: Annotated[
+        int,
+        typer.Option(
+            metavar="N", help="awq: scale exponents tried in [0, 1].", rich_help_panel=METHOD
+        ),
+    ] = Q["awq_grid"],
     awq_duo_scaling: Annotated[
         bool,
         typer.Option(
             help="awq: scales from activation and weight magnitudes (off: activations alone).",
             rich_help_panel=METHOD,
         ),
-    ] = True,
+    ] = Q["awq_duo_scaling"],
     smooth: Annotated[
         str,
         typer.Option(
@@ -132,7 +149,7 @@ def quantize(
             help="Activation scales: dynamic (per token, at run time) or static (calibrated).",
             rich_help_panel=ACTIVATIONS,
         ),
-    ] = "dynamic",
+    ] = Q["activations"],
     observer: Annotated[
         str,
         typer.Option(
@@ -140,7 +157,7 @@ def quantize(
             help="--activations static: range by absmax, percentile (99.99th of |x|) or mse.",
             rich_help_panel=ACTIVATIONS,
         ),
-    ] = "absmax",
+    ] = Q["observer"],
     kv_cache: Annotated[
         str,
         typer.Option(
@@ -151,8 +168,8 @@ def quantize(
     ] = "none",
     sparsity: SparsityOption = None,
     pattern: PatternOption = None,
-    sparsity_profile: SparsityProfile = "uniform",
-    calib_text: CalibText = DEFAULT_CALIBRATION_TEXT,
+    sparsity_profile: SparsityProfile = Q["sparsity_profile"],
+    calib_text: CalibText = Q["calib_text"],
     num_samples: Annotated[
         int | None,
         typer.Option(
@@ -161,7 +178,7 @@ def quantize(
             rich_help_panel=CALIBRATION,
         ),
     ] = None,
-    seq_len: SeqLen = 512,
+    seq_len: SeqLen = Q["seq_len"],
     skip_layer_check: Annotated[
         bool,
         typer.Option(
@@ -170,7 +187,7 @@ def quantize(
             rich_help_panel=CALIBRATION,
         ),
     ] = False,
-    seed: Seed = 0,
+    seed: Seed = Q["seed"],
     calib_stats: CalibStatsPath = None,
     fallback: Annotated[
         str | None,
@@ -214,23 +231,12 @@ def quantize(
     from llmq import api
 
     with cli_errors():
-        recipe = api.make_recipe(
-            scheme=scheme, method=method, group_size=group_size,
-            strict_group_size=strict_group_size, ignore=("lm_head", *(ignore or [])), clip=clip,
-            calib_text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed,
-            skip_layer_check=skip_layer_check, dampening_frac=dampening_frac, actorder=actorder,
-            true_sequential=true_sequential,
-            awq_duo_scaling=awq_duo_scaling, smooth=smooth, activations=activations,
-            observer=observer, kv_cache=kv_cache, sparsity=sparsity, pattern=pattern,
-            sparsity_profile=sparsity_profile,
-        )  # fmt: skip
+        lists = {"ignore": tuple(ignore or ()), "require_loaders": tuple(require_loader or ())}
+        options = QuantizeOptions.of(**{**given(QuantizeOptions, locals()), **lists})
         with progress_bars(json_out=json_out) as progress, resume_hint_on_interrupt(out):
             result = api.quantize(
-                model, out, recipe=recipe, calib_stats=calib_stats, fallback=fallback,
-                fallback_threshold=fallback_threshold,
-                overwrite=overwrite, resume=resume, resume_every_s=resume_every,
-                space_check=space_check, require_loaders=tuple(require_loader or ()),
-                reference=reference,
+                model, out, options, overwrite=overwrite, resume=resume,
+                resume_every_s=resume_every, space_check=space_check, reference=reference,
                 progress=progress, device=device,
             )  # fmt: skip
     if json_out:

@@ -1,10 +1,19 @@
 """Validated configuration: what to do and how. No torch here (configs say what, not how).
 
 `quant`: quantization arguments and scheme presets; `recipe`: calibration, method knobs and the
-quantize/prune Recipe; `distill`: how a student is trained on a teacher.
+quantize/prune Recipe; `options`: the options of quantize, prune and structured pruning, as the
+CLI, recipe files and Python give them, and the Recipe they make; `distill`: how a student is
+trained on a teacher.
 """
 
 from llmq.config.distill import DistillConfig
+from llmq.config.options import (
+    CalibrationOptions,
+    LayerOptions,
+    PruneOptions,
+    QuantizeOptions,
+    StructuredOptions,
+)
 from llmq.config.quant import (
     FP8_BLOCK_SIZE,
     SCAN_RATIO_THRESHOLD,
@@ -22,8 +31,11 @@ from llmq.config.quant import (
     scheme_names,
 )
 from llmq.config.recipe import (
+    DEFAULT_CALIB_SAMPLES,
     DEFAULT_CONFIDENCE,
+    DEFAULT_REPORT_SAMPLES,
     PRUNING_METHODS,
+    QUANTIZE_METHODS,
     RESUME_EVERY_S,
     SMOOTH_ALPHA,
     AWQConfig,
@@ -36,9 +48,12 @@ from llmq.config.recipe import (
 )
 
 __all__ = [
+    "DEFAULT_CALIB_SAMPLES",
     "DEFAULT_CONFIDENCE",
+    "DEFAULT_REPORT_SAMPLES",
     "FP8_BLOCK_SIZE",
     "PRUNING_METHODS",
+    "QUANTIZE_METHODS",
     "RESUME_EVERY_S",
     "SCAN_RATIO_THRESHOLD",
     "SCAN_SCHEME",
@@ -48,12 +63,17 @@ __all__ = [
     "SMOOTH_ALPHA",
     "AWQConfig",
     "CalibConfig",
+    "CalibrationOptions",
     "DistillConfig",
     "GPTQConfig",
+    "LayerOptions",
+    "PruneOptions",
     "QuantArgs",
+    "QuantizeOptions",
     "Recipe",
     "Scheme",
     "Strategy",
+    "StructuredOptions",
     "build",
     "fit_group_size",
     "get_scheme",

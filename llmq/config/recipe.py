@@ -14,6 +14,14 @@ from llmq.config.quant import (
     nm_pattern,
 )
 from llmq.errors import InputError
+from llmq.texts import DEFAULT_CALIBRATION_TEXT
+
+DEFAULT_CALIB_SAMPLES = 128  # calibration windows of a method that needs data
+# Windows plain RTN takes by default: it needs no data, so they only feed the per-layer
+# output-error report.
+DEFAULT_REPORT_SAMPLES = 1
+QUANTIZE_METHODS = ("rtn", "gptq", "awq", "awq+gptq")  # llmq.quant.methods registers each
+PRUNING_METHODS = ("magnitude", "wanda", "sparsegpt")
 
 
 class CalibConfig(BaseModel):
@@ -21,8 +29,8 @@ class CalibConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    text: str = "shakespeare+pydoc"
-    num_samples: int = Field(128, ge=1, le=100_000)
+    text: str = DEFAULT_CALIBRATION_TEXT
+    num_samples: int = Field(DEFAULT_CALIB_SAMPLES, ge=1, le=100_000)
     seq_len: int = Field(512, ge=8, le=131_072)
     seed: int = 0
 
@@ -163,9 +171,6 @@ def parse_smooth(value: str | float | None) -> float | Literal["auto"] | None:
             hint="0 leaves activations alone, 1 moves all their range into the weights",
         )
     return alpha
-
-
-PRUNING_METHODS = ("magnitude", "wanda", "sparsegpt")
 
 
 def _check_pruning(recipe: Recipe) -> None:

@@ -34,15 +34,15 @@ def prepare_run(
 ) -> tuple[Any, dict[str, Any]]:
     """The run and its resume fingerprint: data, models, optimizer, masks and (with `resume`)
     the state to continue from."""
-    from llmq.api.common import _tokenizer
     from llmq.calib.data import evaluation_windows, training_windows
+    from llmq.calib.tokenizer import load_tokenizer
     from llmq.distillation.data import BatchOrder
     from llmq.distillation.loop import DistillRun
     from llmq.distillation.loss import layer_pairs
     from llmq.distillation.models import kept_layers
     from llmq.distillation.state import TrainState, load_state
 
-    tokenizer = _tokenizer(student.path)
+    tokenizer = load_tokenizer(student.path)
     with progress.stage(f"tokenizing {config.data} and {config.eval_text}"):
         train_windows = training_windows(tokenizer, config.data, seq_len=config.seq_len)
         eval_windows = evaluation_windows(

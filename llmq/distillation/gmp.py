@@ -3,7 +3,7 @@
 The target sparsity follows the cubic schedule s(t) = s_f · (1 - (1 - (t - t0) / (t1 - t0))³),
 recomputed at steps t0, t0 + Δ, ... and reached at t1, constant in between and after. At each
 pruning step every decoder linear drops its rows' lowest-scored weights down to s(t)
-(llmq.pruning.masks, per row as `llmq prune` does) or, for an N:M pattern, the lowest
+(llmq.quant.masks, per row as `llmq prune` does) or, for an N:M pattern, the lowest
 round(s(t) · M) of every M consecutive inputs, up to M - N. A weight once pruned stays pruned
 (masks only shrink) and zero: llmq.distillation.masks masks its gradient and its value.
 
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from llmq.config import DistillConfig
 from llmq.distillation.masks import prunable_linears
 from llmq.distillation.sharding import local
-from llmq.pruning.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scores
+from llmq.quant.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scores
 
 
 def scheduled_sparsity(step: int, config: DistillConfig) -> float:

@@ -56,16 +56,24 @@ class Processes:
 SINGLE_PROCESS = Processes()
 
 
-def join_processes(device: torch.device) -> Processes:
-    """This process's place among torchrun's processes, joining their group (once)."""
+def launched() -> Processes:
+    """This process's place among torchrun's processes, as torchrun's variables say (nothing
+    joined yet)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return Processes()
-    processes = Processes(
+    return Processes(
         rank=int(os.environ["RANK"]),
         world_size=world_size,
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
     )
+
+
+def join_processes(device: torch.device) -> Processes:
+    """This process's place among torchrun's processes, joining their group (once)."""
+    processes = launched()
+    if processes.world_size == 1:
+        return processes
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return processes

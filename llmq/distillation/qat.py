@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from llmq.config import QuantArgs
+from llmq.config import QuantArgs, QuantizeOptions
 from llmq.config.distill import QatScheme
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint, torch_dtype
@@ -47,16 +47,14 @@ class QatLinear:
 def qat_recipe(scheme: str, group_size: int | None) -> Any:
     """The RTN recipe the export runs (and whose plan the forward follows). No clipping: the
     forward's scales come from each group's min/max, and the export must choose the same."""
-    from llmq.api.quantize import make_recipe
-
     if scheme not in QAT_SCHEMES:
         raise InputError(
             f"--qat {scheme}: not a scheme quantization-aware training supports",
             hint=f"choose one of {', '.join(QAT_SCHEMES)}",
         )
-    return make_recipe(
+    return QuantizeOptions.of(
         scheme=scheme, group_size=group_size, method="rtn", clip="none", skip_layer_check=True
-    )
+    ).recipe()
 
 
 def linear_args(student: Checkpoint, scheme: str, group_size: int | None) -> dict[str, QatLinear]:
@@ -120,12 +118,10 @@ def start_folder(staging: Path) -> Path:
 
 def ptq_start(student: Path, folder: Path, method: str, scheme: str, group_size: int | None, progress: Any, device: str) -> None:  # fmt: skip
     """`llmq quantize --method METHOD`'s solution for the student (default calibration), once."""
-    from llmq.api.quantize import make_recipe, quantize
-
     if (folder / "config.json").is_file():
         return
-    recipe = make_recipe(scheme=scheme, group_size=group_size, method=method)
-    quantize(student, folder, recipe=recipe, overwrite=True, progress=progress, device=device)
+    recipe = QuantizeOptions.of(scheme=scheme, group_size=group_size, method=method).recipe()
+    _quantize(student, folder, recipe, progress, device)
 
 
 def load_start(model: nn.Module, folder: Path) -> None:
@@ -142,9 +138,13 @@ def export(
     float_folder: Path, out: Path, scheme: str, group_size: int | None, progress: Any
 ) -> dict[str, Any]:
     """The trained student (written in float at `float_folder`) quantized by RTN into `out`."""
-    from llmq.api.quantize import quantize
+    return _quantize(float_folder, out, qat_recipe(scheme, group_size), progress, None).to_dict()
 
-    return quantize(
-        float_folder, out, recipe=qat_recipe(scheme, group_size), overwrite=True,
-        progress=progress,
-    ).to_dict()  # fmt: skip
+
+def _quantize(model: Path, out: Path, recipe: Any, progress: Any, device: str | None) -> Any:
+    """`llmq quantize`'s job on a folder of this run's (replaced if there)."""
+    from llmq.io.checkpoint import open_checkpoint
+    from llmq.pipeline.job import JobRun, run_job
+
+    ckpt = open_checkpoint(model)
+    return run_job(ckpt, out, recipe, source=str(model), run=JobRun(overwrite=True, device=device), progress=progress)  # fmt: skip

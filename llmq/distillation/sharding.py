@@ -4,7 +4,7 @@ and 1/N of the teacher, gathering one decoder layer at a time for its forward an
 
 DDP replicates all of it in every process, which an 8B teacher and student do not fit. Under
 FSDP the parameters are DTensors sharded by rows (dim 0), so every row of a linear lives whole in
-one process: per-row pruning masks (llmq.pruning.masks, GMP) work on the local rows alone
+one process: per-row pruning masks (llmq.quant.masks, GMP) work on the local rows alone
 (`local`). Resume points are written with torch.distributed.checkpoint, each process its own
 shards (`save_sharded`), and the student is gathered whole into process 0 only to be written
 (`full_state`).

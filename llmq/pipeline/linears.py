@@ -25,9 +25,9 @@ from llmq.pack.format import PackFormat, compress
 from llmq.pipeline.plan import LinearPlan
 from llmq.pipeline.report import LinearReport
 from llmq.pipeline.scaling import ScaleReport
-from llmq.pruning.masks import Sparsity, magnitude_scores, pruned_mask
 from llmq.quant.awq import output_error
 from llmq.quant.kvcache import KVQuantizer
+from llmq.quant.masks import Sparsity, magnitude_scores, pruned_mask
 from llmq.quant.methods import Method, MethodResult
 from llmq.quant.primitives import ROW_STRATEGIES
 from llmq.quant.rtn import rtn_quantize_weight

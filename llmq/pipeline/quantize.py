@@ -66,8 +66,8 @@ from llmq.pipeline.scaling import ScaleReport, apply_awq, apply_smoothquant
 from llmq.pipeline.staged import StagedLayer
 from llmq.pipeline.state import RunState, load_state
 from llmq.progress import NO_PROGRESS, Progress
-from llmq.pruning.masks import Sparsity
 from llmq.quant.kvcache import KVQuantizer, KVRange
+from llmq.quant.masks import Sparsity
 from llmq.quant.methods import Method, get_method
 from llmq.quant.observers import observe_scale
 

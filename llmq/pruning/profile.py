@@ -25,7 +25,7 @@ import torch
 
 from llmq.calib.stats import CalibStats
 from llmq.io.checkpoint import Checkpoint
-from llmq.pruning.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scores
+from llmq.quant.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scores
 
 OWL_THRESHOLD = 5.0  # the paper's M for LLaMA models
 PROFILE_SPREAD = 0.08  # OWL's lambda

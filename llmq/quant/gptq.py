@@ -22,8 +22,8 @@ from torch import Tensor
 
 from llmq.config import QuantArgs, group_width
 from llmq.errors import NumericalError
-from llmq.pruning.masks import Sparsity, pruned_mask
 from llmq.quant.compiled import compiled_loop_applies, quantize_columns
+from llmq.quant.masks import Sparsity, pruned_mask
 from llmq.quant.primitives import (
     ACCUM_DTYPE,
     FP8_DTYPE,

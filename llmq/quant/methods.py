@@ -17,8 +17,8 @@ from torch import Tensor
 
 from llmq.config import AWQConfig, GPTQConfig, QuantArgs, Recipe
 from llmq.errors import InputError
-from llmq.pruning.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scores
 from llmq.quant.gptq import gptq_quantize_weight
+from llmq.quant.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scores
 from llmq.quant.primitives import DenseWeight, QuantizedWeight
 from llmq.quant.rtn import clip_ratios, output_hessian, rtn_quantize_weight
 

@@ -17,13 +17,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from llmq.config import DEFAULT_CONFIDENCE
+from llmq.config import (
+    DEFAULT_CONFIDENCE,
+    CalibrationOptions,
+    PruneOptions,
+    QuantizeOptions,
+    StructuredOptions,
+)
 from llmq.config.distill import DistillConfig
-from llmq.texts import DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT, text_inputs
+from llmq.texts import DEFAULT_EVAL_TEXT, text_inputs
 
 SOURCE = "source"  # the recipe's own model, in `teacher` and `baseline`
+STAGE_NAME = r"^[A-Za-z0-9_.-]+$"
 
 
 class StageError(ValueError):
@@ -37,76 +44,55 @@ class StageError(ValueError):
 class _Stage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")  # default: kind, numbered
+    name: str | None = Field(None, pattern=STAGE_NAME)  # default: kind, numbered
 
 
-class _Calibrated(_Stage):
-    calib_text: str = DEFAULT_CALIBRATION_TEXT
-    num_samples: int | None = None  # the method's default
-    seq_len: int = 512
-    seed: int = 0
-    ignore: list[str] = []
-    dampening_frac: float = 0.01
-    true_sequential: bool = True
+class QuantizeStage(QuantizeOptions):
+    """`llmq quantize`: its options (llmq.config.options), and a name."""
+
+    name: str | None = Field(None, pattern=STAGE_NAME)
+
+    def options(self) -> QuantizeOptions:
+        return QuantizeOptions(**self.model_dump(exclude={"name"}))
 
 
-class QuantizeStage(_Calibrated):
-    """`llmq quantize`."""
+class PruneStage(PruneOptions, StructuredOptions):
+    """`llmq prune`: one-shot (a method with sparsity or pattern), or `structured: true` and the
+    structured options; each mode's options are refused in the other."""
 
-    scheme: str = "w4a16"
-    method: str = "rtn"
-    group_size: int | None = None
-    strict_group_size: bool = False
-    clip: str | None = None
-    actorder: str = "static"
-    block_size: int = 128
-    awq_grid: int = 20
-    awq_duo_scaling: bool = True
-    smooth: str | float | None = None
-    activations: str = "dynamic"
-    observer: str = "absmax"
-    kv_cache: str | None = None
-    sparsity: float | None = None
-    pattern: str | None = None
-    sparsity_profile: str = "uniform"
-    fallback: str | None = None
-    fallback_threshold: float | None = None
-
-
-class PruneStage(_Calibrated):
-    """`llmq prune`: one-shot (method with sparsity or pattern), or `structured: true`."""
-
-    method: str = "sparsegpt"
-    sparsity: float | None = None
-    pattern: str | None = None
-    sparsity_profile: str = "uniform"
+    name: str | None = Field(None, pattern=STAGE_NAME)
     structured: bool = False
-    params: float | None = None
-    decoder_params: float | None = None
-    intermediate_size: int | None = None
-    num_kv_heads: int | None = None
-    num_heads: int | None = None
-    hidden_size: int | None = None
-    num_layers: int | None = None
-    # structured: held-out perplexity of the source and the result in the stage's summary (off
-    # by default in a recipe, where an eval stage gates).
+    # Off by default in a recipe (on for the command), where an eval stage measures and gates.
     evaluate: bool = False
 
     @model_validator(mode="after")
     def _one_mode(self) -> PruneStage:
-        sizes = (self.params, self.decoder_params, self.intermediate_size, self.num_kv_heads, self.num_heads,
-                 self.hidden_size, self.num_layers)  # fmt: skip
-        if not self.structured and (any(size is not None for size in sizes) or self.evaluate):
-            raise ValueError("params, the sizes and evaluate go with structured: true")
-        if self.structured and (self.sparsity is not None or self.pattern is not None):
-            raise ValueError("sparsity and pattern prune single weights: not with structured: true")  # fmt: skip
+        given = sorted(self.model_fields_set & self._other_mode())
+        if given and self.structured:
+            raise ValueError(f"{given[0]} prunes single weights: not with structured: true")
+        if given:
+            raise ValueError(f"{given[0]} goes with structured: true")
         return self
+
+    @model_serializer(mode="wrap")
+    def _this_mode(self, handler: Any) -> dict[str, Any]:
+        """Dumped with its own mode's options only (the effective recipe a run records)."""
+        return {k: v for k, v in handler(self).items() if k not in self._other_mode()}
+
+    def _other_mode(self) -> set[str]:
+        """The options of the other kind of pruning."""
+        other = StructuredOptions if not self.structured else PruneOptions
+        return set(other.model_fields) - set(CalibrationOptions.model_fields)
+
+    def options(self) -> PruneOptions | StructuredOptions:
+        kind = StructuredOptions if self.structured else PruneOptions
+        return kind(**self.model_dump(include=set(kind.model_fields)))
 
 
 class DistillStage(DistillConfig):
     """`llmq distill`: the previous stage's output is the student; DistillConfig's keys."""
 
-    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str | None = Field(None, pattern=STAGE_NAME)
     teacher: str = SOURCE
     max_steps: int | None = Field(None, ge=1)  # type: ignore[assignment]  # or max_tokens
     max_tokens: int | None = Field(None, ge=1)
@@ -116,6 +102,8 @@ class DistillStage(DistillConfig):
     def _length(self) -> DistillStage:
         if (self.max_tokens is None) == (self.max_steps is None):
             raise ValueError("how long to train: give max_steps or max_tokens (one of them)")
+        if self.prune == "iterative":
+            raise ValueError("prune iterative is rounds of prune and distill stages: write them as stages (or run llmq distill --prune iterative)")  # fmt: skip
         return self
 
     def options(self) -> dict[str, Any]:
@@ -227,8 +215,11 @@ class ChainRecipe(BaseModel):
                     found.append((role, Path(reference)))
             for key in ("calib_text", "text", "data", "eval_text"):
                 found += text_inputs(getattr(stage, key, None), "text")
-            if getattr(stage, "task_dir", None) is not None:
-                found.append(("task folder", Path(stage.task_dir)))
+            for role, key in (("task folder", "task_dir"), ("statistics file", "calib_stats"), ("importance file", "importance")):  # fmt: skip
+                if getattr(stage, key, None) is not None:
+                    found.append((role, Path(getattr(stage, key))))
+            if getattr(stage, "fallback", None) not in (None, "auto"):
+                found.append(("fallback report", Path(stage.fallback)))
         return found
 
     def stage_names(self) -> list[str]:

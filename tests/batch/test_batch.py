@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llmq.api.batch import batch, plan_batch
 from llmq.batch.local import _admissible
+from llmq.batch.run import plan_batch, run_batch
 from llmq.batch.summary import SCHEMA, exit_code
 from llmq.cli.main import app
 from tests.batch.conftest import RECIPES, output_bytes, write_jobs
@@ -163,6 +163,7 @@ def test_admission_keeps_running_jobs_within_max_memory(tmp_path, batch_models) 
     assert len(_admissible(pending[2:], running, plan)) == 1  # one finished: one more starts
 
 
+@pytest.mark.process
 def test_a_job_that_cannot_fit_is_refused_and_the_rest_run(tmp_path, batch_models) -> None:
     """A failing job (an eval against a baseline that is not there) and a refused one (a
     distillation needing more memory than allowed) are recorded; the others finish; exit 2."""
@@ -191,10 +192,11 @@ def test_a_job_that_cannot_fit_is_refused_and_the_rest_run(tmp_path, batch_model
     assert not (tmp_path / "out" / "tiny-a" / "big").exists()  # refused before any work
 
 
+@pytest.mark.process
 def test_summary_schema_and_resume(tmp_path, batch_models) -> None:
     jobs = write_jobs(tmp_path, batch_models)
     out = tmp_path / "out"
-    first = batch(jobs, out, parallel=2)
+    first = run_batch(jobs, out, parallel=2)
     data = json.loads((out / "summary.json").read_text())
     assert data == first.summary and data["schema"] == SCHEMA and first.exit_code == 0
     assert [job["id"] for job in data["jobs"]] == sorted(job["id"] for job in data["jobs"])
@@ -206,12 +208,12 @@ def test_summary_schema_and_resume(tmp_path, batch_models) -> None:
     assert (out / "summary.md").read_text().count("| passed |") == 4
     before = output_bytes(out)
     # resume: every job finished with the same key -> skipped, nothing rewritten
-    again = batch(jobs, out, resume=True)
+    again = run_batch(jobs, out, resume=True)
     assert {job["status"] for job in again.summary["jobs"]} == {"skipped"}
     assert again.summary["calibration_windows_computed"] == 0
     # a changed recipe re-runs exactly its jobs
     changed = RECIPES.replace("scheme: w8a16, num_samples: 4", "scheme: w8a16, num_samples: 5")
-    third = batch(write_jobs(tmp_path, batch_models, changed), out, resume=True)
+    third = run_batch(write_jobs(tmp_path, batch_models, changed), out, resume=True)
     status = {job["id"]: job["status"] for job in third.summary["jobs"]}
     assert status == {"tiny-a/w8a16": "passed", "tiny-b/w8a16": "passed",
                       "tiny-a/w4a16-gptq": "skipped", "tiny-b/w4a16-gptq": "skipped"}  # fmt: skip
@@ -220,13 +222,14 @@ def test_summary_schema_and_resume(tmp_path, batch_models) -> None:
 
 
 @pytest.mark.slow  # three batches of four jobs: about two minutes on two cores
+@pytest.mark.process
 def test_sigkill_half_way_then_resume_gives_the_same_outputs(tmp_path, batch_models) -> None:
     """The driver is killed (SIGKILL) after its first job finished: its workers die with it,
     --resume skips the finished job and the outputs equal an uninterrupted batch's, byte for
     byte."""
     jobs = write_jobs(tmp_path, batch_models)
     reference = tmp_path / "reference"
-    batch(jobs, reference)
+    run_batch(jobs, reference)
     out = tmp_path / "out"
     command = [sys.executable, "-m", "llmq.cli.main", "batch", str(jobs), "--out", str(out), "--json"]  # fmt: skip
     driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -240,7 +243,7 @@ def test_sigkill_half_way_then_resume_gives_the_same_outputs(tmp_path, batch_mod
     finished = {p.name for p in results.glob("*.result.json")}
     assert 1 <= len(finished) < 4
     _wait_gone(below)  # the workers die with the driver (no orphan keeps writing)
-    resumed = batch(jobs, out, resume=True)
+    resumed = run_batch(jobs, out, resume=True)
     status = [job["status"] for job in resumed.summary["jobs"]]
     assert status.count("skipped") == len(finished) and resumed.exit_code == 0
     assert output_bytes(out) == output_bytes(reference)
@@ -255,6 +258,7 @@ def _wait_gone(processes: dict[int, str]) -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.process
 def test_killed_driver_leaves_no_worker_and_one_resume_finishes(tmp_path, batch_models) -> None:
     """kill -9 of the driver while its two workers run: every process it started (workers,
     forkserver) is gone within seconds, so nothing holds a job's lock; one --resume then
@@ -300,6 +304,7 @@ def _json_or_none(path: Path) -> dict | None:
         return None
 
 
+@pytest.mark.process
 def test_sigint_stops_cleanly(tmp_path, batch_models) -> None:
     jobs = write_jobs(tmp_path, batch_models)
     out = tmp_path / "out"
@@ -317,7 +322,7 @@ def test_sigint_stops_cleanly(tmp_path, batch_models) -> None:
     assert json.loads((out / "summary.json").read_text()) == summary
     states = {job["status"] for job in summary["jobs"]}
     assert states <= {"passed", "interrupted", "not_started"} and "not_started" in states
-    resumed = batch(jobs, out, resume=True)
+    resumed = run_batch(jobs, out, resume=True)
     assert resumed.exit_code == 0
     assert os.path.isfile(out / "summary.md")
 

@@ -13,8 +13,8 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from llmq.api.batch import batch, plan_batch
 from llmq.batch.ray_runner import check_ready
+from llmq.batch.run import plan_batch, run_batch
 from llmq.cli.main import app
 from llmq.errors import InputError
 from tests.batch.conftest import RECIPES, output_bytes, write_jobs
@@ -22,6 +22,8 @@ from tests.conftest import assert_bad_input
 
 ray = pytest.importorskip("ray")
 runner = CliRunner()
+
+pytestmark = pytest.mark.process
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +38,8 @@ def test_ray_outputs_equal_the_local_run(tmp_path, batch_models, ray_local) -> N
     """With the same --jobs, so the same CPU threads per job (torch's float sums, and so GPTQ's
     rounding, depend on the thread count)."""
     jobs = write_jobs(tmp_path, batch_models)
-    local = batch(jobs, tmp_path / "local")
-    remote = batch(jobs, tmp_path / "ray", ray="local")
+    local = run_batch(jobs, tmp_path / "local")
+    remote = run_batch(jobs, tmp_path / "ray", ray="local")
     assert remote.summary["runner"] == "ray local" and remote.exit_code == 0
     assert [j["status"] for j in remote.summary["jobs"]] == [j["status"] for j in local.summary["jobs"]]  # fmt: skip
     assert output_bytes(tmp_path / "ray") == output_bytes(tmp_path / "local")
@@ -49,7 +51,7 @@ def test_a_raising_job_is_reported_and_the_others_finish(tmp_path, batch_models,
         "  - {name: broken, stages: [{quantize: {scheme: w8a16, num_samples: 4, seq_len: 64}},"
         " {eval: {baseline: /nonexistent/model, max_windows: 1, seq_len: 64}}]}\n"
     )
-    result = batch(write_jobs(tmp_path, batch_models, recipes, "only: {tiny-b: [broken]}\n"),
+    result = run_batch(write_jobs(tmp_path, batch_models, recipes, "only: {tiny-b: [broken]}\n"),
                    tmp_path / "out", ray="local")  # fmt: skip
     status = {job["id"]: job["status"] for job in result.summary["jobs"]}
     assert status == {"tiny-a/w8a16": "passed", "tiny-a/w4a16-gptq": "passed",
@@ -79,7 +81,7 @@ def test_a_worker_killed_mid_job_is_retried(tmp_path, batch_models, ray_local) -
 
     killer = threading.Thread(target=kill_once)
     killer.start()
-    result = batch(jobs, out, ray="local")
+    result = run_batch(jobs, out, ray="local")
     killer.join()
     assert killed, "the job never reported a status"
     assert {job["status"] for job in result.summary["jobs"]} == {"passed"}

@@ -15,6 +15,8 @@ import pytest
 
 from tests.cli.test_output_safety import llmq_cmd, one_error_line
 
+pytestmark = pytest.mark.process
+
 
 def fingerprint(path: Path) -> dict[str, tuple[str, int]]:
     """Every file under `path` (or `path` itself): its SHA-256 and mode."""

@@ -17,6 +17,7 @@ from tests.conftest import assert_bad_input
 runner = CliRunner()
 
 
+@pytest.mark.process
 def test_help_does_not_import_torch() -> None:
     code = (
         "import sys\nimport llmq.cli.main as m\n"

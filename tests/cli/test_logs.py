@@ -9,7 +9,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.cli.test_output_safety import llmq_cmd
+
+pytestmark = pytest.mark.process
 
 PROGRESS_LINE = re.compile(r"^\d+:\d\d:\d\d \S.*$")
 

@@ -64,6 +64,7 @@ def wait_for_lock(proc: subprocess.Popen[bytes], out: Path) -> None:
     pytest.fail("the first run never held its output")
 
 
+@pytest.mark.process
 def test_a_second_run_on_one_out_exits_2_and_touches_nothing(tmp_path: Path, model8: Path) -> None:
     reference = tmp_path / "alone"
     llmq.quantize(model8, reference, scheme="w4a16", num_samples=16, seq_len=256)
@@ -89,6 +90,7 @@ def test_a_second_run_on_one_out_exits_2_and_touches_nothing(tmp_path: Path, mod
     assert sorted(p.name for p in tmp_path.iterdir()) == ["alone", "out"]  # no lock, no staging
 
 
+@pytest.mark.process
 def test_calibrate_and_scan_reports_have_one_writer(tmp_path: Path, tiny_llama: Path) -> None:
     from tests.io.test_atomic import hold_lock
 
@@ -126,6 +128,7 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.process
 def test_a_full_disk_is_one_line_and_the_run_resumes(
     tmp_path: Path, tiny_llama: Path, small_fs: Path
 ) -> None:

@@ -153,6 +153,7 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "llmq", "distill", *args]
 
 
+@pytest.mark.process
 def test_resume_after_sigkill_equals_an_uninterrupted_run(
     tmp_path: Path, teacher: Path, student: Path
 ) -> None:
@@ -183,6 +184,7 @@ GLOO_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+@pytest.mark.process
 def test_two_gloo_processes_follow_one_process_with_the_same_global_batch(
     tmp_path: Path, teacher: Path, student: Path, sharding: str
 ) -> None:

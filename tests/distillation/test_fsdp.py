@@ -38,6 +38,7 @@ def kill_every_process_naming(fragment: str) -> None:
                 os.kill(int(entry.name), signal.SIGKILL)
 
 
+@pytest.mark.process
 def test_a_killed_fsdp_run_resumes_to_the_uninterrupted_student(
     tmp_path: Path, teacher: Path, student: Path
 ) -> None:

@@ -11,8 +11,8 @@ import torch
 from typer.testing import CliRunner
 
 import llmq
-from llmq.api.iterative import round_sparsities
 from llmq.cli.main import app
+from llmq.recipes.iterative import round_sparsities
 from tests.conftest import assert_bad_input
 from tests.distillation.test_distill import FAST, InterruptAfter, assert_same_weights, weights
 
@@ -49,8 +49,8 @@ def test_structured_rounds_keep_the_schedules_densities() -> None:
     density, and each is the ratio of successive densities of the schedule."""
     import math
 
-    from llmq.api.iterative import rounds_recipe
     from llmq.config import DistillConfig
+    from llmq.recipes.iterative import rounds_recipe
 
     for schedule in ("geometric", "cubic"):
         config = DistillConfig(prune="iterative", prune_method="structured", sparsity=0.4,

@@ -50,6 +50,7 @@ def llmq_eval(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
                           capture_output=True, text=True, env=env)  # fmt: skip
 
 
+@pytest.mark.process
 def test_tasks_run_with_the_network_off_and_no_hub_cache(tmp_path: Path, tiny_llama: Path) -> None:
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "LLMQ_CACHE_DIR": str(tmp_path / "llmq")}  # fmt: skip
@@ -63,6 +64,7 @@ def test_tasks_run_with_the_network_off_and_no_hub_cache(tmp_path: Path, tiny_ll
 
 
 @pytest.mark.integration
+@pytest.mark.process
 def test_a_damaged_model_fails_the_gate_and_the_same_model_passes(tmp_path: Path, default_model: Path) -> None:  # fmt: skip
     """Magnitude pruning at 80% leaves the default model near chance on the next-line task."""
     import llmq

@@ -48,6 +48,7 @@ def hold_lock(out: Path) -> subprocess.Popen[str]:
     return proc
 
 
+@pytest.mark.process
 def test_a_second_writer_is_refused_naming_the_first(tmp_path: Path) -> None:
     out = tmp_path / "out"
     holder = hold_lock(out)
@@ -60,6 +61,7 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path: Path) -> None:
         holder.wait()
 
 
+@pytest.mark.process
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
     out = tmp_path / "out"
     holder = hold_lock(out)
@@ -170,6 +172,7 @@ def test_space_check_refuses_what_cannot_fit(tmp_path: Path) -> None:
     assert "--no-space-check" in str(refused.value.hint)
 
 
+@pytest.mark.process
 def test_the_lock_waits_for_nobody(tmp_path: Path) -> None:
     """A refused claim answers at once, not after the holder finishes."""
     out = tmp_path / "out"

@@ -30,12 +30,15 @@ def w8a8_args(triton: bool) -> tuple:
     return (activations(3, 128, torch.float16), w.codes, w.scale, None, triton)
 
 
-@pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize(
+    "triton", [False, pytest.param(True, marks=pytest.mark.interpreter)], ids=["torch", "triton"]
+)
 def test_opcheck(triton: bool) -> None:
     torch.library.opcheck(torch.ops.llmq.w4a16_linear.default, w4a16_args(triton))
     torch.library.opcheck(torch.ops.llmq.w8a8_linear.default, w8a8_args(triton))
 
 
+@pytest.mark.interpreter
 def test_triton_and_reference_paths_agree() -> None:
     for op, make in (
         (torch.ops.llmq.w4a16_linear, w4a16_args),
@@ -65,6 +68,7 @@ def test_quantized_linears_trace_through_the_op_and_run_eager_without_it() -> No
     assert torch.equal(compiled(x), linear(x))
 
 
+@pytest.mark.process
 def test_reference_path_imports_no_triton() -> None:
     code = (
         "import sys, torch, llmq.kernels.ops, llmq.runtime.load;"
@@ -73,6 +77,7 @@ def test_reference_path_imports_no_triton() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.process
 def test_every_kernel_variant_compiles_for_hopper_and_ampere() -> None:
     """The interpreter forgives what compiled Triton refuses (it once hid a non-constexpr global):
     compile every variant the launchers use for sm_90 and sm_80, ahead of time, without a GPU."""

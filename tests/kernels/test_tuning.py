@@ -63,6 +63,7 @@ def test_table_round_trip_and_lookup(table) -> None:
     assert w8a8.choose_config(16, 256, 4096, True, CPU).block_n == 64
 
 
+@pytest.mark.interpreter
 def test_tuned_w4a16_launches_compute_the_exact_product(table) -> None:
     for act_order in (False, True):
         weight = random_weight(96, 512, 128, asym=True, act_order=act_order)
@@ -73,6 +74,7 @@ def test_tuned_w4a16_launches_compute_the_exact_product(table) -> None:
     assert w4a16.choose_config(1, 96, 512, 128, CPU).split_k > 1
 
 
+@pytest.mark.interpreter
 def test_tuned_w8a8_launch_matches_the_reference(table) -> None:
     weight = weight_codes(96, 512, fp8=False)
     x = activations(16, 512, torch.float16, seed=1)

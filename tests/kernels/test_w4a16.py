@@ -71,6 +71,7 @@ CASES = [  # (M, N, K, group size, asymmetric, act-order, dtype, path)
 
 
 @pytest.mark.parametrize(("m", "n", "k", "group", "asym", "act_order", "dtype", "path"), CASES)
+@pytest.mark.interpreter
 def test_kernel_matches_float64(m, n, k, group, asym, act_order, dtype, path) -> None:
     weight = random_weight(n, k, group, asym=asym, act_order=act_order)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -89,6 +90,7 @@ def test_kernel_matches_float64(m, n, k, group, asym, act_order, dtype, path) ->
     ],
 )
 @pytest.mark.parametrize(("asym", "act_order"), [(False, False), (True, True)])
+@pytest.mark.interpreter
 def test_k_major_words_give_the_same_product(m, config, asym, act_order) -> None:
     """What the loader hands the kernels: the packed words stored K-major, read by stride."""
     weight = random_weight(200, 1000, 32, asym=asym, act_order=act_order)
@@ -101,6 +103,7 @@ def test_k_major_words_give_the_same_product(m, config, asym, act_order) -> None
     assert_within_bound(out, exact, magnitude, F16)
 
 
+@pytest.mark.interpreter
 def test_default_dispatch_runs_each_path() -> None:
     weight = random_weight(96, 256, 64, asym=False, act_order=False)
     for m in (1, 40, DEQUANT_MIN_M):
@@ -109,12 +112,14 @@ def test_default_dispatch_runs_each_path() -> None:
         assert_within_bound(w4a16_matmul(x, weight), exact, magnitude, F16)
 
 
+@pytest.mark.interpreter
 def test_dequantize_kernel_is_exact() -> None:
     weight = random_weight(70, 200, 32, asym=True, act_order=False)
     exact = reference.dequantize_int4(weight, torch.float64)
     assert torch.equal(dequantize(weight, torch.float32, block_k=32).double(), exact)
 
 
+@pytest.mark.interpreter
 def test_reads_what_llmq_quantize_writes() -> None:
     """On-disk tensors from llmq's own quantizer and packer: the kernel's reference weight is
     bit-identical to the file reader's, and the kernel's product agrees with it."""

@@ -39,6 +39,7 @@ def weight_codes(n: int, k: int, fp8: bool, seed: int = 0) -> W8A8Weight:
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [F16, BF16, torch.float32])
+@pytest.mark.interpreter
 def test_activation_quantization_matches_reference_code_for_code(fp8, dtype) -> None:
     x = activations(9, 1000, dtype)
     codes, scale = quantize_rows(x, fp8)
@@ -60,6 +61,7 @@ def test_reference_quantization_is_what_llmq_eval_simulates(fp8) -> None:
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8"])
+@pytest.mark.interpreter
 def test_static_scale_quantization_matches_reference_and_eval(fp8) -> None:
     """One calibrated scale for every row; inputs beyond the calibrated range saturate (int8 at
     -128 and 127, as llmq eval's static simulation does)."""
@@ -77,6 +79,7 @@ def test_static_scale_quantization_matches_reference_and_eval(fp8) -> None:
         quantize_rows(x, fp8, torch.tensor([1.0, 2.0]))
 
 
+@pytest.mark.interpreter
 def test_static_gemm_matches_float64() -> None:
     weight = weight_codes(200, 1000, fp8=False)
     static = torch.tensor([0.02])
@@ -90,6 +93,7 @@ def test_static_gemm_matches_float64() -> None:
     assert_within_bound(out, exact, magnitude, F16)
 
 
+@pytest.mark.interpreter
 def test_round_half_to_even_like_torch() -> None:
     # absmax 127 gives scale 1: the codes are the values rounded, ties to even
     x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5, -2.49]])
@@ -107,6 +111,7 @@ CASES = [  # (M, N, K, dtype, path)
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8"])
 @pytest.mark.parametrize(("m", "n", "k", "dtype", "path"), CASES)
+@pytest.mark.interpreter
 def test_gemm_matches_float64(fp8, m, n, k, dtype, path) -> None:
     weight = weight_codes(n, k, fp8)
     x = activations(m, k, dtype)
@@ -123,6 +128,7 @@ def test_gemm_matches_float64(fp8, m, n, k, dtype, path) -> None:
     assert_within_bound(out, exact, magnitude, dtype)
 
 
+@pytest.mark.interpreter
 def test_default_dispatch() -> None:
     weight = weight_codes(96, 256, fp8=False)
     for m in (1, 40, 100):

@@ -50,6 +50,7 @@ def test_method_reloads_with_the_logits_llmq_evaluated(
         ]
 
 
+@pytest.mark.integration
 def test_gptq_beats_rtn_on_the_calibration_outputs(tmp_path: Path, default_model: Path) -> None:
     result = llmq.quantize(
         default_model, tmp_path / "g", scheme="w4a16", group_size=64, method="gptq",

@@ -82,7 +82,7 @@ def test_sparsegpt_alone_beats_magnitude_on_every_layer(tmp_path: Path, tiny_lla
         (["--pattern", "2:5"], "5 does not divide in_features 192"),
         (["--sparsity", "0.5", "--pattern", "2:4"], "not both"),
         ([], "give either sparsity or pattern"),
-        (["--method", "gptq", "--sparsity", "0.5"], "prunes only with method"),
+        (["--method", "gptq", "--sparsity", "0.5"], "unknown method 'gptq' for prune"),
         (["--sparsity", "0.5", "--skip-layer-check"], "sparsegpt needs calibration data"),
         (["--sparsity", "0.5", "--ignore", "nothing_like_it"], "matches none"),
     ],

@@ -174,6 +174,7 @@ def test_static_absmax_scale_is_the_calibration_range(
     )
 
 
+@pytest.mark.integration
 def test_eval_applies_the_stored_kv_scales(tmp_path: Path, default_model: Path) -> None:
     """`llmq eval` quantizes the cache with the stored k_scale / v_scale: scales shrunk 1000x
     saturate the keys and values and the perplexity moves far; the report says KV fp8. On the
@@ -379,7 +380,13 @@ def test_existing_output_needs_overwrite(tmp_path: Path, tiny_llama: Path) -> No
     with pytest.raises(InputError, match="already exists"):
         llmq.quantize(tiny_llama, out, scheme="w8a16", **FAST)
     assert (out / "keep.txt").read_text() == "user data"
-    llmq.quantize(tiny_llama, out, scheme="w8a16", overwrite=True, **FAST)
+    with pytest.raises(InputError, match="not written by llmq"):  # --overwrite replaces ours only
+        llmq.quantize(tiny_llama, out, scheme="w8a16", overwrite=True, **FAST)
+    assert (out / "keep.txt").read_text() == "user data"
+    (out / "keep.txt").unlink()
+    llmq.quantize(tiny_llama, out, scheme="w8a16", overwrite=True, **FAST)  # empty: replaced
+    (out / "keep.txt").write_text("added later")
+    llmq.quantize(tiny_llama, out, scheme="w8a16", overwrite=True, **FAST)  # llmq's: replaced
     assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
 
 
@@ -390,6 +397,7 @@ def test_quantizing_a_quantized_checkpoint_is_refused(tmp_path: Path, tiny_llama
         llmq.quantize(out, tmp_path / "again", scheme="w8a16", **FAST)
 
 
+@pytest.mark.process
 def test_sigkill_mid_run_then_resume_is_identical(tmp_path: Path, default_model: Path) -> None:
     """A real kill (SIGKILL: no cleanup runs) half-way, then --resume, equals an uninterrupted run."""
     import os

@@ -56,6 +56,7 @@ def test_folding_preserves_the_layer_output(
         )
 
 
+@pytest.mark.integration
 def test_folding_preserves_the_real_model_layer(default_model: Path) -> None:
     reference, folded, reports, _, _ = fold_layer(default_model)
     assert float((folded - reference).abs().max() / reference.abs().max()) < 1e-5
@@ -107,6 +108,7 @@ def test_smoothquant_preserves_the_layer_output(
         torch.testing.assert_close(stats.samples, observed[name].samples, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.integration
 def test_smoothquant_on_the_real_model_layer(default_model: Path) -> None:
     """alpha 0.5 on SmolLM2's first layer: the output is unchanged and the W8A8 error of the
     consumers falls where activation outliers dominate (reported per pairing)."""

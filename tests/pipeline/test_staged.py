@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from llmq.api import make_recipe
-from llmq.api.common import _calibration_windows
 from llmq.calib.collect import run_observed
 from llmq.calib.stream import LayerStream
+from llmq.calib.windows import model_windows
 from llmq.config import Recipe
 from llmq.io.checkpoint import open_checkpoint
 from llmq.pipeline.linears import REPORT_WINDOWS
@@ -196,7 +196,7 @@ def test_no_true_sequential_observes_the_float_layer_whole(
     assert len(seen) == len(groups) * ckpt.num_layers
     recipe = Recipe.model_validate(record["recipe"])
     stream = LayerStream(ckpt, device="cpu")
-    windows = _calibration_windows(tiny_llama, recipe.calibration, NO_PROGRESS)
+    windows = model_windows(tiny_llama, recipe.calibration, NO_PROGRESS)
     _, observed = run_observed(
         stream, stream.load_layer(0), list(ckpt.layout.linears), stream.embed(windows.input_ids),
         hessian=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import Tensor
 
@@ -59,6 +60,7 @@ def test_folds_preserve_the_product() -> None:
     assert torch.allclose(through_linear, (h @ prev.T + prev_bias) @ weight.T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.integration
 def test_search_beats_plain_rtn_on_real_activations(
     real_weights: dict[str, Tensor],
     real_hessians: dict[str, Tensor],
@@ -87,6 +89,7 @@ def test_weight_magnitude_is_the_mean_relative_size_per_input_channel() -> None:
     assert torch.allclose(got, expected)
 
 
+@pytest.mark.integration
 def test_duo_scaling_search_never_loses_to_plain_rtn(
     real_weights: dict[str, Tensor],
     real_hessians: dict[str, Tensor],

@@ -18,6 +18,7 @@ INT8_CHANNEL = QuantArgs(num_bits=8, strategy="channel")
 
 @pytest.mark.parametrize("args", [INT4_G64, INT4_G64_ASYM, INT8_CHANNEL], ids=lambda a: a.label)
 @pytest.mark.parametrize("actorder", ["static", "none"])
+@pytest.mark.integration
 def test_same_bits_as_the_torch_loop_on_real_weights(
     monkeypatch: pytest.MonkeyPatch,
     real_weights: dict[str, Tensor],
@@ -51,6 +52,7 @@ def test_fp8_codes_keep_the_torch_loop() -> None:
 
 @pytest.mark.parametrize("args", [INT4_G64, INT4_G64_ASYM, INT8_CHANNEL], ids=lambda a: a.label)
 @pytest.mark.parametrize("weighted", [True, False], ids=["output", "mse"])
+@pytest.mark.integration
 def test_clip_search_picks_the_same_ratios(
     monkeypatch: pytest.MonkeyPatch,
     real_weights: dict[str, Tensor],

@@ -8,9 +8,9 @@ from torch import Tensor
 
 from llmq.config import QuantArgs, group_width
 from llmq.errors import NumericalError
-from llmq.pruning.masks import Sparsity, pruned_mask
 from llmq.quant.awq import output_error
 from llmq.quant.gptq import gptq_quantize_weight
+from llmq.quant.masks import Sparsity, pruned_mask
 from llmq.quant.primitives import (
     DenseWeight,
     QuantizedWeight,
@@ -131,6 +131,7 @@ def test_float32_run_matches_float64_up_to_rounding_ties() -> None:
 
 
 @pytest.mark.parametrize("args", [INT4_G32_ASYM, INT8_CHANNEL], ids=lambda a: a.label)
+@pytest.mark.integration
 def test_lower_output_error_than_rtn_on_real_activations(
     real_hessians: dict[str, Tensor], real_weights: dict[str, Tensor], args: QuantArgs
 ) -> None:
@@ -144,6 +145,7 @@ def test_lower_output_error_than_rtn_on_real_activations(
 
 
 @pytest.mark.parametrize("args", [INT4_G32_ASYM, INT8_CHANNEL], ids=lambda a: a.label)
+@pytest.mark.integration
 def test_weights_stacked_by_rows_quantize_as_each_alone(
     real_hessians: dict[str, Tensor], real_weights: dict[str, Tensor], args: QuantArgs
 ) -> None:

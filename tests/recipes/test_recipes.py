@@ -19,6 +19,11 @@ from tests.conftest import assert_bad_input, make_tiny, sharpen
 
 runner = CliRunner()
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
+# A task gate runs lm-eval, which starts `python -m pip list` for its environment report.
+EXAMPLES_MARKED = [
+    pytest.param(path, marks=pytest.mark.process) if "tasks:" in path.read_text() else path
+    for path in EXAMPLES
+]
 # What makes a stage quick on a tiny model: few, short windows and steps.
 SMALL = {
     "quantize": {"num_samples": 4, "seq_len": 64},
@@ -54,7 +59,7 @@ def test_each_example_round_trips_through_yaml(path: Path) -> None:
     assert dump_recipe(again) == dump_recipe(recipe)
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", EXAMPLES_MARKED, ids=lambda p: p.stem)
 def test_each_example_runs_on_a_tiny_model(tmp_path: Path, tiny_llama: Path, path: Path) -> None:
     recipe = small(load_recipe(path).recipe)
     result = run(recipe, tiny_llama, tmp_path / "out")
@@ -99,14 +104,17 @@ def write(tmp_path: Path, text: str) -> Path:
             "stages:\n  - prune:\n      sparsity: 0.5\n  - eval:\n      baseline: distill\n  - distill:\n      max_steps: 3\n",
             "recipe.yaml:4: stages[1]: stage eval compares with distill, which runs later",
         ),
-        ("stages:\n  - quantise: {}\n", "recipe.yaml:2: stages[0].quantise: unknown stage kind 'quantise'"),
+        (
+            "stages:\n  - quantise: {}\n",
+            "recipe.yaml:2: stages[0].quantise: unknown stage kind 'quantise'",
+        ),
         (
             "stages:\n  - distill:\n      lr: 0.1\n",
             "recipe.yaml:2: stages[0].distill: how long to train",
         ),
         (
             "stages:\n  - prune:\n      params: 0.5\n",
-            "stages[0].prune: params, the sizes and evaluate go with structured: true",
+            "stages[0].prune: params goes with structured: true",
         ),
         ("stages: []\n", "recipe.yaml:1: stages: List should have at least 1 item"),
         (

@@ -49,6 +49,7 @@ def test_w8a8_matches_the_simulation_llmq_eval_runs(tiny_quantized, scheme, acti
 
 
 @pytest.mark.parametrize("scheme", ["w4a16-asym", "w8a8"])
+@pytest.mark.interpreter
 def test_triton_kernels_run_the_model_in_the_interpreter(tiny_quantized, scheme: str) -> None:
     ckpt = open_checkpoint(tiny_quantized(scheme))
     triton = load_quantized(ckpt, kernels="triton")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmq.pruning.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scores
+from llmq.quant.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scores
 
 
 def test_nm_masks_keep_the_n_largest_of_every_m() -> None:

@@ -1,0 +1,124 @@
+"""A quantize (or one-shot prune) job from a validated Recipe: inputs checked, the run planned,
+OUT claimed, calibration sampled, the layers run, the checkpoint published with its record.
+
+`llmq.api.quantize` and `llmq.api.prune` build the Recipe from the user's options and call
+`run_job`; so does quantization-aware training's export, which is why this lives below the API.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from llmq import __version__
+from llmq.config import RESUME_EVERY_S, Recipe
+from llmq.errors import InputError
+from llmq.io.checkpoint import Checkpoint
+from llmq.pipeline.report import QuantizeResult
+from llmq.progress import NO_PROGRESS, Progress
+from llmq.texts import text_inputs
+
+
+@dataclass(frozen=True, slots=True)
+class JobInputs:
+    """What a job reads besides the model and the recipe."""
+
+    calib_stats: str | Path | None = None  # statistics from `llmq calibrate`
+    fallback: str | Path | None = None  # a fallback-scan report, or "auto"
+    fallback_threshold: float | None = None  # the inline scan's (fallback "auto")
+    require_loaders: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True, slots=True)
+class JobRun:
+    """How a job runs and writes, apart from what it computes."""
+
+    overwrite: bool = False
+    resume: bool = False
+    resume_every_s: float = RESUME_EVERY_S
+    space_check: bool = True
+    reference: bool = True
+    device: str | None = None
+
+
+def run_job(
+    ckpt: Checkpoint,
+    out: Path,
+    recipe: Recipe,
+    *,
+    source: str,
+    inputs: JobInputs = JobInputs(),
+    run: JobRun = JobRun(),
+    progress: Progress = NO_PROGRESS,
+) -> QuantizeResult:
+    """Quantize or prune `ckpt` into a checkpoint at OUT as `recipe` says. `source`: how the
+    user named the model (recorded). Everything is validated before any work."""
+    from llmq.calib.stats import CalibStats
+    from llmq.calib.windows import model_windows
+    from llmq.io.atomic import (
+        check_free_space,
+        check_output_dir,
+        claim_output,
+        refuse_inputs,
+        staging_path,
+    )
+    from llmq.pack.format import scheme_format
+    from llmq.pack.loaders import check_required_loaders
+    from llmq.pipeline.plan import disk_needed, plan_quantization
+    from llmq.pipeline.prepare import apply_fallback, check_pairings, fallback_input, layer_profile
+    from llmq.pipeline.quantize import run_quantization
+    from llmq.pipeline.state import keep_if_resumable
+
+    loaders = check_required_loaders(recipe.weight_args, scheme_format(recipe.scheme), inputs.require_loaders)  # fmt: skip
+    if not run.resume_every_s >= 0:
+        raise InputError(f"--resume-every {run.resume_every_s}: must be >= 0 seconds")
+    read = [("model", ckpt.path), ("statistics file", inputs.calib_stats), *fallback_input(inputs.fallback)]  # fmt: skip
+    if recipe.calibration is not None:
+        read += text_inputs(recipe.calibration.text, "calibration text")
+    refuse_inputs(out, read)  # before the fallback scan, the first work
+    fallback_record = None
+    if inputs.fallback is not None:
+        recipe, fallback_record = apply_fallback(
+            ckpt, recipe, inputs.fallback, inputs.fallback_threshold, inputs.calib_stats, progress
+        )
+    plan = plan_quantization(ckpt, recipe)
+    check_pairings(ckpt, recipe)
+    stats = CalibStats.load(Path(inputs.calib_stats)) if inputs.calib_stats else None
+    staging = staging_path(out)
+    kept = partial(keep_if_resumable, staging, "rerun the same command with --resume to continue")
+    with claim_output(out, inputs=read, kept=kept):  # held until the output is published
+        check_output_dir(out, overwrite=run.overwrite)
+        if run.space_check:
+            check_free_space(out, disk_needed(ckpt, plan, recipe, staging if run.resume else None))
+        record: dict[str, Any] = {
+            "llmq_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "source_model": source,
+            "recipe": recipe.model_dump(mode="json"),
+            "calibration": None,
+            "loaders": loaders,
+        }
+        ids = None
+        if recipe.calibration is not None:
+            cal = recipe.calibration
+            windows = model_windows(ckpt.path, cal, progress)
+            ids = windows.input_ids
+            record["calibration"] = {**cal.model_dump(), "tokens": windows.num_tokens, "bos": windows.add_bos}  # fmt: skip
+        if stats is not None:
+            record["calib_stats"] = {"file": str(inputs.calib_stats), **stats.metadata}
+        if fallback_record is not None:
+            record["fallback"] = fallback_record
+        sparsities = None
+        if recipe.sparsity_profile != "uniform":
+            sparsities = layer_profile(ckpt, plan, recipe, ids, progress, run.device)
+            record["sparsity_profile"] = sparsities
+        return run_quantization(
+            ckpt, plan, recipe, out,
+            calibration_ids=ids, calib_stats=stats, resume=run.resume, progress=progress,
+            record=record, device=run.device, resume_every_s=run.resume_every_s,
+            reference=run.reference,
+            layer_sparsities=None if sparsities is None else sparsities["sparsity"],
+        )  # fmt: skip

@@ -1,0 +1,94 @@
+"""Refactoring changes no byte: the files each method writes for the default model (small
+calibration) hash as they did when recorded (tests/golden.json, first from main dd5016e).
+
+An intended change of output is recorded again with `python tests/test_golden.py` and named in
+the commit message. Byte identity is only expected with the torch version the hashes were
+recorded with: with another one the test is skipped, saying so. The data-free cases run in every
+suite; the calibrated ones take about 25 CPU-minutes together, so they run when LLMQ_GOLDEN=1
+(before and after a change to the pipeline, quantizers or writers: docs/tests.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+GOLDEN = Path(__file__).with_name("golden.json")
+CALIBRATION = ["--num-samples", "4", "--seq-len", "128"]
+CASES: dict[str, list[str]] = {
+    "rtn-w4a16": ["quantize", "--scheme", "w4a16", "--method", "rtn"],
+    "gptq-w4a16-g64": [
+        "quantize",
+        "--scheme",
+        "w4a16",
+        "--group-size",
+        "64",
+        "--method",
+        "gptq",
+        *CALIBRATION,
+    ],
+    "awq-w4a16": ["quantize", "--scheme", "w4a16", "--method", "awq", *CALIBRATION],
+    "smoothquant-gptq-w8a8": [
+        "quantize",
+        "--scheme",
+        "w8a8",
+        "--method",
+        "gptq",
+        "--smooth",
+        "auto",
+        *CALIBRATION,
+    ],
+    "fp8-block": ["quantize", "--scheme", "fp8-block"],
+    "wanda-50": ["prune", "--method", "wanda", "--sparsity", "0.5", *CALIBRATION],
+    "sparsegpt-2of4": ["prune", "--method", "sparsegpt", "--pattern", "2:4", *CALIBRATION],
+}
+DATA_FREE = ("rtn-w4a16", "fp8-block")
+RECORD_FILE = "llmq.json"  # how and when it was made: not part of the checkpoint's bytes
+
+
+def written(case: str, out: Path) -> dict[str, str]:
+    """Write CASE's checkpoint of the default model at OUT; the SHA-256 of every file in it."""
+    command, *options = CASES[case]
+    args = [command, "smollm2-135m", "--out", str(out), "--no-reference", *options]
+    run = subprocess.run([sys.executable, "-m", "llmq.cli.main", *args], capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return {
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(out.iterdir())
+        if path.is_file() and path.name != RECORD_FILE
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.process
+def test_the_files_written_are_unchanged(case: str, tmp_path: Path, default_model: Path) -> None:
+    import torch
+
+    if case not in DATA_FREE and os.environ.get("LLMQ_GOLDEN") != "1":
+        pytest.skip("a calibrated golden case: LLMQ_GOLDEN=1 runs it (minutes each)")
+    golden = json.loads(GOLDEN.read_text())
+    if golden["torch"] != torch.__version__:
+        pytest.skip(f"hashes recorded with torch {golden['torch']}, this is {torch.__version__}")
+    assert written(case, tmp_path / case) == golden["cases"][case]
+
+
+def record(folder: Path) -> None:
+    import torch
+
+    cases = {case: written(case, folder / case) for case in sorted(CASES)}
+    GOLDEN.write_text(json.dumps({"torch": torch.__version__, "cases": cases}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        record(Path(scratch))

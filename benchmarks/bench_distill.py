@@ -62,7 +62,7 @@ def distill_cmd(teacher: Path, student: Path, out: Path, loss: str, args: argpar
             "--loss", loss, "--max-steps", str(args.steps), "--lr", str(args.lr),
             "--warmup-steps", str(max(1, args.steps // 20)), "--grad-accum", str(GRAD_ACCUM),
             "--seq-len", str(SEQ_LEN), "--keep", "last", "--eval-every", str(max(1, args.steps // 3)),
-            "--data", args.data, "--no-evaluate", "--no-reference"]  # fmt: skip
+            "--train-text", args.data, "--no-evaluate", "--no-reference"]  # fmt: skip
 
 
 def throughput(teacher: Path, student: Path, repeats: int) -> dict[str, float]:

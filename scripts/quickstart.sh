@@ -14,7 +14,7 @@ llmq quantize smollm2-135m --out runs/smollm2-135m-w4a16-gptq --scheme w4a16 --g
 llmq quantize smollm2-135m --out runs/smollm2-135m-w8a8-gptq --scheme w8a8 --method gptq \
     --smooth auto --num-samples 32 --overwrite
 llmq eval runs/smollm2-135m-w4a16-gptq runs/smollm2-135m-w8a8-gptq --baseline smollm2-135m \
-    --max-windows 16
+    --eval-windows 16
 # A task-accuracy gate: exit 1 if next-line accuracy drops more than 5 points, significantly.
 llmq eval runs/smollm2-135m-w4a16-gptq runs/smollm2-135m-w8a8-gptq --baseline smollm2-135m \
     --tasks hamlet_next_line --limit 100 --max-drop 0.05

@@ -245,8 +245,8 @@ def _evaluate(stage: Any, model: Path, baseline: Path, report: Path, progress: P
         from llmq.api.evaluate import evaluate
 
         result = evaluate(
-            model, baseline=baseline, text=stage.text, seq_len=stage.seq_len,
-            max_windows=stage.max_windows, max_ppl_increase=stage.max_ppl_increase,
+            model, baseline=baseline, text=stage.eval_text, seq_len=stage.seq_len,
+            max_windows=stage.eval_windows, max_ppl_increase=stage.max_ppl_increase,
             progress=progress, device=device,
         )  # fmt: skip
     summary = result.to_dict()

@@ -1,6 +1,6 @@
 """`distill`: train a student (usually a pruned copy of the teacher) on the teacher's token
 distributions and write it as a plain checkpoint; resumable, one process or many (torchrun).
-One run of training (llmq.api.train), or with `prune="iterative"` rounds of prune and distill
+One run of training (llmq.api.train), or with `iterative` pruning rounds of prune and distill
 stages (llmq.api.iterative); the report adds held-out perplexities."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def distill(
     run = {"config": config, "max_tokens": max_tokens, "checkpoint_every": checkpoint_every,
            "resume_every_s": resume_every_s, "resume": resume, "overwrite": overwrite,
            "sharding": sharding, "progress": progress, "device": device, **options}  # fmt: skip
-    if (config.prune if config else options.get("prune")) == "iterative":
+    if (config.iterative if config else options.get("iterative")) is not None:
         from llmq.api.iterative import distill_iterative
 
         result = distill_iterative(teacher, student, out, **run)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmq.api.common import (
     _open,
@@ -14,6 +14,9 @@ from llmq.io.checkpoint import recorded_sparsity
 from llmq.models import cache_dir, resolve_model
 from llmq.pipeline.output import weights_size
 from llmq.progress import NO_PROGRESS, Progress
+
+if TYPE_CHECKING:
+    from llmq.eval.verify import VerifyResult
 from llmq.texts import DEFAULT_EVAL_TEXT
 
 
@@ -80,7 +83,7 @@ def evaluate(
     if seq_len < 8:
         raise InputError(f"--seq-len {seq_len}: must be >= 8")
     if max_windows is not None and max_windows < 1:
-        raise InputError(f"--max-windows {max_windows}: must be >= 1")
+        raise InputError(f"--eval-windows {max_windows}: must be >= 1")
     if max_ppl_increase is not None and baseline is None:
         raise InputError("--max-ppl-increase needs --baseline")
     if max_ppl_increase is not None and not 0 <= max_ppl_increase < 100:
@@ -121,7 +124,7 @@ def verify(
     against: str | Path | None = None,
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
-) -> Any:
+) -> VerifyResult:
     """Load the checkpoint at PATH with each loader (default: every installed one of
     transformers, vllm, llmq), run the prompts its `llmq.json` records and compare their
     log-probabilities with the recorded reference, and its files with their recorded hashes.

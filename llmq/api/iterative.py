@@ -8,13 +8,15 @@ round's sparsity (or parameters) and held-out perplexity after pruning and after
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmq.config import DistillConfig
 from llmq.progress import Progress
+
+if TYPE_CHECKING:
+    from llmq.api.train import DistillResult
 
 
 def distill_iterative(
@@ -32,14 +34,14 @@ def distill_iterative(
     progress: Progress,
     device: str | None,
     **options: Any,
-) -> Any:
+) -> DistillResult:
     """Run the rounds into OUT's staging folder and publish the last student as OUT; the
     `DistillResult` of the whole, with `rounds` filled."""
     from llmq.api.chain import run
     from llmq.api.common import _open
     from llmq.api.train import check_models, check_run, distill_config, distill_inputs
     from llmq.distillation.parallel import launched
-    from llmq.io.atomic import check_output_dir, claim_output, publish, staging_path, write_json
+    from llmq.io.atomic import add_to_record, check_output_dir, claim_output, publish, staging_path
     from llmq.recipes.iterative import rounds_recipe
 
     teacher, student = _open(teacher, progress), _open(student, progress)
@@ -59,14 +61,13 @@ def distill_iterative(
         ).stages  # fmt: skip
         result = _result(stages, config, teacher.path, student.path, out)
         last = Path(stages[-1].output)
-        saved = json.loads((last / "llmq.json").read_text())
-        write_json(last / "llmq.json", {**saved, "distillation": _record(result)})
+        add_to_record(last, distillation=_record(result))
         publish(last, out)
         shutil.rmtree(staging, ignore_errors=True)
     return result
 
 
-def _result(stages: list[Any], config: DistillConfig, teacher: Path, student: Path, out: Path) -> Any:  # fmt: skip
+def _result(stages: list[Any], config: DistillConfig, teacher: Path, student: Path, out: Path) -> DistillResult:  # fmt: skip
     from llmq.api.train import DistillResult
 
     pruned = [s.summary for s in stages if s.kind == "prune"]

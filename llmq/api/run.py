@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmq.api.common import (
     _open,
@@ -17,8 +17,13 @@ from llmq.errors import InputError
 from llmq.models import resolve_model
 from llmq.progress import NO_PROGRESS, Progress
 
+if TYPE_CHECKING:
+    from torch import nn
 
-def load_dequantized(path: str | Path) -> Any:
+    from llmq.runtime.bench import BenchReport
+
+
+def load_dequantized(path: str | Path) -> nn.Module:
     """A transformers model with every quantized weight dequantized (float32), for comparison
     and inspection. Activations are not quantized by this model."""
     from llmq.runtime.load import load_dequantized as load
@@ -41,7 +46,7 @@ def _dtype(name: str) -> Any:
 
 def load_quantized(
     path: str | Path, *, device: str | None = None, dtype: str = "auto", kernels: str = "auto"
-) -> Any:
+) -> nn.Module:
     """A transformers model whose quantized linears run llmq's kernels: Triton on a GPU, the torch
     reference of the same math on the CPU (kernels="triton" or "torch" forces one).
     dtype "auto": bfloat16 on a GPU, float32 on the CPU."""
@@ -123,7 +128,7 @@ def bench(
     dtype: str = "auto",
     kernels: str = "auto",
     progress: Progress = NO_PROGRESS,
-) -> Any:
+) -> BenchReport:
     """Time a quantized checkpoint's layer shapes and its prefill/decode against the same weights
     dequantized to 16 bits (float32 on the CPU), in one run; or, with `shapes` ("MxNxK") and no
     path, synthetic layers of `scheme`. Returns a `llmq.runtime.bench.BenchReport`."""
@@ -157,7 +162,7 @@ def bench(
     gpu = first.is_cuda
     batch_sizes = batch_sizes or ([1, 16, 256] if gpu else [1, 16])
     if min(batch_sizes) < 1:
-        raise InputError(f"--batch {batch_sizes}: every batch size must be at least 1")
+        raise InputError(f"--batch-size {batch_sizes}: every batch size must be at least 1")
     dense = load_dense(_open(path)).to(device=first.device, dtype=first.dtype)
     report = runtime_bench.bench_model(
         model, dense, batch_sizes=batch_sizes,

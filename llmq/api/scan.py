@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmq.config import (
     SCAN_RATIO_THRESHOLD,
@@ -12,6 +12,9 @@ from llmq.config import (
 )
 from llmq.models import BUILTIN_MODELS, resolve_model
 from llmq.progress import NO_PROGRESS, Progress
+
+if TYPE_CHECKING:
+    from llmq.fallback.report import ScanReport
 
 
 def fallback_scan(
@@ -28,7 +31,7 @@ def fallback_scan(
     calib_stats: str | Path | None = None,
     error_share_threshold: float = SCAN_SHARE_THRESHOLD,
     progress: Progress = NO_PROGRESS,
-) -> Any:
+) -> ScanReport:
     """Scan every .safetensors file under PATH (a folder, a file or a built-in model name) for
     tensors that will not survive quantization under `scheme` (its group size overridden by
     `group_size`, -1 per-channel, as in `quantize`); returns a `ScanReport`.

@@ -3,17 +3,15 @@ scored on calibration windows, written one decoder layer at a time."""
 
 from __future__ import annotations
 
-import math
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmq import __version__
 from llmq.api.common import _open, options_of
 from llmq.config import StructuredOptions
-from llmq.errors import InputError
+from llmq.io.record import OutputRecord
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.texts import text_inputs
 
@@ -68,30 +66,27 @@ def prune_structured(
         refuse_inputs,
         staging_path,
     )
-    from llmq.pipeline.output import weights_size
+    from llmq.pipeline.output import ShardNames, finish_checkpoint, weights_size
     from llmq.pruning.structured import (
         Importance,
         Targets,
-        budget_targets,
+        budget_reached,
         count_parameters,
-        kept_sizes,
+        output_bytes,
         plan_structured,
+        score_structured,
+        stored_parameters,
+        structured_roles,
+        structured_targets,
+        write_structured,
     )
 
     started = time.perf_counter()
     o = options_of(StructuredOptions, options, values)
     ckpt = _open(model, progress)
-    _check_family(ckpt)
-    targets = Targets(o.intermediate_size, o.num_kv_heads, o.num_layers, o.hidden_size, o.num_heads)  # fmt: skip
-    if o.params is not None and o.decoder_params is not None:
-        raise InputError("--params and --decoder-params: give one (a share of all the parameters, or of the decoder layers')")  # fmt: skip
-    share = o.params if o.params is not None else o.decoder_params
-    if share is not None:
-        decoder = o.params is None
-        targets = budget_targets(ckpt.config, ckpt.layout.layers, share, decoder=decoder, given=targets)  # fmt: skip
-    if targets == Targets():
-        raise InputError("nothing to remove", hint="give --params, --intermediate-size, --num-kv-heads, --num-heads, --hidden-size or --num-layers")  # fmt: skip
-    kept_sizes(ckpt.config, targets)  # before the scoring pass
+    structured_roles(ckpt)  # refuses a quantized checkpoint, a family without the roles
+    given = Targets(o.intermediate_size, o.num_kv_heads, o.num_layers, o.hidden_size, o.num_heads)  # fmt: skip
+    targets = structured_targets(ckpt, given, params=o.params, decoder_params=o.decoder_params)
     cal = o.calibration(o.samples)
     out = Path(out)
     importance, save_importance = o.importance, o.save_importance
@@ -104,146 +99,58 @@ def prune_structured(
             scores, source, calibration = Importance.load(Path(importance)), str(importance), None
         else:
             windows = model_windows(ckpt.path, cal, progress)
-            scores = _score(ckpt, windows.input_ids, progress, device)
-            if o.depth_metric == "ppl":
-                scores.blocks = _depth_by_perplexity(ckpt, windows.input_ids, progress, device)
+            scores = score_structured(
+                ckpt, windows.input_ids, depth_metric=o.depth_metric, progress=progress,
+                device=device,
+            )  # fmt: skip
             source = "computed" if o.depth_metric == "block" else "computed, layers by perplexity"
             calibration = {**cal.model_dump(), "tokens": windows.num_tokens}
             if save_importance is not None:
                 scores.save(Path(save_importance))
         plan = plan_structured(ckpt.config, scores, targets)
         counts = {
-            "source": count_parameters(ckpt.config, ckpt.layout.layers).to_dict(),
-            "output": count_parameters(plan.config, ckpt.layout.layers).to_dict(),
+            "source": count_parameters(ckpt.config, ckpt.layout.layers),
+            "output": count_parameters(plan.config, ckpt.layout.layers),
         }
         if space_check:
-            check_free_space(out, _output_bytes(ckpt, plan.config))
+            check_free_space(out, output_bytes(ckpt, plan.config))
         staging = staging_path(out)
-        record = {
-            "llmq_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "source_model": str(model),
-            "recipe": o.model_dump(mode="json", exclude=REPORT_ONLY),
-            "structured": {
+        budget = budget_reached(o.params, o.decoder_params, counts)
+        record = OutputRecord(
+            source_model=str(model),
+            recipe=o.model_dump(mode="json", exclude=REPORT_ONLY),
+            structured={
                 "removed": plan.removed(ckpt.config),
                 "importance": source,
-                "parameters": counts,
-                "budget": _budget(o.params, o.decoder_params, counts),
+                "parameters": {key: count.to_dict() for key, count in counts.items()},
+                "budget": budget,
             },
-            "calibration": calibration,
-        }
+            calibration=calibration,
+        )
+        shards = ShardNames(len(plan.layers))
         try:
-            _write(ckpt, plan, staging, record, progress, device, reference=reference)
+            write_structured(ckpt, plan, staging, shards.name, progress=progress)
+            with progress.stage("writing config, index and the reference for `llmq verify`"):
+                finish_checkpoint(
+                    ckpt.path, staging, shards, plan.config, record, device, reference=reference
+                )
         except BaseException:  # no resume point: nothing partial is kept
             shutil.rmtree(staging, ignore_errors=True)
             raise
         publish(staging, out)
 
-    stored = {"source": _stored(ckpt), "output": _stored(_open(out))}
+    stored = {"source": stored_parameters(ckpt), "output": stored_parameters(_open(out))}
     result = StructuredResult(
         out_dir=out, model=str(model), removed=plan.removed(ckpt.config),
-        parameters={k: total for k, (total, _) in stored.items()},
-        decoder_parameters={k: decoder for k, (_, decoder) in stored.items()},
+        parameters={key: count.total for key, count in stored.items()},
+        decoder_parameters={key: count.decoder for key, count in stored.items()},
         size_bytes={"source": weights_size(ckpt.path), "output": weights_size(out)},
-        importance=source, calibration=calibration, budget=record["structured"]["budget"],
+        importance=source, calibration=calibration, budget=budget,
     )  # fmt: skip
     if o.evaluate:
         result.perplexity = _perplexities(ckpt.path, out, progress, device)
     result.seconds = time.perf_counter() - started
     return result
-
-
-def _stored(ckpt: Any) -> tuple[int, int]:
-    """Parameters as stored (a tied lm_head once): all of them, the decoder layers'."""
-    layers = ckpt.layout.layers + "."
-    sizes = {name: math.prod(info.shape) for name, info in ckpt.tensors.items()}
-    return sum(sizes.values()), sum(n for name, n in sizes.items() if name.startswith(layers))
-
-
-def _budget(
-    params: float | None, decoder_params: float | None, counts: dict[str, dict[str, int]]
-) -> dict[str, Any] | None:
-    """The share asked for and the share reached, or None without --params/--decoder-params."""
-    if params is None and decoder_params is None:
-        return None
-    part = "total" if params is not None else "decoder"
-    return {
-        "option": "--params" if params is not None else "--decoder-params",
-        "share": params if params is not None else decoder_params,
-        "reached": counts["output"][part] / counts["source"][part],
-    }
-
-
-def _check_family(ckpt: Any) -> None:
-    if ckpt.quantization_config:
-        raise InputError(f"{ckpt.path}: quantized", hint="prune the original float checkpoint")
-    if ckpt.layout.linears != (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-    ):  # fmt: skip
-        raise InputError(
-            f"{ckpt.path}: structured pruning knows Llama-style attention and gated MLPs only "
-            f"(model_type {ckpt.config.get('model_type')!r})"
-        )
-
-
-def _score(ckpt: Any, ids: Any, progress: Progress, device: str | None) -> Any:
-    from llmq.pruning.structured import score_model
-
-    with progress.stage("scoring heads, channels and layers"):
-        return score_model(ckpt, ids, progress=progress, device=device)
-
-
-def _depth_by_perplexity(ckpt: Any, ids: Any, progress: Progress, device: str | None) -> Any:
-    from llmq.pruning.structured import depth_by_perplexity
-
-    return depth_by_perplexity(ckpt, ids, progress=progress, device=device)
-
-
-def _output_bytes(ckpt: Any, config: dict[str, Any]) -> int:
-    from llmq.io.checkpoint import torch_dtype
-    from llmq.pruning.structured import parameter_count
-
-    itemsize = max(torch_dtype(info.dtype).itemsize for info in ckpt.tensors.values())
-    return parameter_count(config) * itemsize + 64 * 1024
-
-
-def _write(
-    ckpt: Any,
-    plan: Any,
-    staging: Path,
-    record: dict[str, Any],
-    progress: Progress,
-    device: str | None,
-    *,
-    reference: bool,
-) -> None:
-    """Shard 0: embeddings, final norm, lm_head as they are; shard i + 1: kept layer i,
-    renumbered and sliced; then the index, config, side files and llmq.json."""
-    from llmq.io.atomic import save_safetensors
-    from llmq.pipeline.output import ShardNames, finish_checkpoint, non_layer_tensors
-    from llmq.pruning.structured import slice_layer, slice_outer
-
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    shards = ShardNames(len(plan.layers))
-    outer = slice_outer(non_layer_tensors(ckpt), plan.hidden, ckpt.layout)
-    save_safetensors(staging / shards.name(0), outer)
-    with progress.stage("writing layers", total=len(plan.layers)) as advance:
-        for new, (old, channels, groups, heads) in enumerate(
-            zip(plan.layers, plan.channels, plan.kv_groups, plan.query_heads, strict=True)
-        ):
-            source, target = ckpt.layout.layer_prefix(old), ckpt.layout.layer_prefix(new)
-            tensors = {n[len(source) :]: ckpt.read(n) for n in ckpt.names_with_prefix(source)}
-            sliced = slice_layer(tensors, channels, groups, heads, ckpt.config, plan.hidden)
-            save_safetensors(
-                staging / shards.name(new + 1), {target + n: t for n, t in sliced.items()}
-            )
-            advance(1)
-    with progress.stage("writing config, index and the reference for `llmq verify`"):
-        finish_checkpoint(
-            ckpt.path, staging, shards, plan.config, record, device, reference=reference
-        )
 
 
 def _perplexities(

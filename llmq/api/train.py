@@ -83,7 +83,7 @@ def train(
         run_device = process_device(run_device, processes)
         config = config or distill_config(options, max_tokens, processes.world_size)
         check_run(config, checkpoint_every, resume_every_s, processes.world_size, sharding)
-        if config.prune == "iterative":
+        if config.iterative is not None:
             raise InputError("prune iterative: runs its own rounds of prune and distill stages", hint="use `llmq distill --prune iterative`, or write the rounds as stages")  # fmt: skip
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
@@ -122,8 +122,8 @@ def distill_config(
         assert isinstance(probe, DistillConfig)
         per_step = probe.seq_len * probe.batch_size * probe.grad_accum * world_size
         steps = math.ceil(max_tokens / per_step)
-        if options.get("prune") == "iterative":  # whole rounds
-            rounds = options.get("rounds", ITERATIVE_ROUNDS)
+        rounds = _rounds(options)
+        if rounds is not None:  # whole rounds
             steps = math.ceil(steps / rounds) * rounds
         options = {**options, "max_steps": steps}
     if options.get("max_steps") is None:
@@ -138,13 +138,22 @@ def _steps_per_round(options: dict[str, Any]) -> dict[str, Any]:
     per_round = options.pop("steps_per_round", None)
     if per_round is None:
         return options
-    if options.get("prune") != "iterative":
+    rounds = _rounds(options)
+    if rounds is None:
         raise InputError("--steps-per-round: goes with --prune iterative")
     if options.get("max_steps") is not None:
         raise InputError("give --steps-per-round or --max-steps, not both")
     if per_round < 1:
         raise InputError(f"--steps-per-round {per_round}: must be >= 1")
-    return {**options, "max_steps": per_round * options.get("rounds", ITERATIVE_ROUNDS)}
+    return {**options, "max_steps": per_round * rounds}
+
+
+def _rounds(options: dict[str, Any]) -> int | None:
+    """Iterative pruning's rounds (None: no iterative pruning), from its config or its keys."""
+    iterative = options.get("iterative")
+    if isinstance(iterative, dict):
+        return int(iterative.get("rounds", ITERATIVE_ROUNDS))
+    return None if iterative is None else iterative.rounds
 
 
 def check_run(
@@ -164,7 +173,7 @@ def check_run(
         raise InputError(f"--checkpoint-every {checkpoint_every}: must be >= 1 step")
     if not resume_every_s > 0:
         raise InputError(f"--resume-every {resume_every_s}: must be > 0 seconds")
-    if world_size > 1 and config.prune == "iterative":
+    if world_size > 1 and config.iterative is not None:
         raise InputError("--prune iterative: runs in one process (its one-shot pruning is not data-parallel)")  # fmt: skip
     if world_size > 1 and config.eval_windows < world_size:
         raise InputError(f"--eval-windows {config.eval_windows}: fewer than the {world_size} processes")  # fmt: skip
@@ -229,19 +238,19 @@ def distill_inputs(teacher: Any, student: Any, config: DistillConfig) -> list[tu
     """What a distillation reads, as inputs no output may cover: both models, the texts."""
     from llmq.texts import text_inputs
 
-    texts = text_inputs(config.data, "training text") + text_inputs(config.eval_text, "held-out text")  # fmt: skip
+    texts = text_inputs(config.train_text, "training text") + text_inputs(config.eval_text, "held-out text")  # fmt: skip
     return [("teacher", teacher.path), ("student", student.path), *texts]
 
 
 def _qat_start(config: DistillConfig, student: Any, staging: Path, progress: Progress, device: Any) -> None:  # fmt: skip
     """`qat_init gptq|awq`: that method's solution for the student, computed once (a resumed run keeps
     it), removed when the run is written."""
-    if config.qat is None or config.qat_init == "float":
+    qat = config.qat
+    if qat is None or qat.init == "float":
         return
     from llmq.distillation.qat import ptq_start, start_folder
 
-    folder = start_folder(staging)
-    ptq_start(student.path, folder, config.qat_init, config.qat, config.qat_group_size, progress, str(device))  # fmt: skip
+    ptq_start(student.path, start_folder(staging), qat.init, qat.scheme, qat.group_size, progress, str(device))  # fmt: skip
 
 
 def _result(run: Any, teacher: Any, student: Any, out: Path, kept_step: int) -> DistillResult:
@@ -255,7 +264,7 @@ def _result(run: Any, teacher: Any, student: Any, out: Path, kept_step: int) -> 
         tokens_per_s=state.tokens / state.step_seconds if state.step_seconds else 0.0,
         kept_step=kept_step, evaluations=state.evals, losses=state.losses,
         masked_linears=len(run.masks), processes=run.processes.world_size,
-        sparsity=linear_sparsity(run) if run.config.prune == "gmp" else None,
+        sparsity=linear_sparsity(run) if run.config.gmp is not None else None,
         sparsity_schedule=state.sparsity,
     )  # fmt: skip
 

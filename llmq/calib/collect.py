@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from llmq.calib.stats import CalibStats, InputStats
 from llmq.calib.stream import BlockOutput, LayerStream, input_hooks
-from llmq.heap import ReusedBuffers, reused_heap
+from llmq.heap import ReusedBuffers
 from llmq.io.checkpoint import Checkpoint
 from llmq.progress import NO_PROGRESS, Progress
 
@@ -141,23 +141,21 @@ def collect_stats(
     `on_layer(index, inputs, outputs)` sees each layer's hidden states before and after it
     (a copy of the inputs is kept for it: one more copy of the activations)."""
     stream = LayerStream(ckpt, device=device)
-    hidden = stream.embed(input_ids)
     stats = CalibStats()
     names = list(stream.layout.linears)
-    with progress.stage("calibrating layers", total=ckpt.num_layers) as advance, reused_heap():
-        for index in range(ckpt.num_layers):
-            layer = stream.load_layer(index)
-            batches = len(list(stream.batches(hidden)))
-            before = hidden.clone() if on_layer is not None else None
-            with progress.stage(f"layer {index}", total=batches, transient=True) as step:
-                hidden, observed = run_observed(
-                    stream, layer, names, hidden, hessian=hessian, on_batch=lambda: step(1),
-                    in_place=True, norms=norms,
-                )  # fmt: skip
-            if on_layer is not None:
-                on_layer(index, before, hidden)
-            del before
-            prefix = stream.layout.layer_prefix(index)
-            stats.inputs.update({prefix + name: s for name, s in observed.items()})
-            advance(1)
+    walk = stream.walk(stream.embed(input_ids), progress=progress, label="calibrating layers")
+    for layer in walk:
+        hidden = layer.hidden
+        batches = len(list(stream.batches(hidden)))
+        before = hidden.clone() if on_layer is not None else None
+        with progress.stage(f"layer {layer.index}", total=batches, transient=True) as step:
+            hidden, observed = run_observed(
+                stream, layer.module, names, hidden, hessian=hessian, on_batch=lambda: step(1),
+                in_place=True, norms=norms,
+            )  # fmt: skip
+        layer.advance(hidden)
+        if on_layer is not None:
+            on_layer(layer.index, before, hidden)
+        del before, hidden
+        stats.inputs.update({layer.prefix + name: s for name, s in observed.items()})
     return stats

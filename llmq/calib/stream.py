@@ -2,7 +2,8 @@
 
 The skeleton is built on the meta device (no memory); each decoder layer is materialized from
 the memory-mapped shards when it is needed and dropped afterwards. Every pipeline in llmq
-(calibration, quantization, evaluation) walks a model through this one class.
+(calibration, quantization, evaluation, structured scoring) walks a model through this one
+class, in one loop: `LayerStream.walk` (llmq.calib.walk).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from torch import Tensor, nn
 
 from llmq.calib.attention import blocked_causal_applies, causal_attention
 from llmq.calib.norm import fuse_rms_norms
+from llmq.calib.walk import H, LayerWalk
 from llmq.config import QuantArgs
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
+from llmq.progress import NO_PROGRESS, Progress
 from llmq.quant.primitives import fake_quantize
 
 StateLoader = Callable[[Checkpoint, str], dict[str, Tensor]]
@@ -138,6 +141,13 @@ class LayerStream:
         """Decoder layer `index`, materialized on the stream's device in its compute dtype."""
         prefix = self.layout.layer_prefix(index)
         return self._materialize(prefix.rstrip("."), prefix)
+
+    def walk(
+        self, hidden: H, *, start: int = 0, progress: Progress = NO_PROGRESS, label: str = "layers"
+    ) -> LayerWalk[H]:
+        """The decoder layers from `start` on, one at a time, the first taking `hidden`
+        [samples, seq, hidden] (None: a data-free walk) as input (`LayerWalk`)."""
+        return LayerWalk(self, hidden, start=start, progress=progress, label=label)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """Token embeddings [batch, seq, hidden]; the table is read, used and dropped."""

@@ -18,17 +18,17 @@ from llmq.cli.console import (
     progress_bars,
     quiet_libraries,
 )
-from llmq.cli.options import Device, Dtype, JsonFlag, Kernels
+from llmq.cli.options import Device, Dtype, JsonFlag, Kernels, names, renamed
 from llmq.errors import InputError
 
 
-def _int_list(text: str | None, option: str) -> list[int] | None:
-    if text is None:
+def _int_list(values: list[str] | None, option: str) -> list[int] | None:
+    if not values:
         return None
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        return [int(part) for part in names(values)]
     except ValueError:
-        raise InputError(f"{option} {text!r}: expected comma-separated integers") from None
+        raise InputError(f"{option} {','.join(values)!r}: expected comma-separated integers") from None  # fmt: skip
 
 
 def bench(
@@ -39,10 +39,11 @@ def bench(
         ),
     ] = None,
     shapes: Annotated[
-        str | None,
+        list[str] | None,
         typer.Option(
             metavar="LIST",
-            help="Comma-separated MxNxK products to time on synthetic weights, e.g. 1x4096x4096.",
+            help="MxNxK products to time on synthetic weights, e.g. 1x4096x4096 (commas or "
+            "repeat).",
         ),
     ] = None,
     scheme: Annotated[
@@ -52,11 +53,12 @@ def bench(
             help="Scheme of the synthetic weights for --shapes: w4a16, w8a8 or fp8.",
         ),
     ] = "w4a16",
-    batch: Annotated[
-        str | None,
+    batch_size: Annotated[
+        list[str] | None,
         typer.Option(
+            *renamed("--batch-size", "--batch"),
             metavar="LIST",
-            help="Comma-separated M (tokens per call) to time each layer shape at.",
+            help="M (tokens per call) to time each layer shape at (commas or repeat).",
         ),
     ] = None,
     prompt_tokens: Annotated[
@@ -81,20 +83,20 @@ def bench(
     """Time a quantized checkpoint against its 16-bit twin.
 
     Per layer shape (speedup and fraction of the memory roofline) and end to end (prefill,
-    batch-1 decode); --shapes times synthetic layers instead. The default --batch is 1,16,256
-    on a GPU and 1,16 on the CPU. See docs/kernels.md.
+    batch-1 decode); --shapes times synthetic layers instead. The default --batch-size is
+    1,16,256 on a GPU and 1,16 on the CPU. See docs/kernels.md.
     """
     quiet_libraries()
     from llmq import api
 
     with cli_errors():
-        shape_list = [s.strip() for s in shapes.split(",") if s.strip()] if shapes else None
+        shape_list = names(shapes) or None
         with progress_bars(json_out=json_out) as progress:
             report = api.bench(
                 model,
                 shapes=shape_list,
                 scheme=scheme,
-                batch_sizes=_int_list(batch, "--batch"),
+                batch_sizes=_int_list(batch_size, "--batch-size"),
                 prompt_tokens=prompt_tokens,
                 new_tokens=new_tokens,
                 device=None if device == "auto" else device,

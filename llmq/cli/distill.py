@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from llmq.cli.console import (
     cli_errors,
-    out_console,
     print_json,
     progress_bars,
     quiet_libraries,
     resume_hint_on_interrupt,
 )
+from llmq.cli.distill_flags import sub_configs
+from llmq.cli.distill_report import render
 from llmq.cli.options import (
     OUTPUT,
     PRUNING,
@@ -28,14 +28,25 @@ from llmq.cli.options import (
     Reference,
     Resume,
     SpaceCheck,
+    defaults,
+    explicit,
+    fraction,
+    renamed,
 )
-from llmq.config.distill import DISTILL_RESUME_EVERY_S, ITERATIVE_ROUNDS
-from llmq.texts import DEFAULT_CALIBRATION_TEXT, DEFAULT_EVAL_TEXT
+from llmq.config.distill import (
+    DISTILL_RESUME_EVERY_S,
+    DistillConfig,
+    GmpConfig,
+    IterativeConfig,
+    QatConfig,
+)
 
 MODELS, LOSS, TRAINING, EVALUATION, QAT = "Models", "Loss", "Training", "Evaluation", "Quantization"
+D, GMP, ITER, QAT_DEFAULTS = (defaults(kind) for kind in (DistillConfig, GmpConfig, IterativeConfig, QatConfig))  # fmt: skip
 
 
 def distill(
+    ctx: typer.Context,
     teacher: Annotated[
         str,
         typer.Option(
@@ -68,7 +79,7 @@ def distill(
             help="forward-kl, reverse-kl (mode-seeking) or ce (plain cross-entropy, no teacher).",
             rich_help_panel=LOSS,
         ),
-    ] = "forward-kl",
+    ] = D["loss"],
     temperature: Annotated[
         float,
         typer.Option(
@@ -76,7 +87,7 @@ def distill(
             help="Softens both distributions; the KL is scaled by T².",
             rich_help_panel=LOSS,
         ),
-    ] = 1.0,
+    ] = D["temperature"],
     ce_weight: Annotated[
         float,
         typer.Option(
@@ -84,7 +95,7 @@ def distill(
             help="Weight of the next-token cross-entropy added to a KL loss.",
             rich_help_panel=LOSS,
         ),
-    ] = 0.0,
+    ] = D["ce_weight"],
     hidden_weight: Annotated[
         float,
         typer.Option(
@@ -92,16 +103,17 @@ def distill(
             help="Weight of a 1 - cos loss between matched layers' hidden states.",
             rich_help_panel=LOSS,
         ),
-    ] = 0.0,
-    data: Annotated[
+    ] = D["hidden_weight"],
+    train_text: Annotated[
         str,
         typer.Option(
+            *renamed("--train-text", "--data"),
             metavar="TEXT",
             help="Training text: shakespeare, pydoc, news (join with +), a file or a cached "
             "dataset.",
             rich_help_panel=TRAINING,
         ),
-    ] = DEFAULT_CALIBRATION_TEXT,
+    ] = D["train_text"],
     seq_len: Annotated[
         int,
         typer.Option(
@@ -109,7 +121,7 @@ def distill(
             help="Tokens per training window.",
             rich_help_panel=TRAINING,
         ),
-    ] = 512,
+    ] = D["seq_len"],
     batch_size: Annotated[
         int,
         typer.Option(
@@ -117,7 +129,7 @@ def distill(
             help="Windows per forward pass, per process.",
             rich_help_panel=TRAINING,
         ),
-    ] = 1,
+    ] = D["batch_size"],
     grad_accum: Annotated[
         int,
         typer.Option(
@@ -125,7 +137,7 @@ def distill(
             help="Forward passes per optimizer step.",
             rich_help_panel=TRAINING,
         ),
-    ] = 8,
+    ] = D["grad_accum"],
     max_steps: Annotated[
         int | None,
         typer.Option(
@@ -149,7 +161,7 @@ def distill(
             help="Peak learning rate of AdamW.",
             rich_help_panel=TRAINING,
         ),
-    ] = 1e-4,
+    ] = D["lr"],
     warmup_steps: Annotated[
         int,
         typer.Option(
@@ -157,15 +169,16 @@ def distill(
             help="Steps of linear warm-up before the cosine decay.",
             rich_help_panel=TRAINING,
         ),
-    ] = 0,
+    ] = D["warmup_steps"],
     min_lr_ratio: Annotated[
         float,
         typer.Option(
             metavar="X",
+            parser=fraction("--min-lr-ratio"),
             help="The cosine ends at this share of --lr.",
             rich_help_panel=TRAINING,
         ),
-    ] = 0.1,
+    ] = D["min_lr_ratio"],
     weight_decay: Annotated[
         float,
         typer.Option(
@@ -173,7 +186,7 @@ def distill(
             help="AdamW's decoupled weight decay.",
             rich_help_panel=TRAINING,
         ),
-    ] = 0.0,
+    ] = D["weight_decay"],
     max_grad_norm: Annotated[
         float,
         typer.Option(
@@ -189,7 +202,7 @@ def distill(
             help="Seed of the data order (and anything random).",
             rich_help_panel=TRAINING,
         ),
-    ] = 0,
+    ] = D["seed"],
     eval_text: Annotated[
         str,
         typer.Option(
@@ -197,15 +210,23 @@ def distill(
             help="Held-out text scored during training (never the training data).",
             rich_help_panel=EVALUATION,
         ),
-    ] = DEFAULT_EVAL_TEXT,
+    ] = D["eval_text"],
     eval_windows: Annotated[
         int,
         typer.Option(
             metavar="N",
-            help="Held-out windows of 512 tokens scored at each evaluation.",
+            help="Held-out windows scored at each evaluation.",
             rich_help_panel=EVALUATION,
         ),
-    ] = 16,
+    ] = D["eval_windows"],
+    eval_seq_len: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="Tokens per held-out window.",
+            rich_help_panel=EVALUATION,
+        ),
+    ] = D["eval_seq_len"],
     eval_every: Annotated[
         int,
         typer.Option(
@@ -213,7 +234,7 @@ def distill(
             help="Steps between held-out evaluations; 0: at the start and the end only.",
             rich_help_panel=EVALUATION,
         ),
-    ] = 0,
+    ] = D["eval_every"],
     keep: Annotated[
         str,
         typer.Option(
@@ -221,7 +242,7 @@ def distill(
             help="Which student to write: best (lowest held-out perplexity) or last.",
             rich_help_panel=EVALUATION,
         ),
-    ] = "best",
+    ] = D["keep"],
     prune: Annotated[
         str,
         typer.Option(
@@ -242,8 +263,9 @@ def distill(
         float | None,
         typer.Option(
             metavar="X",
-            help="The final share of each row's weights removed; --sparsity or --pattern (not "
-            "both).",
+            parser=fraction("--sparsity"),
+            help="The final share of each row's weights removed (0.5 or 50%); --sparsity or "
+            "--pattern (not both).",
             rich_help_panel=PRUNING,
         ),
     ] = None,
@@ -262,7 +284,7 @@ def distill(
             help="--prune gmp: the step pruning starts at.",
             rich_help_panel=PRUNING,
         ),
-    ] = 0,
+    ] = GMP["start"],
     prune_end: Annotated[
         int | None,
         typer.Option(
@@ -270,7 +292,7 @@ def distill(
             help="--prune gmp: the step the final sparsity is reached at (default: 3/4 of them).",
             rich_help_panel=PRUNING,
         ),
-    ] = None,
+    ] = GMP["end"],
     prune_every: Annotated[
         int,
         typer.Option(
@@ -278,7 +300,7 @@ def distill(
             help="--prune gmp: steps between mask updates.",
             rich_help_panel=PRUNING,
         ),
-    ] = 1,
+    ] = GMP["every"],
     rounds: Annotated[
         int,
         typer.Option(
@@ -286,7 +308,7 @@ def distill(
             help="--prune iterative: prune-then-distill rounds.",
             rich_help_panel=PRUNING,
         ),
-    ] = ITERATIVE_ROUNDS,
+    ] = ITER["rounds"],
     round_schedule: Annotated[
         str,
         typer.Option(
@@ -294,7 +316,7 @@ def distill(
             help="--prune iterative: the sparsity after each round, cubic or geometric.",
             rich_help_panel=PRUNING,
         ),
-    ] = "cubic",
+    ] = ITER["schedule"],
     steps_per_round: Annotated[
         int | None,
         typer.Option(
@@ -328,7 +350,7 @@ def distill(
             help="--qat: start from the float weights (float) or a gptq or awq solution.",
             rich_help_panel=QAT,
         ),
-    ] = "float",
+    ] = QAT_DEFAULTS["init"],
     checkpoint_every: Annotated[
         int | None,
         typer.Option(
@@ -389,57 +411,13 @@ def distill(
             reference=reference, space_check=space_check, sharding=sharding, progress=progress,
             device=device,
             loss=loss, temperature=temperature, ce_weight=ce_weight, hidden_weight=hidden_weight,
-            data=data, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
+            train_text=train_text, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
             max_steps=max_steps, lr=lr, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
             weight_decay=weight_decay, max_grad_norm=max_grad_norm or None, seed=seed,
-            eval_text=eval_text, eval_windows=eval_windows, eval_every=eval_every, keep=keep,
-            prune=prune, prune_method=prune_method, sparsity=sparsity, pattern=pattern,
-            prune_start=prune_start, prune_end=prune_end, prune_every=prune_every, rounds=rounds,
-            round_schedule=round_schedule, steps_per_round=steps_per_round, qat=qat,
-            qat_group_size=qat_group_size, qat_init=qat_init,
+            eval_text=eval_text, eval_windows=eval_windows, eval_seq_len=eval_seq_len,
+            eval_every=eval_every, keep=keep,
+            steps_per_round=steps_per_round, **sub_configs(ctx.params, explicit(ctx)),
         )  # fmt: skip
     if not main_process:
         return
     print_json(result.to_dict()) if json_out else render(result)
-
-
-def render(result: Any) -> None:
-    table = Table(title=f"distillation of {Path(result.student).name} from {Path(result.teacher).name}")  # fmt: skip
-    table.add_column("what")
-    table.add_column("value", justify="right")
-    config = result.config
-    table.add_row("loss", config["loss"] + (f", T {config['temperature']}" if config["loss"] != "ce" else ""))  # fmt: skip
-    table.add_row("steps", f"{result.steps} ({result.tokens:,} tokens, {result.epochs:.2f} epochs)")
-    table.add_row("speed", f"{result.tokens_per_s:,.0f} tokens/s on {result.processes} process(es)")  # fmt: skip
-    first, kept = result.evaluations[0], _eval_at(result, result.kept_step)
-    table.add_row(
-        f"held-out ppl ({config['eval_text']}, {config['eval_windows']} windows)",
-        f"{first['perplexity']:.3f} -> {kept['perplexity']:.3f} (step {result.kept_step})",
-    )
-    if result.masked_linears:
-        table.add_row("pruned linears kept sparse", str(result.masked_linears))
-    if result.sparsity is not None:
-        table.add_row(f"sparsity of the decoder's linears ({config['prune']})", f"{result.sparsity:.1%}")  # fmt: skip
-    for r in result.rounds:
-        reached = f"{r['sparsity']:.1%}" if "sparsity" in r else f"{r['parameters']:,} parameters"
-        table.add_row(
-            f"round {r['round']}: pruned to, held-out ppl pruned -> distilled",
-            f"{reached}, {r['perplexity_pruned']:.3f} -> {r['perplexity_kept']:.3f}",
-        )
-    if result.perplexity:
-        ppl = result.perplexity
-        table.add_row("perplexity: teacher", f"{ppl['teacher']:.3f}")
-        table.add_row("perplexity: student before -> after", f"{ppl['before']:.3f} -> {ppl['after']:.3f}")  # fmt: skip
-        if ppl["recovery"] is not None:
-            table.add_row("gap to the teacher recovered", f"{ppl['recovery']:.1%}")
-    out_console.print(table)
-    if result.perplexity:
-        p = result.perplexity["protocol"]
-        out_console.print(
-            f"perplexity protocol: {p['text']}, {p['windows']} x {p['seq_len']} tokens, BOS {'yes' if p['bos'] else 'no'}, {p['dtype']}"
-        )
-    out_console.print(f"wrote {result.out_dir} after {result.seconds:.1f} s of training")
-
-
-def _eval_at(result: Any, step: int) -> dict[str, float]:
-    return next(e for e in reversed(result.evaluations) if e["step"] == step)

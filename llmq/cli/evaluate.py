@@ -13,12 +13,11 @@ from llmq.cli.console import (
     counted,
     labelled,
     out_console,
-    parse_fraction,
     print_json,
     progress_bars,
     quiet_libraries,
 )
-from llmq.cli.options import Device, JsonFlag
+from llmq.cli.options import Device, JsonFlag, fraction, names, renamed
 from llmq.config import DEFAULT_CONFIDENCE
 from llmq.errors import InputError
 from llmq.texts import DEFAULT_EVAL_TEXT
@@ -41,9 +40,10 @@ def evaluate(
             rich_help_panel=GATES,
         ),
     ] = None,
-    text: Annotated[
+    eval_text: Annotated[
         str,
         typer.Option(
+            *renamed("--eval-text", "--text"),
             metavar="TEXT",
             help="Held-out text: news, pydoc, shakespeare, or a .txt/.jsonl/.parquet file.",
             rich_help_panel=PERPLEXITY,
@@ -57,18 +57,20 @@ def evaluate(
             rich_help_panel=PERPLEXITY,
         ),
     ] = 512,
-    max_windows: Annotated[
+    eval_windows: Annotated[
         int,
         typer.Option(
+            *renamed("--eval-windows", "--max-windows"),
             metavar="N",
             help="Score at most this many windows from the start of the text.",
             rich_help_panel=PERPLEXITY,
         ),
     ] = 40,
     max_ppl_increase: Annotated[
-        str | None,
+        float | None,
         typer.Option(
             metavar="X",
+            parser=fraction("--max-ppl-increase"),
             help="Exit 1 when perplexity rises more than this over --baseline, e.g. 3% or 0.03.",
             rich_help_panel=GATES,
         ),
@@ -82,10 +84,10 @@ def evaluate(
         ),
     ] = False,
     tasks: Annotated[
-        str | None,
+        list[str] | None,
         typer.Option(
             metavar="NAMES",
-            help="Score these lm-eval tasks instead of perplexity, comma-separated.",
+            help="Score these lm-eval tasks instead of perplexity (commas or repeat).",
             rich_help_panel=TASKS,
         ),
     ] = None,
@@ -134,6 +136,7 @@ def evaluate(
         float | None,
         typer.Option(
             metavar="X",
+            parser=fraction("--confidence"),
             help="--max-drop, --min-recovery: the significance level (default 0.95).",
             rich_help_panel=GATES,
         ),
@@ -181,15 +184,15 @@ def evaluate(
     if not models:
         with cli_errors():
             raise InputError("give at least one MODEL", hint="`llmq eval MODEL... [--baseline B]`")
+    tasks = names(tasks) if tasks else None
     with cli_errors():
         _check_gates(tasks, max_ppl_increase, max_drop, min_recovery, confidence, task_dir, limit, num_fewshot)  # fmt: skip
     if tasks is not None:
         with cli_errors():
-            names = [t.strip() for t in tasks.split(",") if t.strip()]
             gates = {"max_drop": _thresholds(max_drop, "--max-drop"), "min_recovery": _thresholds(min_recovery, "--min-recovery")}  # fmt: skip
             with progress_bars(json_out=json_out) as progress:
                 task_results = evaluate_tasks(
-                    models, names, baseline=baseline, task_dir=task_dir, limit=limit,
+                    models, tasks, baseline=baseline, task_dir=task_dir, limit=limit,
                     num_fewshot=num_fewshot, seed=seed, batch_size=batch_size,
                     confidence=DEFAULT_CONFIDENCE if confidence is None else confidence,
                     use_cache=not no_cache, progress=progress,
@@ -199,23 +202,21 @@ def evaluate(
         if any(r.passed is False for r in task_results):
             raise typer.Exit(1)
         return
-    with cli_errors():
-        gate = parse_fraction(max_ppl_increase, "--max-ppl-increase")
-        with progress_bars(json_out=json_out) as progress:
-            results = [
-                api.evaluate(
-                    model,
-                    baseline=baseline,
-                    text=text,
-                    seq_len=seq_len,
-                    max_windows=max_windows,
-                    max_ppl_increase=gate,
-                    use_cache=not no_cache,
-                    progress=progress,
-                    device=device,
-                )
-                for model in models
-            ]
+    with cli_errors(), progress_bars(json_out=json_out) as progress:
+        results = [
+            api.evaluate(
+                model,
+                baseline=baseline,
+                text=eval_text,
+                seq_len=seq_len,
+                max_windows=eval_windows,
+                max_ppl_increase=max_ppl_increase,
+                use_cache=not no_cache,
+                progress=progress,
+                device=device,
+            )
+            for model in models
+        ]
     if json_out:
         print_json([result.to_dict() for result in results])
     else:
@@ -225,8 +226,8 @@ def evaluate(
 
 
 def _check_gates(
-    tasks: str | None,
-    max_ppl_increase: str | None,
+    tasks: list[str] | None,
+    max_ppl_increase: float | None,
     max_drop: list[str] | None,
     min_recovery: list[str] | None,
     confidence: float | None,
@@ -272,9 +273,7 @@ def _thresholds(values: list[str] | None, option: str) -> float | dict[str, floa
     table: dict[str, float] = {}
     for value in values:
         task, _, number = value.rpartition("=")
-        parsed = parse_fraction(number, option)
-        assert parsed is not None  # parse_fraction returns None only for None
-        table[task or "*"] = parsed
+        table[task or "*"] = fraction(option)(number)
     return table["*"] if list(table) == ["*"] else table
 
 

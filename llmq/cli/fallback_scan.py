@@ -18,7 +18,7 @@ from llmq.cli.console import (
     progress_bars,
     quiet_libraries,
 )
-from llmq.cli.options import OUTPUT, RUN, SCHEME, JsonFlag
+from llmq.cli.options import OUTPUT, RUN, SCHEME, JsonFlag, fraction, renamed
 from llmq.config import SCAN_RATIO_THRESHOLD, SCAN_SCHEME, SCAN_SHARE_THRESHOLD
 from llmq.errors import InputError
 
@@ -54,6 +54,7 @@ def fallback_scan(
         float | None,
         typer.Option(
             metavar="X",
+            parser=fraction("--nrmse-threshold"),
             help="Flag tensors whose NRMSE exceeds this (default: by scheme).",
             rich_help_panel=FLAGGING,
         ),
@@ -71,6 +72,7 @@ def fallback_scan(
         float | None,
         typer.Option(
             metavar="X",
+            parser=fraction("--error-share-threshold"),
             help="With --calib-stats: flag linears above this share of the output error (0.05).",
             rich_help_panel=FLAGGING,
         ),
@@ -99,9 +101,11 @@ def fallback_scan(
             rich_help_panel=TENSORS,
         ),
     ] = None,
-    workers: Annotated[
+    jobs: Annotated[
         int,
         typer.Option(
+            *renamed("--jobs", "--workers"),
+            "-j",
             metavar="N",
             help="Tensors scanned in parallel (threads).",
             rich_help_panel=RUN,
@@ -191,7 +195,7 @@ def fallback_scan(
                 result = api.fallback_scan(
                     path, scheme=scheme, group_size=group_size, nrmse_threshold=nrmse_threshold,
                     ratio_threshold=None if ratio_threshold == float("inf") else ratio_threshold,
-                    include=include, exclude=exclude, workers=workers, sample=sample,
+                    include=include, exclude=exclude, workers=jobs, sample=sample,
                     calib_stats=calib_stats,
                     error_share_threshold=SCAN_SHARE_THRESHOLD if error_share_threshold is None else error_share_threshold,
                     progress=progress,

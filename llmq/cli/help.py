@@ -1,6 +1,7 @@
 """`--help` that reads well at 80 columns and in a log: options grouped into sections (each
 option's `rich_help_panel`), `--out OUT` instead of a type in angle brackets, usage with the
-arguments' names as they are typed.
+arguments' names as they are typed. Old spellings of renamed options (llmq.cli.options.renamed)
+are left out of it, and warn when used; a value an option's parser refuses is one `error:` line.
 
 Typer's Rich help lays every option out in six columns, which at 80 columns cuts option names
 and squeezes each help text to a word a line. Plain Click formatting wraps the help under the
@@ -15,6 +16,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from typer.core import TyperCommand
+
+from llmq.cli.console import cli_errors, err_console, labelled
+from llmq.cli.options import RENAMED, old_spellings
 
 OPTIONS = "Options"  # the section of an option that names none
 COLUMN = 26  # the widest option names beside their help; wider ones get a line of their own
@@ -55,6 +59,23 @@ class LlmqCommand(TyperCommand):
 
     context_class = _Context
 
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any
+    ) -> Any:
+        """Click's, where an InputError from an option's parser (a bad `--sparsity 50x`) is
+        one `error:` line and exit 2, as it would be from the command."""
+        with cli_errors():
+            return super().make_context(info_name, args, parent, **extra)
+
+    def make_parser(self, ctx: Any) -> Any:
+        """Click's parser, where each old spelling of a renamed option warns before it parses
+        as the new one (once per command line)."""
+        parser = super().make_parser(ctx)
+        for name, option in list(parser._long_opt.items()):  # Click has no public hook for this
+            if name in old_spellings(option.obj):
+                parser._long_opt[name] = _OldSpelling(option, name, ctx)
+        return parser
+
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
         for param in self.get_params(ctx):
@@ -72,6 +93,24 @@ class LlmqCommand(TyperCommand):
         for title, records in sections.items():
             with formatter.section(title):
                 formatter.write_dl([(name.ljust(width), text) for name, text in records], COLUMN)
+
+
+class _OldSpelling:
+    """A parser entry for an old spelling: warns, then is the option it names."""
+
+    def __init__(self, option: Any, name: str, ctx: Any) -> None:
+        self._option, self._name, self._ctx = option, name, ctx
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._option, attribute)
+
+    def process(self, value: Any, state: Any) -> None:
+        warned = self._ctx.meta.setdefault("llmq.old_spellings", set())
+        if self._name not in warned:
+            warned.add(self._name)
+            message = f"{self._name} is now {RENAMED[self._name]}"
+            err_console.print(labelled("warning:", "bold yellow", message), soft_wrap=True)
+        self._option.process(value, state)
 
 
 def _flat(sections: dict[str, list[tuple[str, str]]]) -> Iterator[tuple[str, str]]:
@@ -98,7 +137,8 @@ def _argument_name(param: Any) -> str:
 def _option_names(param: Any) -> str:
     """`-o, --out OUT`, `--overwrite`, `--true-sequential / --no-true-sequential`: a flag that
     is off by default shows only its positive name (its `--no-` form is the default anyway)."""
-    names = ", ".join(sorted(param.opts, key=len))
+    old = old_spellings(param)
+    names = ", ".join(sorted((name for name in param.opts if name not in old), key=len))
     if param.secondary_opts and param.default is not False:
         names += " / " + ", ".join(param.secondary_opts)
     if not param.is_flag:

@@ -1,12 +1,61 @@
 """Options several commands share, declared once; the defaults of a command's options come from
-its options model in llmq.config (`defaults`), and its parameters go back into one (`given`)."""
+its options model in llmq.config (`defaults`), and its parameters go back into one (`given`).
+
+One vocabulary across commands (docs/cli.md): a renamed flag keeps its old spelling through
+`renamed` (hidden, with a warning), a share takes `fraction` (0.5 or 50%), a list of names takes
+`names` (repeated, or comma-separated).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from llmq.config.fraction import EXPECTED, parse_fraction
+from llmq.errors import InputError
+
+# Old spelling -> the flag it is now, for every command: llmq.cli.help hides the old ones from
+# --help and warns when one is used.
+RENAMED: dict[str, str] = {}
+
+
+def renamed(new: str, *old: str) -> tuple[str, ...]:
+    """The names of a renamed option, for `typer.Option(*renamed("--eval-text", "--text"))`:
+    the new one, then old spellings that still work, hidden from --help, each with a one-line
+    `warning: --text is now --eval-text`."""
+    for name in old:
+        if RENAMED.setdefault(name, new) != new:
+            raise ValueError(f"{name} is already an old spelling of {RENAMED[name]}")
+    return (new, *old)
+
+
+def old_spellings(param: Any) -> list[str]:
+    """The names of `param` (a click option) that are old spellings of another of its names."""
+    return [name for name in param.opts if RENAMED.get(name) in param.opts]
+
+
+def fraction(option: str) -> Callable[[Any], float]:
+    """The parser of an option that takes a share, 0.03 or 3% (`typer.Option(parser=...)`, or
+    called on a value). A bad value is an InputError naming the option: one `error:` line and
+    exit 2, also while the command line is parsed (llmq.cli.help)."""
+
+    def parse(value: Any) -> float:
+        try:
+            return parse_fraction(value)
+        except ValueError:
+            raise InputError(f"{option} {value!r}: expected {EXPECTED}") from None
+
+    return parse
+
+
+def names(values: Iterable[str] | None) -> list[str]:
+    """A list option's values, given repeated or comma-separated (or both): `--loader vllm
+    --loader llmq` is `--loader vllm,llmq`."""
+    return [name.strip() for value in values or () for name in value.split(",") if name.strip()]
+
 
 # Option sections in --help (llmq.cli.help), the same words in every command.
 OUTPUT = "Output"
@@ -80,6 +129,7 @@ DampeningFrac = Annotated[
     float,
     typer.Option(
         metavar="X",
+        parser=fraction("--dampening-frac"),
         help="gptq, sparsegpt: Hessian dampening, a fraction of its mean diagonal, in (0, 1).",
         rich_help_panel=METHOD,
     ),
@@ -98,7 +148,9 @@ SparsityOption = Annotated[
     float | None,
     typer.Option(
         metavar="X",
-        help="Share of each row's weights to prune, in (0, 1); --sparsity or --pattern (not both).",
+        parser=fraction("--sparsity"),
+        help="Share of each row's weights to prune (0.5 or 50%); --sparsity or --pattern (not "
+        "both).",
         rich_help_panel=PRUNING,
     ),
 ]
@@ -185,3 +237,16 @@ def given(kind: Any, params: dict[str, Any]) -> dict[str, Any]:
 def explicit(ctx: Any) -> set[str]:
     """The parameters given on the command line (not left at their defaults)."""
     return {name for name in ctx.params if ctx.get_parameter_source(name).name != "DEFAULT"}
+
+
+def from_flags(kind: Any, values: dict[str, Any]) -> Any:
+    """`kind.of(**values)` for a command: an error naming an option names it as its flag, with
+    the value given (`--num-samples 0: ...`), as the user typed it."""
+    try:
+        return kind.of(**values)
+    except InputError as error:
+        name, _, rest = error.message.partition(": ")
+        if name not in values or not rest:
+            raise
+        flag = f"--{name.replace('_', '-')} {values[name]}"
+        raise InputError(f"{flag}: {rest}", hint=error.hint) from None

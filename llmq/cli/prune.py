@@ -42,6 +42,8 @@ from llmq.cli.options import (
     TrueSequential,
     defaults,
     explicit,
+    fraction,
+    from_flags,
     given,
 )
 from llmq.cli.quantize import render
@@ -88,8 +90,9 @@ def prune(
     params: Annotated[
         float | None,
         typer.Option(
-            help="Keep this share of all the parameters (e.g. 0.75) by narrowing the MLP.",
+            help="Keep this share of all the parameters (0.75 or 75%) by narrowing the MLP.",
             metavar="X",
+            parser=fraction("--params"),
             rich_help_panel=STRUCTURED,
         ),
     ] = None,
@@ -98,6 +101,7 @@ def prune(
         typer.Option(
             help="As --params, a share of the decoder layers' parameters alone.",
             metavar="X",
+            parser=fraction("--decoder-params"),
             rich_help_panel=STRUCTURED,
         ),
     ] = None,
@@ -226,12 +230,14 @@ def prune(
     with cli_errors():
         _check_mode(structured, explicit(ctx))
         if structured:
-            options = StructuredOptions.of(**given(StructuredOptions, params))
+            options = from_flags(StructuredOptions, given(StructuredOptions, params))
             with progress_bars(json_out=json_out) as progress:
                 result = api.prune_structured(model, out, options, progress=progress, **run)
             print_json(result.to_dict()) if json_out else render_structured(result)
             return
-        options = PruneOptions.of(**{**given(PruneOptions, params), "ignore": tuple(ignore or ())})
+        options = from_flags(
+            PruneOptions, {**given(PruneOptions, params), "ignore": tuple(ignore or ())}
+        )
         with progress_bars(json_out=json_out) as progress, resume_hint_on_interrupt(out):
             result = api.prune(
                 model, out, options, resume=resume, resume_every_s=resume_every,

@@ -43,13 +43,21 @@ from llmq.cli.options import (
     SparsityProfile,
     TrueSequential,
     defaults,
+    fraction,
+    from_flags,
     given,
+    names,
 )
 from llmq.config import RESUME_EVERY_S, QuantizeOptions, scheme_names
 
 Q = defaults(QuantizeOptions)
 
 ACTIVATIONS = "Activations"
+
+
+def _alpha(value: str) -> str:
+    """--smooth: auto, none, or an alpha, also as a percentage (50% is 0.5)."""
+    return str(fraction("--smooth")(value)) if value.strip().endswith("%") else value
 
 
 def quantize(
@@ -137,7 +145,8 @@ def quantize(
         str,
         typer.Option(
             metavar="ALPHA",
-            help="SmoothQuant: move this share, in [0, 1], of the activation outliers into the "
+            parser=_alpha,
+            help="SmoothQuant: move this share (0.5 or 50%) of the activation outliers into the "
             "weights; auto or none.",
             rich_help_panel=ACTIVATIONS,
         ),
@@ -201,6 +210,7 @@ def quantize(
         float | None,
         typer.Option(
             metavar="X",
+            parser=fraction("--fallback-threshold"),
             help="--fallback auto: flag above this NRMSE (or error share, with --calib-stats).",
             rich_help_panel=SCHEME,
         ),
@@ -211,8 +221,9 @@ def quantize(
     require_loader: Annotated[
         list[str] | None,
         typer.Option(
-            metavar="LOADER",
-            help="Refuse a scheme this loader cannot load: transformers, vllm or llmq; repeatable.",
+            metavar="NAMES",
+            help="Refuse a scheme these loaders cannot load: transformers, vllm, llmq (commas "
+            "or repeat).",
             rich_help_panel=SCHEME,
         ),
     ] = None,
@@ -231,8 +242,8 @@ def quantize(
     from llmq import api
 
     with cli_errors():
-        lists = {"ignore": tuple(ignore or ()), "require_loaders": tuple(require_loader or ())}
-        options = QuantizeOptions.of(**{**given(QuantizeOptions, locals()), **lists})
+        lists = {"ignore": tuple(ignore or ()), "require_loaders": tuple(names(require_loader))}
+        options = from_flags(QuantizeOptions, {**given(QuantizeOptions, locals()), **lists})
         with progress_bars(json_out=json_out) as progress, resume_hint_on_interrupt(out):
             result = api.quantize(
                 model, out, options, overwrite=overwrite, resume=resume,

@@ -15,24 +15,26 @@ from llmq.cli.console import (
     progress_bars,
     quiet_libraries,
 )
-from llmq.cli.options import Device, JsonFlag, ModelArg
+from llmq.cli.options import Device, JsonFlag, ModelArg, names, renamed
 
 _STYLE = {"ok": "green", "does not load": "bold red", "wrong logits": "bold red"}
 
 
 def verify(
     model: ModelArg,
-    loaders: Annotated[
-        str | None,
+    loader: Annotated[
+        list[str] | None,
         typer.Option(
+            *renamed("--loader", "--loaders"),
             metavar="NAMES",
-            help="Comma-separated loaders: transformers, vllm, llmq (default: every installed "
-            "one).",
+            help="Loaders to check: transformers, vllm, llmq (commas or repeat; default: every "
+            "installed one).",
         ),
     ] = None,
-    against: Annotated[
+    baseline: Annotated[
         str | None,
         typer.Option(
+            *renamed("--baseline", "--against"),
             metavar="MODEL",
             help="The original model: also report the checkpoint's distance from it.",
         ),
@@ -51,10 +53,9 @@ def verify(
     quiet_libraries()
     from llmq import api
 
-    names = [name.strip() for name in loaders.split(",") if name.strip()] if loaders else None
     with cli_errors(), progress_bars(json_out=json_out) as progress:
         result = api.verify(
-            model, loaders=names, against=against, progress=progress,
+            model, loaders=names(loader) or None, against=baseline, progress=progress,
             device=None if device == "auto" else device,
         )  # fmt: skip
     if json_out:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from llmq.config.fraction import Fraction
 from llmq.config.quant import get_scheme
 from llmq.config.recipe import (
     DEFAULT_CALIB_SAMPLES,
@@ -52,15 +53,7 @@ class _Options(BaseModel):
     @classmethod
     def of(cls, **values: Any) -> Any:
         """Validated options; a bad value is one InputError naming the option."""
-        try:
-            return cls(**values)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            message = first["msg"].removeprefix("Value error, ")
-            if first["type"] == "extra_forbidden":
-                message = f"unknown option (choose from: {', '.join(cls.model_fields)})"
-            raise InputError(f"{where + ': ' if where else ''}{message}") from None
+        return build(cls, **values)
 
 
 class CalibrationOptions(_Options):
@@ -81,10 +74,10 @@ class LayerOptions(CalibrationOptions):
     ignore: tuple[str, ...] = ()  # lm_head is always kept besides these
     skip_layer_check: bool = False
     calib_stats: FilePath | None = None  # a statistics file from `llmq calibrate`
-    dampening_frac: float = default(GPTQConfig, "dampening_frac")
+    dampening_frac: Fraction = default(GPTQConfig, "dampening_frac")
     block_size: int = default(GPTQConfig, "block_size")
     true_sequential: bool = default(GPTQConfig, "true_sequential")
-    sparsity: float | None = default(Recipe, "sparsity")
+    sparsity: Fraction | None = default(Recipe, "sparsity")
     pattern: str | None = default(Recipe, "pattern")
     sparsity_profile: Literal["uniform", "owl", "scan"] = default(Recipe, "sparsity_profile")
 
@@ -126,7 +119,7 @@ class QuantizeOptions(LayerOptions):
     observer: Literal["absmax", "percentile", "mse"] = default(Recipe, "observer")
     kv_cache: Literal["fp8", "int8", "none"] | None = None
     fallback: FilePath | None = None  # a fallback-scan report, or auto
-    fallback_threshold: float | None = None
+    fallback_threshold: Fraction | None = None
     require_loaders: tuple[str, ...] = ()
 
     def recipe(self) -> Recipe:
@@ -158,8 +151,8 @@ class StructuredOptions(CalibrationOptions):
     """`llmq prune --structured`: the sizes to keep (or a parameter budget) and how importance is
     scored."""
 
-    params: float | None = Field(None, gt=0.0, lt=1.0)  # a share of all the parameters
-    decoder_params: float | None = Field(None, gt=0.0, lt=1.0)  # of the decoder layers'
+    params: Fraction | None = Field(None, gt=0.0, lt=1.0)  # a share of all the parameters
+    decoder_params: Fraction | None = Field(None, gt=0.0, lt=1.0)  # of the decoder layers'
     intermediate_size: int | None = Field(None, ge=1)
     num_kv_heads: int | None = Field(None, ge=1)
     num_heads: int | None = Field(None, ge=1)

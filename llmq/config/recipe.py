@@ -234,7 +234,16 @@ def build(model_cls: type[BaseModel], /, **fields: object) -> BaseModel:
     try:
         return model_cls(**fields)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        message = first["msg"].removeprefix("Value error, ")
-        raise InputError(f"{where + ': ' if where else ''}{message}") from None
+        raise one_line(exc, model_cls) from None
+
+
+def one_line(exc: ValidationError, model_cls: type[BaseModel]) -> InputError:
+    """The first of pydantic's errors as one line naming the field (an unknown one with the
+    fields there are)."""
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":  # the fields to choose from, where they are ours
+        top = len(first["loc"]) == 1
+        message = f"unknown option (choose from: {', '.join(model_cls.model_fields)})" if top else "unknown option"  # fmt: skip
+    return InputError(f"{where + ': ' if where else ''}{message}")

@@ -43,8 +43,8 @@ def prepare_run(
     from llmq.distillation.state import TrainState, load_state
 
     tokenizer = load_tokenizer(student.path)
-    with progress.stage(f"tokenizing {config.data} and {config.eval_text}"):
-        train_windows = training_windows(tokenizer, config.data, seq_len=config.seq_len)
+    with progress.stage(f"tokenizing {config.train_text} and {config.eval_text}"):
+        train_windows = training_windows(tokenizer, config.train_text, seq_len=config.seq_len)
         eval_windows = evaluation_windows(
             tokenizer, config.eval_text, seq_len=config.eval_seq_len,
             max_windows=config.eval_windows,
@@ -72,7 +72,7 @@ def prepare_run(
             log.warning("no interrupted run to resume; starting from the first step")
         elif processes.is_main:
             log.info("resuming from step %d of %d (the last resume point)", state.step, config.max_steps)  # fmt: skip
-    if state is not None and config.prune == "gmp":
+    if state is not None and config.gmp is not None:
         from llmq.distillation.gmp import masks_from_zeros
 
         masks.update(masks_from_zeros(student_model, state.step, config))
@@ -109,8 +109,8 @@ def _models(
     if config.qat is not None:
         from llmq.distillation.qat import apply_qat, linear_args, load_start, start_folder
 
-        apply_qat(student_model, linear_args(student, config.qat, config.qat_group_size))
-        if config.qat_init != "float":  # a resumed run's state replaces these weights later
+        apply_qat(student_model, linear_args(student, config.qat.scheme, config.qat.group_size))
+        if config.qat.init != "float":  # a resumed run's state replaces these weights later
             load_start(student_model, start_folder(staging))
     check_pattern(student_model, config)
     return teacher_model, student_model
@@ -146,7 +146,7 @@ def _parallel(
 
 def _input_norms(model: nn.Module, config: DistillConfig) -> Any:
     """GMP by Wanda's metric counts the inputs of every prunable linear while training."""
-    if config.prune != "gmp" or config.prune_method != "wanda":
+    if config.gmp is None or config.gmp.method != "wanda":
         return None
     from llmq.distillation.gmp import InputNorms
 
@@ -209,14 +209,14 @@ def check_pattern(model: nn.Module, config: DistillConfig) -> None:
     """GMP's N:M groups must tile every linear's inputs."""
     from llmq.distillation.masks import prunable_linears
 
-    pattern = config.nm_pattern
+    pattern = config.gmp.nm_pattern if config.gmp else None
     if pattern is None:
         return
     for name, linear in prunable_linears(model).items():
         if linear.in_features % pattern[1]:
             module = name.removesuffix(".weight")
             raise InputError(
-                f"--pattern {config.pattern}: {pattern[1]} does not divide the {linear.in_features} inputs of {module}",
+                f"--pattern {pattern[0]}:{pattern[1]}: {pattern[1]} does not divide the {linear.in_features} inputs of {module}",
                 hint="choose an M that divides every linear's in_features (4 and 8 usually do)",
             )
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from llmq.config import DistillConfig
+from llmq.config.distill import GmpConfig
 from llmq.distillation.masks import prunable_linears
 from llmq.distillation.sharding import local
 from llmq.quant.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scores
@@ -29,18 +30,20 @@ from llmq.quant.masks import Sparsity, magnitude_scores, pruned_mask, wanda_scor
 
 def scheduled_sparsity(step: int, config: DistillConfig) -> float:
     """s(step) of the cubic schedule, as a share of each row's weights (for N:M, of M)."""
-    final = _final(config)
-    start, end = config.prune_start, config.pruning_end
+    gmp = _gmp(config)
+    final = _final(gmp)
+    start, end = gmp.start, gmp.end_step(config.max_steps)
     if step < start:
         return 0.0
-    last_pruning = start + (min(step, end) - start) // config.prune_every * config.prune_every
+    last_pruning = start + (min(step, end) - start) // gmp.every * gmp.every
     progress = 1.0 if step >= end else (last_pruning - start) / (end - start)
     return final * (1.0 - (1.0 - progress) ** 3)
 
 
 def is_pruning_step(step: int, config: DistillConfig) -> bool:
-    start, end = config.prune_start, config.pruning_end
-    return start <= step <= end and ((step - start) % config.prune_every == 0 or step == end)
+    gmp = _gmp(config)
+    start, end = gmp.start, gmp.end_step(config.max_steps)
+    return start <= step <= end and ((step - start) % gmp.every == 0 or step == end)
 
 
 class InputNorms:
@@ -96,7 +99,7 @@ def prune_step(
     """Bring every prunable linear to the schedule's sparsity at `step`, updating `masks`
     (name -> True where a weight stays) and zeroing what they drop. `norms`: score by Wanda's
     metric with these input norms, else by magnitude."""
-    sparsity = _sparsity(scheduled_sparsity(step, config), config)
+    sparsity = _sparsity(scheduled_sparsity(step, config), _gmp(config))
     if sparsity is None:
         return
     for name, linear in prunable_linears(model).items():
@@ -115,22 +118,27 @@ def prune_step(
 def masks_from_zeros(model: nn.Module, step: int, config: DistillConfig) -> dict[str, Tensor]:
     """The GMP masks of a run resumed at `step`: the zeros of the weights it saved (training
     makes no exact zeros, so these are exactly the pruned weights)."""
-    if step <= config.prune_start:
+    if step <= _gmp(config).start:
         return {}
     return {name: local(linear.weight.data) != 0 for name, linear in prunable_linears(model).items()}  # fmt: skip
 
 
-def _final(config: DistillConfig) -> float:
-    pattern = config.nm_pattern
+def _gmp(config: DistillConfig) -> GmpConfig:
+    assert config.gmp is not None, "gradual pruning without its gmp config"
+    return config.gmp
+
+
+def _final(gmp: GmpConfig) -> float:
+    pattern = gmp.nm_pattern
     if pattern is not None:
         return (pattern[1] - pattern[0]) / pattern[1]
-    return float(config.sparsity or 0.0)
+    return float(gmp.sparsity or 0.0)
 
 
-def _sparsity(share: float, config: DistillConfig) -> Sparsity | None:
+def _sparsity(share: float, gmp: GmpConfig) -> Sparsity | None:
     """What a pruning step removes at `share`: a fraction of each row, or for N:M the
     round(share · M) smallest of every M inputs."""
-    pattern = config.nm_pattern
+    pattern = gmp.nm_pattern
     if pattern is None:
         return Sparsity(fraction=share) if share > 0 else None
     dropped = round(share * pattern[1])

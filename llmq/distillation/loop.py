@@ -66,7 +66,7 @@ def train(run: DistillRun, hooks: Hooks, progress: Progress) -> TrainState:
         advance(state.step)
         for step in range(state.step, config.max_steps):
             step_started = time.monotonic()
-            if config.prune == "gmp":
+            if config.gmp is not None:
                 _prune(run, step)
             loss = train_step(run, step)
             state.step_seconds += time.monotonic() - step_started

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -14,6 +13,7 @@ from llmq.calib.tokenizer import load_tokenizer
 from llmq.errors import InputError
 from llmq.io.atomic import save_safetensors
 from llmq.io.checkpoint import Checkpoint, torch_dtype
+from llmq.io.record import OutputRecord
 
 _SAME_TOKENIZER = (
     "distillation compares token distributions: use a student with the teacher's tokenizer"
@@ -55,10 +55,8 @@ def load_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> nn
 def kept_layers(ckpt: Checkpoint, teacher_layers: int) -> list[int] | None:
     """The teacher layers a depth-pruned student kept, from `llmq prune --structured`'s record;
     None when there is no such record or it was pruned from a model of another depth."""
-    from llmq.io.checkpoint import read_record
-
     try:
-        removed = set(read_record(ckpt.path)["structured"]["removed"]["layers"])
+        removed = set(OutputRecord.read(ckpt.path).structured["removed"]["layers"])  # type: ignore[index]
     except (KeyError, TypeError):
         return None
     source_layers = ckpt.num_layers + len(removed)
@@ -71,7 +69,7 @@ def write_student(
     state: Mapping[str, Tensor],
     source: Checkpoint,
     staging: Path,
-    record: dict[str, Any],
+    record: OutputRecord,
     device: str | None,
     *,
     reference: bool,

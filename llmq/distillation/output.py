@@ -3,17 +3,15 @@ and dtypes, or with QAT the scheme's compressed-tensors checkpoint; published wh
 
 from __future__ import annotations
 
-import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
-from llmq import __version__
 from llmq.config import DistillConfig
 from llmq.distillation.models import write_student
 from llmq.distillation.state import remove_state
-from llmq.io.atomic import publish, write_json
+from llmq.io.atomic import add_to_record, publish
+from llmq.io.record import OutputRecord
 from llmq.progress import Progress
 
 
@@ -31,12 +29,8 @@ def write_result(
     """Write the student (`state`: the state dict to write; `result`: the run's summary, kept
     in llmq.json) into `staging` and publish it at `out`; with QAT, quantize it first
     (export_qat)."""
-    record = {
-        "llmq_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source_model": str(student.path),
-        "distillation": {k: v for k, v in result.items() if k not in ("out_dir", "perplexity")},
-    }
+    summary = {k: v for k, v in result.items() if k not in ("out_dir", "perplexity")}
+    record = OutputRecord(source_model=str(student.path), distillation=summary)
     staging.mkdir(parents=True, exist_ok=True)  # kept no best student nor resume point yet
     with progress.stage("writing the student"):
         write_student(state, student, staging, record, str(device), reference=reference)
@@ -45,18 +39,18 @@ def write_result(
         from llmq.distillation.qat import start_folder
 
         shutil.rmtree(start_folder(staging), ignore_errors=True)
-        staging = export_qat(run.config, staging, record, progress)
+        staging = export_qat(run.config, staging, summary, progress)
     publish(staging, out)
 
 
-def export_qat(config: DistillConfig, float_student: Path, record: dict[str, Any], progress: Progress) -> Path:  # fmt: skip
+def export_qat(config: DistillConfig, float_student: Path, summary: dict[str, Any], progress: Progress) -> Path:  # fmt: skip
     """The trained student quantized by RTN into a staging folder of its own (the codes the
     fake-quantized forward used), with the distillation's record; the float one removed."""
     from llmq.distillation.qat import export
 
     quantized = float_student.with_name(float_student.name + "-qat")
-    export(float_student, quantized, config.qat, config.qat_group_size, progress)
-    saved = json.loads((quantized / "llmq.json").read_text())
-    write_json(quantized / "llmq.json", {**saved, "distillation": record["distillation"]})
+    assert config.qat is not None
+    export(float_student, quantized, config.qat.scheme, config.qat.group_size, progress)
+    add_to_record(quantized, distillation=summary)
     shutil.rmtree(float_student)
     return quantized

@@ -25,6 +25,7 @@ from llmq.calib.tokenizer import load_tokenizer
 from llmq.errors import InputError
 from llmq.eval.ppl import describe_quantization, run_checkpoint
 from llmq.io.checkpoint import INDEX_FILE, Checkpoint, read_index
+from llmq.io.record import OutputRecord
 from llmq.pack.reader import QuantizedView
 
 VERIFY_PROMPTS = (
@@ -173,8 +174,8 @@ def changed_files(folder: Path, recorded: dict[str, str]) -> list[str]:
     return sorted(name for name in set(now) | set(recorded) if now.get(name) != recorded.get(name))
 
 
-def recorded_reference(record: dict[str, Any], where: Path) -> Reference | None:
-    raw = record.get("reference")
+def recorded_reference(record: OutputRecord, where: Path) -> Reference | None:
+    raw = record.reference
     if raw is None:
         return None
     try:

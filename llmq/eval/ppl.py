@@ -20,7 +20,6 @@ from torch import Tensor
 from llmq.calib.data import TokenWindows
 from llmq.calib.stream import LayerStream, activation_quantization, kv_hook
 from llmq.config import QuantArgs
-from llmq.heap import reused_heap
 from llmq.io.atomic import write_json
 from llmq.io.cache import read_cached, write_cached
 from llmq.io.checkpoint import Checkpoint
@@ -95,23 +94,16 @@ def run_checkpoint(
     as its format says (in float with `simulate_activations=False`: the weights alone); and the
     stream, for the head."""
     stream = LayerStream(ckpt, device=device, dtype=EVAL_DTYPE, state_loader=view.read_state)
-    hidden = stream.embed(input_ids)
-    with (
-        progress.stage(label, total=ckpt.num_layers) as advance,
-        reused_heap(),  # 10% faster on the default model: no page faults per op output
-    ):
-        for index in range(ckpt.num_layers):
-            layer = stream.load_layer(index)
-            prefix = stream.layout.layer_prefix(index)
-            inputs, kv = {}, None
-            if simulate_activations:
-                inputs = view.activation_schemes(ckpt, prefix)
-                kv = view.kv_quantizer(ckpt, prefix + stream.layout.attention)
-            attention = layer.get_submodule(stream.layout.attention)
-            with activation_quantization(layer, inputs), kv_hook(attention, kv):
-                hidden = stream.run_layer(layer, hidden, in_place=True)
-            advance(1)
-    return stream, hidden
+    walk = stream.walk(stream.embed(input_ids), progress=progress, label=label)
+    for layer in walk:
+        inputs, kv = {}, None
+        if simulate_activations:
+            inputs = view.activation_schemes(ckpt, layer.prefix)
+            kv = view.kv_quantizer(ckpt, layer.prefix + stream.layout.attention)
+        attention = layer.module.get_submodule(stream.layout.attention)
+        with activation_quantization(layer.module, inputs), kv_hook(attention, kv):
+            layer.advance(stream.run_layer(layer.module, layer.hidden, in_place=True))
+    return stream, walk.hidden
 
 
 def cache_key(ckpt: Checkpoint, windows: TokenWindows) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -39,7 +38,8 @@ from llmq.eval.logits import (
     recorded_reference,
     unpadded,
 )
-from llmq.io.checkpoint import RECORD_FILE, Checkpoint, open_checkpoint
+from llmq.io.checkpoint import Checkpoint, open_checkpoint
+from llmq.io.record import OutputRecord
 from llmq.pack.loaders import LOADERS
 from llmq.progress import NO_PROGRESS, Progress
 
@@ -102,9 +102,9 @@ def check_loaders(names: list[str]) -> list[str]:
     """Validate requested loader names before any work."""
     for name in names:
         if name not in LOADERS:
-            raise InputError(f"--loaders: unknown loader {name!r}", hint=f"choose from: {', '.join(LOADERS)}")  # fmt: skip
+            raise InputError(f"--loader: unknown loader {name!r}", hint=f"choose from: {', '.join(LOADERS)}")  # fmt: skip
         if name not in installed_loaders():
-            raise InputError(f"--loaders {name}: {name} is not installed", hint=f"pip install {name}")  # fmt: skip
+            raise InputError(f"--loader {name}: {name} is not installed", hint=f"pip install {name}")  # fmt: skip
     return names
 
 
@@ -117,17 +117,17 @@ def verify(
     device: str | None = None,
 ) -> VerifyResult:
     ckpt = open_checkpoint(folder)
-    record = _read_record(folder)
+    record = OutputRecord.read(folder, strict=True)
     if not ckpt.quantization_config:  # a plain checkpoint: llmq prune's, or not llmq's at all
-        if not record:
+        if not record.to_dict():
             raise InputError(f"{folder}: not a quantized checkpoint (no quantization_config) and no llmq.json", hint="verify checks the output of `llmq quantize`, `llmq prune` or another compressed-tensors tool")  # fmt: skip
         loaders = [name for name in loaders if name != "llmq"]  # its kernels run quantized linears
         if not loaders:
-            raise InputError(f"{folder}: a plain checkpoint (pruned, not quantized): llmq's kernels have nothing to run", hint="verify it with --loaders transformers")  # fmt: skip
+            raise InputError(f"{folder}: a plain checkpoint (pruned, not quantized): llmq's kernels have nothing to run", hint="verify it with --loader transformers")  # fmt: skip
     changed = None
-    if "files" in record:
+    if record.files is not None:
         with progress.stage("hashing files"):
-            changed = changed_files(folder, record["files"])
+            changed = changed_files(folder, record.files)
     reference = recorded_reference(record, folder)
     if reference is None:
         with progress.stage("computing the reference with llmq's evaluator"):
@@ -145,17 +145,6 @@ def verify(
             original = distance(reference.prompts, evaluator_log_probs(against, reference.input_ids, device=device))  # fmt: skip
         result.against = {"model": str(against.path), **asdict(original)}
     return result
-
-
-def _read_record(folder: Path) -> dict[str, Any]:
-    path = folder / RECORD_FILE
-    if not path.is_file():
-        return {}
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{path}: unreadable ({exc})") from None
-    return record if isinstance(record, dict) else {}
 
 
 def _run_loader(

@@ -77,7 +77,7 @@ def check_options(options: ScanOptions, nrmse_threshold: float) -> None:
     if options.ratio_threshold is not None and not options.ratio_threshold > 0:
         raise InputError(f"--ratio-threshold {options.ratio_threshold}: must be > 0")
     if not 1 <= options.workers <= 256:
-        raise InputError(f"--workers {options.workers}: must be between 1 and 256")
+        raise InputError(f"--jobs {options.workers}: must be between 1 and 256")
     if options.sample is not None and options.sample < 1:
         raise InputError(f"--sample {options.sample}: must be >= 1")
 

@@ -31,9 +31,12 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmq.errors import InputError, OutputError
+
+if TYPE_CHECKING:
+    from llmq.io.record import OutputRecord
 
 LOCK_SUFFIX = ".llmq-lock"
 PARTIAL_SUFFIX = ".partial"
@@ -210,9 +213,10 @@ def check_output_dir(out: Path, *, overwrite: bool) -> None:
 def is_llmq_output(folder: Path) -> bool:
     """Whether llmq wrote `folder`: a checkpoint whose llmq.json names the llmq version that
     wrote it, or an `llmq run` output with its llmq-run.json."""
-    from llmq.io.checkpoint import RUN_RECORD_FILE, read_record
+    from llmq.io.checkpoint import RUN_RECORD_FILE
+    from llmq.io.record import OutputRecord
 
-    return "llmq_version" in read_record(folder) or (folder / RUN_RECORD_FILE).is_file()
+    return OutputRecord.read(folder).written_by_llmq or (folder / RUN_RECORD_FILE).is_file()
 
 
 def check_free_space(out: Path, needed: int) -> None:
@@ -356,3 +360,21 @@ def output_error(
     message = f"{where}: {reason}" if where else reason
     hints = [_IO_HINTS.get(exc.errno or -1), kept() if kept else None]
     return OutputError(message, hint="; ".join(h for h in hints if h) or None)
+
+
+def write_record(folder: Path, record: OutputRecord) -> None:
+    """Write `record` as the llmq.json of the checkpoint being written at `folder`."""
+    from llmq.io.record import RECORD_FILE
+
+    write_json(folder / RECORD_FILE, record.to_dict())
+
+
+def add_to_record(folder: Path, **sections: dict[str, Any]) -> None:
+    """Add sections to the record of the checkpoint written at `folder` (a distillation's
+    summary to the quantized export it made)."""
+    from llmq.io.record import OutputRecord
+
+    record = OutputRecord.read(folder, strict=True)
+    for name, section in sections.items():
+        setattr(record, name, section)
+    write_record(folder, record)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmq.errors import InputError
 from llmq.io.family import DecoderLayout, layout_for
+from llmq.io.record import RECORD_FILE, OutputRecord
 
 if TYPE_CHECKING:
     import torch
@@ -31,26 +32,14 @@ DTYPE_BYTES = {
 }  # fmt: skip
 
 
-RECORD_FILE = "llmq.json"  # how llmq made a checkpoint
 RUN_RECORD_FILE = "llmq-run.json"  # what an `llmq run` into a folder has finished
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
-
-
-def read_record(folder: Path) -> dict[str, Any]:
-    """How llmq made the checkpoint at `folder` (its llmq.json); {} where there is none or it is
-    not a JSON object: a checkpoint from another tool, or a damaged record, which informs reports
-    but never decides whether a checkpoint can be read."""
-    try:
-        record = json.loads((folder / RECORD_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
 
 
 def recorded_sparsity(folder: Path) -> float | None:
     """The share of zeros `llmq prune` (or a pruning `quantize`) recorded for the linears."""
     try:
-        return float(read_record(folder)["sparsity"]["linears"])
+        return float(OutputRecord.read(folder).sparsity["linears"])  # type: ignore[index]
     except (KeyError, TypeError, ValueError):
         return None
 

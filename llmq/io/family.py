@@ -2,7 +2,13 @@
 
 Every family listed here stores its weights under the same Hugging Face names
 (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`, ...). Algorithms ask this table which
-linears share an input and which norm feeds them; nothing else in llmq names a module.
+linears share an input, which norm feeds them and which axis structured pruning slices; the
+layer stream asks it where the layers are. Nothing else in llmq names a module.
+
+Adding a family is one entry in FAMILY_LAYOUT (a new `DecoderLayout` where its names differ; its
+`structured` roles None where `prune --structured` cannot slice it) plus tests: those of
+tests/io/test_family.py, tests/pruning/test_structured.py and tests/pipeline/test_quantize.py's
+reload test take every entry of the table.
 """
 
 from __future__ import annotations
@@ -10,6 +16,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmq.errors import UnsupportedModelError
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredRoles:
+    """What structured pruning slices in one layer (names relative to it), by what it removes:
+    query heads are rows of `query` and columns of `attention_output`; key-value groups rows of
+    `key_value`; MLP channels rows of `mlp_input` and columns of `mlp_output`. Hidden channels
+    are columns of the linears reading the residual stream (`hidden_readers`), rows of those
+    writing it (`hidden_writers`) and entries of the `norms` in front of the readers."""
+
+    query: str
+    key_value: tuple[str, ...]
+    attention_output: str
+    mlp_input: tuple[str, ...]  # gate and up: the MLP channels are their output rows
+    mlp_output: str
+    norms: tuple[str, ...]  # the norms feeding the attention and the MLP, in that order
+
+    @property
+    def hidden_readers(self) -> tuple[str, ...]:
+        return (self.query, *self.key_value, *self.mlp_input)
+
+    @property
+    def hidden_writers(self) -> tuple[str, ...]:
+        return (self.attention_output, self.mlp_output)
+
+    @property
+    def norm_readers(self) -> tuple[str, ...]:
+        """One linear reading each norm's output, in the order of `norms`."""
+        return (self.query, self.mlp_input[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +71,9 @@ class DecoderLayout:
     # scaling helps: the down_proj input (SiLU(gate) · up) is not normalized, and alpha 0.8 there
     # made the default model's W8A8 out-of-domain perplexity increase 1.6x (benchmarks/RESULTS.md).
     fixed_alpha_producers: tuple[str, ...]
+    # Which linears structured pruning slices along which axis; None: `prune --structured`
+    # refuses the family.
+    structured: StructuredRoles | None = None
 
     def smoothing_pairs(self, smooth: float | str) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """The pairings SmoothQuant scales: all of them for "auto" (its search may leave any
@@ -96,6 +134,14 @@ _LLAMA_LIKE = DecoderLayout(
         ("mlp.up_proj", ("mlp.down_proj",)),
     ),
     fixed_alpha_producers=("input_layernorm", "self_attn.v_proj", "post_attention_layernorm"),
+    structured=StructuredRoles(
+        query="self_attn.q_proj",
+        key_value=("self_attn.k_proj", "self_attn.v_proj"),
+        attention_output="self_attn.o_proj",
+        mlp_input=_MLP_IN,
+        mlp_output="mlp.down_proj",
+        norms=("input_layernorm", "post_attention_layernorm"),
+    ),
 )
 
 FAMILY_LAYOUT: dict[str, DecoderLayout] = {

@@ -7,16 +7,14 @@ OUT claimed, calibration sampled, the layers run, the checkpoint published with 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
 
-from llmq import __version__
 from llmq.config import RESUME_EVERY_S, Recipe
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
+from llmq.io.record import OutputRecord
 from llmq.pipeline.report import QuantizeResult
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.texts import text_inputs
@@ -93,28 +91,21 @@ def run_job(
         check_output_dir(out, overwrite=run.overwrite)
         if run.space_check:
             check_free_space(out, disk_needed(ckpt, plan, recipe, staging if run.resume else None))
-        record: dict[str, Any] = {
-            "llmq_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "source_model": source,
-            "recipe": recipe.model_dump(mode="json"),
-            "calibration": None,
-            "loaders": loaders,
-        }
+        record = OutputRecord(source_model=source, recipe=recipe.model_dump(mode="json"), loaders=loaders)  # fmt: skip
         ids = None
         if recipe.calibration is not None:
             cal = recipe.calibration
             windows = model_windows(ckpt.path, cal, progress)
             ids = windows.input_ids
-            record["calibration"] = {**cal.model_dump(), "tokens": windows.num_tokens, "bos": windows.add_bos}  # fmt: skip
+            record.calibration = {**cal.model_dump(), "tokens": windows.num_tokens, "bos": windows.add_bos}  # fmt: skip
         if stats is not None:
-            record["calib_stats"] = {"file": str(inputs.calib_stats), **stats.metadata}
+            record.calib_stats = {"file": str(inputs.calib_stats), **stats.metadata}
         if fallback_record is not None:
-            record["fallback"] = fallback_record
+            record.fallback = fallback_record
         sparsities = None
         if recipe.sparsity_profile != "uniform":
             sparsities = layer_profile(ckpt, plan, recipe, ids, progress, run.device)
-            record["sparsity_profile"] = sparsities
+            record.sparsity_profile = sparsities
         return run_quantization(
             ckpt, plan, recipe, out,
             calibration_ids=ids, calib_stats=stats, resume=run.resume, progress=progress,

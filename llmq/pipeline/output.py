@@ -10,8 +10,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from llmq.config import Recipe
-from llmq.io.atomic import write_json
-from llmq.io.checkpoint import RECORD_FILE, Checkpoint, side_files, torch_dtype
+from llmq.io.atomic import write_json, write_record
+from llmq.io.checkpoint import Checkpoint, side_files, torch_dtype
+from llmq.io.record import OutputRecord
 from llmq.pack.format import PackFormat, quantization_config, scheme_format
 from llmq.pipeline.plan import LinearPlan, Plan, config_groups
 from llmq.pipeline.state import HIDDEN_FILE, STATE_FILE
@@ -54,7 +55,7 @@ def finalize(
     recipe: Recipe,
     staging: Path,
     shards: ShardNames,
-    record: dict[str, Any],
+    record: OutputRecord,
     device: str | None,
     *,
     reference: bool = True,
@@ -75,7 +76,7 @@ def finish_checkpoint(
     staging: Path,
     shards: ShardNames,
     config: dict[str, Any],
-    record: dict[str, Any],
+    record: OutputRecord,
     device: str | None,
     *,
     reference: bool = True,
@@ -101,9 +102,9 @@ def finish_checkpoint(
     _copy_side_files(source, staging)
     # What the written files compute, and their hashes, for `llmq verify`.
     if reference:  # one more pass over the written layers (a few tokens each)
-        record["reference"] = compute_reference(open_checkpoint(staging), device=device).to_dict()
-    record["files"] = file_hashes(staging)
-    write_json(staging / RECORD_FILE, record)
+        record.reference = compute_reference(open_checkpoint(staging), device=device).to_dict()
+    record.files = file_hashes(staging)
+    write_record(staging, record)
     (staging / STATE_FILE).unlink(missing_ok=True)
     (staging / HIDDEN_FILE).unlink(missing_ok=True)
 

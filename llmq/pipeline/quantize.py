@@ -35,11 +35,13 @@ from llmq.calib.stream import (
     LayerStream,
     kv_hook,
 )
+from llmq.calib.walk import StreamedLayer
 from llmq.config import RESUME_EVERY_S, Recipe
 from llmq.errors import InputError
-from llmq.heap import ReusedBuffers, reused_heap
+from llmq.heap import ReusedBuffers
 from llmq.io.atomic import publish, save_safetensors, staging_path
 from llmq.io.checkpoint import Checkpoint, torch_dtype
+from llmq.io.record import OutputRecord
 from llmq.pack.format import scheme_format
 from llmq.pipeline.linears import (
     REPORT_WINDOWS,
@@ -84,7 +86,7 @@ def run_quantization(
     calib_stats: CalibStats | None,
     resume: bool,
     progress: Progress = NO_PROGRESS,
-    record: dict[str, Any],
+    record: OutputRecord,
     device: str | None = None,
     resume_every_s: float = RESUME_EVERY_S,
     reference: bool = True,
@@ -109,30 +111,28 @@ def run_quantization(
     shards = ShardNames(ckpt.num_layers)
     if resumed == 0:
         save_safetensors(staging / shards.name(0), non_layer_tensors(ckpt))
-    hidden = _initial_hidden(stream, state, calibration_ids)
+    walk = stream.walk(
+        _initial_hidden(stream, state, calibration_ids),
+        start=resumed,
+        progress=progress,
+        label="pruning layers" if recipe.weight_args is None else "quantizing layers",
+    )
     buffers = ReusedBuffers()  # captured and kept activations, layer after layer
-    with (
-        progress.stage(
-            "pruning layers" if recipe.weight_args is None else "quantizing layers",
-            total=ckpt.num_layers,
-        ) as advance,
-        reused_heap(),  # every op's output is a fresh tensor: 5-10% of a CPU layer was faults
-    ):
-        advance(resumed)
-        for index in range(resumed, ckpt.num_layers):
-            layer_method = method
-            if layer_sparsities is not None:
-                layer_method = replace(method, sparsity=Sparsity(fraction=layer_sparsities[index]))  # type: ignore[type-var]
-            report, hidden, tensors = _quantize_layer(
-                stream, index, plan.layers[index], recipe, layer_method, hidden, calib_stats,
-                progress, buffers,
-            )  # fmt: skip
-            save_safetensors(staging / shards.name(index + 1), tensors)
-            state.record(asdict(report), hidden)
-            advance(1)
+    for layer in walk:
+        layer_method = method
+        if layer_sparsities is not None:
+            sparsity = Sparsity(fraction=layer_sparsities[layer.index])
+            layer_method = replace(method, sparsity=sparsity)  # type: ignore[type-var]
+        report, output, tensors = _quantize_layer(
+            stream, layer, plan.layers[layer.index], recipe, layer_method, calib_stats, progress,
+            buffers,
+        )  # fmt: skip
+        layer.advance(output)
+        save_safetensors(staging / shards.name(layer.index + 1), tensors)
+        state.record(asdict(report), output)
     del buffers
     if method.sparsity is not None:
-        record["sparsity"] = written_sparsity(state.layers)
+        record.sparsity = written_sparsity(state.layers)
     with progress.stage("writing config, index and the reference for `llmq verify`"):
         finalize(ckpt, plan, recipe, staging, shards, record, device, reference=reference)
     publish(staging, out)
@@ -144,13 +144,13 @@ def run_quantization(
         layers=[layer_report(raw) for raw in state.layers],
         ignored=plan.ignored,
         group_size_adjustments=[asdict(a) for a in plan.adjustments],
-        calibration=record.get("calibration"),
-        fallback=record.get("fallback"),
-        loaders=record.get("loaders", {}),
+        calibration=record.calibration,
+        fallback=record.fallback,
+        loaders=record.loaders or {},
         resumed_layers=resumed,
         seconds=time.perf_counter() - started,
         size_bytes={"source": weights_size(ckpt.path), "output": weights_size(out)},
-        sparsity=record.get("sparsity"),
+        sparsity=record.sparsity,
     )
 
 
@@ -166,18 +166,16 @@ def _initial_hidden(stream: LayerStream, state: RunState, ids: Tensor | None) ->
 @torch.inference_mode()  # no autograd bookkeeping: ~20% of GPTQ's per-column loop on a CPU
 def _quantize_layer(
     stream: LayerStream,
-    index: int,
+    layer: StreamedLayer[Tensor | None],
     linears: list[LinearPlan],
     recipe: Recipe,
     method: Method,
-    hidden: Tensor | None,
     calib_stats: CalibStats | None,
     progress: Progress,
     buffers: ReusedBuffers,
 ) -> tuple[LayerReport, Tensor | None, dict[str, Tensor]]:
-    started = time.perf_counter()
-    prefix = stream.layout.layer_prefix(index)
-    layer = stream.load_layer(index)
+    """The layer quantized: its report, its output (the next layer's input) and its tensors."""
+    index, prefix, hidden = layer.index, layer.prefix, layer.hidden
     local = {linear.name[len(prefix) :]: linear for linear in linears}
     staged = hidden is not None and _stages_in_layer(recipe, method, calib_stats, local)
     passes = _passes(stream, method, hidden, staged=staged)
@@ -185,18 +183,19 @@ def _quantize_layer(
         if staged:
             assert hidden is not None
             done = StagedLayer(
-                stream, layer, local, method, recipe, hidden, lambda: step(1), buffers
+                stream, layer.module, local, method, recipe, hidden, lambda: step(1), buffers
             ).run()
         else:
             done = _quantize_observed(
-                stream, layer, local, method, recipe, hidden, calib_stats, prefix, lambda: step(1)
-            )
+                stream, layer.module, local, method, recipe, hidden, calib_stats, prefix,
+                lambda: step(1),
+            )  # fmt: skip
     if done.output is not None:
         check_finite(done.output, f"the output of layer {index}")
     tensors = {f"{prefix}{key}": value for key, value in done.tensors.items()}
-    tensors.update(other_layer_tensors(stream.ckpt, layer, prefix, local))
+    tensors.update(other_layer_tensors(stream.ckpt, layer.module, prefix, local))
     report = LayerReport(
-        index, done.error, time.perf_counter() - started, done.linears, done.rtn_error,
+        index, done.error, time.perf_counter() - layer.started, done.linears, done.rtn_error,
         done.scales,
     )  # fmt: skip
     return report, done.output, tensors

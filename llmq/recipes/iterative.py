@@ -1,4 +1,4 @@
-"""The recipe of `distill --prune iterative`: rounds of one-shot pruning and distillation (ModelOpt's advice
+"""The recipe of `distill --prune iterative` (DistillConfig.iterative): rounds of one-shot pruning and distillation (ModelOpt's advice
 above 50% sparsity: prune about 30%, repair, repeat).
 
 Round r prunes the current student with `llmq prune --method M` (the layer pipeline, calibrated
@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from llmq.config import DistillConfig
+from llmq.config.distill import IterativeConfig
 from llmq.recipes.schema import ChainRecipe
 
-_NOT_PER_ROUND = ("prune", "prune_method", "sparsity", "pattern", "prune_start", "prune_end",
-                  "prune_every", "rounds", "round_schedule", "max_steps", "seed")  # fmt: skip
+_NOT_PER_ROUND = ("iterative", "max_steps", "seed")
 
 
 def round_sparsities(target: float, rounds: int, schedule: str) -> list[float]:
@@ -39,28 +39,27 @@ def round_sparsities(target: float, rounds: int, schedule: str) -> list[float]:
     return [1 - (1 - target) ** (r / rounds) for r in range(1, rounds + 1)]
 
 
-def _schedule(config: DistillConfig) -> list[float]:
-    return round_sparsities(float(config.sparsity or 0), config.rounds, config.round_schedule)
-
-
-def _prune_stage(config: DistillConfig, round_number: int) -> dict[str, Any]:
+def _prune_stage(config: DistillConfig, iterative: IterativeConfig, round_number: int) -> dict[str, Any]:  # fmt: skip
     """Round r's one-shot pruning: to the round's sparsity, or structured, keeping the share of
     the current decoder's parameters that takes its density from the last round's to this one's."""
-    sparsities = [0.0, *_schedule(config)]
-    stage: dict[str, Any] = {"name": f"prune-{round_number}", "calib_text": config.data, "seq_len": config.seq_len}  # fmt: skip
-    if config.prune_method == "structured":
+    schedule = round_sparsities(iterative.sparsity, iterative.rounds, iterative.schedule)
+    sparsities = [0.0, *schedule]
+    stage: dict[str, Any] = {"name": f"prune-{round_number}", "calib_text": config.train_text, "seq_len": config.seq_len}  # fmt: skip
+    if iterative.method == "structured":
         keep = (1 - sparsities[round_number]) / (1 - sparsities[round_number - 1])
         return {**stage, "structured": True, "decoder_params": keep}
-    return {**stage, "method": config.prune_method, "sparsity": sparsities[round_number]}
+    return {**stage, "method": iterative.method, "sparsity": sparsities[round_number]}
 
 
 def rounds_recipe(config: DistillConfig, teacher: str | Path, checkpoint_every: int | None) -> ChainRecipe:  # fmt: skip
     """The recipe of the rounds: prune-r then distill-r, for r = 1..rounds."""
+    iterative = config.iterative
+    assert iterative is not None, "rounds of a run without iterative pruning"
     per_round = {k: v for k, v in config.model_dump().items() if k not in _NOT_PER_ROUND}
-    steps = (config.max_steps or 0) // config.rounds
+    steps = config.max_steps // iterative.rounds
     stages: list[dict[str, Any]] = []
-    for r in range(1, config.rounds + 1):
-        stages.append({"prune": _prune_stage(config, r)})
+    for r in range(1, iterative.rounds + 1):
+        stages.append({"prune": _prune_stage(config, iterative, r)})
         stages.append({"distill": {
             **per_round, "name": f"distill-{r}", "teacher": str(teacher), "max_steps": steps,
             "seed": config.seed + r - 1, "checkpoint_every": checkpoint_every,

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from llmq.config import (
     DEFAULT_CONFIDENCE,
@@ -27,6 +27,7 @@ from llmq.config import (
     StructuredOptions,
 )
 from llmq.config.distill import DistillConfig
+from llmq.config.fraction import Fraction
 from llmq.texts import DEFAULT_EVAL_TEXT, text_inputs
 
 SOURCE = "source"  # the recipe's own model, in `teacher` and `baseline`
@@ -102,8 +103,8 @@ class DistillStage(DistillConfig):
     def _length(self) -> DistillStage:
         if (self.max_tokens is None) == (self.max_steps is None):
             raise ValueError("how long to train: give max_steps or max_tokens (one of them)")
-        if self.prune == "iterative":
-            raise ValueError("prune iterative is rounds of prune and distill stages: write them as stages (or run llmq distill --prune iterative)")  # fmt: skip
+        if self.iterative is not None:
+            raise ValueError("iterative pruning is rounds of prune and distill stages: write them as stages (or run llmq distill --prune iterative)")  # fmt: skip
         return self
 
     def options(self) -> dict[str, Any]:
@@ -117,17 +118,18 @@ class EvalStage(_Stage):
     value for every task, or a mapping per task)."""
 
     baseline: str = SOURCE
-    text: str = DEFAULT_EVAL_TEXT
+    # keys as `llmq eval`'s flags; `text` and `max_windows`, their old spellings, still read
+    eval_text: str = Field(DEFAULT_EVAL_TEXT, validation_alias=AliasChoices("eval_text", "text"))
     seq_len: int = Field(512, ge=8)
-    max_windows: int = Field(40, ge=1)
-    max_ppl_increase: float | None = Field(None, ge=0.0, lt=100.0)
+    eval_windows: int = Field(40, ge=1, validation_alias=AliasChoices("eval_windows", "max_windows"))  # fmt: skip
+    max_ppl_increase: Fraction | None = Field(None, ge=0.0, lt=100.0)
     tasks: list[str] | None = None
     task_dir: str | None = None
     limit: int | None = Field(None, ge=1)
     num_fewshot: int | None = Field(None, ge=0)
-    max_drop: float | dict[str, float] | None = None
-    min_recovery: float | dict[str, float] | None = None
-    confidence: float = Field(DEFAULT_CONFIDENCE, ge=0.5, lt=1.0)
+    max_drop: Fraction | dict[str, Fraction] | None = None
+    min_recovery: Fraction | dict[str, Fraction] | None = None
+    confidence: Fraction = Field(DEFAULT_CONFIDENCE, ge=0.5, lt=1.0)
     batch_size: int = Field(8, ge=1)
 
     @model_validator(mode="after")
@@ -213,7 +215,7 @@ class ChainRecipe(BaseModel):
                 reference = getattr(stage, role, None)
                 if reference is not None and reference != SOURCE and reference not in names:
                     found.append((role, Path(reference)))
-            for key in ("calib_text", "text", "data", "eval_text"):
+            for key in ("calib_text", "train_text", "eval_text"):
                 found += text_inputs(getattr(stage, key, None), "text")
             for role, key in (("task folder", "task_dir"), ("statistics file", "calib_stats"), ("importance file", "importance")):  # fmt: skip
                 if getattr(stage, key, None) is not None:

@@ -239,7 +239,7 @@ def test_bad_options_and_recipes_say_what_to_use(tmp_path: Path, tiny_llama: Pat
         ),
         (
             ["prune", model, "--out", str(tmp_path / "p"), "--sparsity", "nan"],
-            "sparsity: Input should be a finite number",
+            "--sparsity 'nan': expected a percentage",
         ),
         (
             ["recipe", "check", str(unknown_kind)],

@@ -70,7 +70,7 @@ def test_help_shows_bracketed_text(command: str, fragment: str) -> None:
         (["--scheme", "w8a8", "--smooth", "strong"], "expected alpha"),
         (["--smooth", "0.5"], "SmoothQuant is for schemes that quantize them"),
         (["--scheme", "w8a8", "--method", "awq", "--smooth", "0.5"], "folds its own scales"),
-        (["--kv-cache", "int4"], "kv_cache"),
+        (["--kv-cache", "int4"], "--kv-cache int4: Input should be 'fp8', 'int8' or 'none'"),
         (["--activations", "static"], "does not quantize activations"),
         (["--scheme", "fp8-block", "--activations", "static"], "per-token-group"),
         (["--scheme", "w8a8", "--observer", "mse"], "observers choose static scales"),
@@ -126,7 +126,7 @@ def test_quantize_json_and_eval_gate(tmp_path: Path, tiny_llama: Path) -> None:
         str(out),
         "--baseline",
         str(tiny_llama),
-        "--max-windows",
+        "--eval-windows",
         "2",
         "--seq-len",
         "64",
@@ -170,5 +170,5 @@ def test_eval_of_a_static_checkpoint_missing_its_input_scale_exits_2(
     index = json.loads(index_file.read_text())
     del index["weight_map"]["model.layers.0.self_attn.q_proj.input_scale"]
     index_file.write_text(json.dumps(index))
-    result = run("eval", str(out), "--max-windows", "1", "--seq-len", "32")
+    result = run("eval", str(out), "--eval-windows", "1", "--seq-len", "32")
     assert_bad_input(result, "q_proj.input_scale is missing")

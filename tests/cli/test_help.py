@@ -11,6 +11,7 @@ import pytest
 import typer
 
 from llmq.cli.main import app
+from llmq.cli.options import old_spellings
 
 WIDTH = 80
 
@@ -86,7 +87,7 @@ def test_help_names_every_option_in_full(path: tuple[str, ...]) -> None:
     for param in COMMANDS[path].params:
         if param.param_type_name != "option" or param.hidden:
             continue
-        names = list(param.opts)
+        names = [name for name in param.opts if name not in old_spellings(param)]
         if param.secondary_opts and param.default is not False:  # `--no-x` of a flag on by default
             names += param.secondary_opts
         for name in names:

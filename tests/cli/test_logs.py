@@ -45,7 +45,7 @@ def test_tables_in_a_log_are_not_cut_at_80_columns(tmp_path: Path, tiny_llama: P
         shutil.copytree(tiny_llama, name)
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     run = subprocess.run(
-        llmq_cmd("eval", *map(str, names), "--max-windows", "1", "--seq-len", "32"),
+        llmq_cmd("eval", *map(str, names), "--eval-windows", "1", "--seq-len", "32"),
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr

@@ -224,7 +224,7 @@ def test_every_command_under_a_read_only_folder_fails_in_one_line(
     # Commands that write only to the cache still work, with a warning about the cache.
     monkeypatch.setenv("LLMQ_CACHE_DIR", str(read_only / "cache"))
     for command in (
-        ["eval", model, "--baseline", model, "--max-windows", "1", "--seq-len", "64"],
+        ["eval", model, "--baseline", model, "--eval-windows", "1", "--seq-len", "64"],
         ["models"],
     ):
         result = runner.invoke(app, command)

@@ -231,7 +231,7 @@ def test_bad_input_is_refused_in_one_line_before_any_work(
         (["--student", str(tmp_path)], str(tmp_path)),
         (["--student", other, "--max-steps", "2"], "other tokens"),
         ([*steps, "--loss", "mse"], "loss"),
-        ([*steps, "--data", text_file, "--eval-text", text_file], "also the training data"),
+        ([*steps, "--train-text", text_file, "--eval-text", text_file], "also the training data"),
         ([*steps, "--warmup-steps", "2"], "warmup_steps"),
         ([*steps, "--checkpoint-every", "0"], "--checkpoint-every"),
     ]

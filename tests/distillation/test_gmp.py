@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 import llmq
 from llmq.cli.main import app
 from llmq.config import DistillConfig
+from llmq.config.distill import GmpConfig
 from llmq.distillation.gmp import InputNorms, is_pruning_step, prune_step, scheduled_sparsity
 from tests.conftest import assert_bad_input
 from tests.distillation.test_distill import FAST, InterruptAfter, assert_same_weights
@@ -23,7 +24,7 @@ runner = CliRunner()
 
 
 def test_the_schedule_is_zhu_and_guptas_cubic() -> None:
-    config = DistillConfig(max_steps=20, prune="gmp", sparsity=0.6, prune_start=2, prune_end=12, prune_every=3)  # fmt: skip
+    config = DistillConfig(max_steps=20, gmp=GmpConfig(sparsity=0.6, start=2, end=12, every=3))  # fmt: skip
     for step in range(20):
         if step < 2:
             expected = 0.0
@@ -39,7 +40,7 @@ def test_the_schedule_is_zhu_and_guptas_cubic() -> None:
 def test_masks_only_shrink_and_each_row_loses_its_share() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4))
-    config = DistillConfig(max_steps=10, prune="gmp", sparsity=0.5, prune_end=8)
+    config = DistillConfig(max_steps=10, gmp=GmpConfig(sparsity=0.5, end=8))
     masks: dict[str, torch.Tensor] = {}
     previous: dict[str, torch.Tensor] = {}
     for step in range(9):
@@ -59,7 +60,7 @@ def test_masks_only_shrink_and_each_row_loses_its_share() -> None:
 
 def test_an_nm_pattern_is_reached_group_by_group() -> None:
     model = nn.Sequential(nn.Linear(8, 3))
-    config = DistillConfig(max_steps=4, prune="gmp", pattern="2:4", prune_end=2)
+    config = DistillConfig(max_steps=4, gmp=GmpConfig(pattern="2:4", end=2))
     masks: dict[str, torch.Tensor] = {}
     for step in range(3):
         prune_step(model, masks, step, config)
@@ -89,9 +90,7 @@ def test_wanda_gmp_drops_the_smallest_weight_times_input_norm() -> None:
         model[0].weight.copy_(torch.tensor([[1.0, 3.0]]))
     norms = InputNorms(model)
     model(torch.tensor([[4.0, 1.0]]))  # ||x|| = [4, 1]: scores 4 and 3, magnitude says 1 and 3
-    config = DistillConfig(
-        max_steps=2, prune="gmp", prune_method="wanda", sparsity=0.5, prune_end=1
-    )
+    config = DistillConfig(max_steps=2, gmp=GmpConfig(method="wanda", sparsity=0.5, end=1))
     masks: dict[str, torch.Tensor] = {}
     prune_step(model, masks, 1, config, norms)
     assert model[0].weight.tolist() == [[1.0, 0.0]]
@@ -109,8 +108,8 @@ def test_a_reduction_over_processes_replaces_the_sums() -> None:
 def test_gmp_distillation_writes_exact_zeros_and_resumes_identically(
     tmp_path: Path, teacher: Path, student: Path, method: str
 ) -> None:
-    options = {**FAST, "max_steps": 6, "lr": 1e-3, "prune": "gmp", "sparsity": 0.5,
-               "prune_end": 4, "checkpoint_every": 2, "keep": "last", "prune_method": method}  # fmt: skip
+    options = {**FAST, "max_steps": 6, "lr": 1e-3, "checkpoint_every": 2, "keep": "last",
+               "gmp": {"sparsity": 0.5, "end": 4, "method": method}}  # fmt: skip
     whole = llmq.distill(teacher, student, tmp_path / "whole", **options)
     config = DistillConfig(**{k: v for k, v in options.items() if k in DistillConfig.model_fields})
     assert whole.sparsity_schedule == [scheduled_sparsity(s, config) for s in range(6)]
@@ -131,16 +130,16 @@ def test_gmp_distillation_writes_exact_zeros_and_resumes_identically(
         (["--prune", "gmp"], "give either sparsity or pattern"),
         (
             ["--prune", "gmp", "--sparsity", "0.5", "--prune-start", "3", "--prune-end", "2"],
-            "must come after prune_start",
+            "gmp.end 2: must come after gmp.start 3",
         ),
-        (["--sparsity", "0.5"], "prunes only with prune gmp"),
+        (["--sparsity", "0.5"], "--sparsity: goes with --prune gmp or --prune iterative"),
         (
             ["--prune", "gmp", "--sparsity", "0.5", "--prune-method", "sparsegpt"],
-            "use prune iterative",
+            "gmp.method: Input should be 'magnitude' or 'wanda'",
         ),
-        (["--prune-method", "wanda"], "prunes only with prune gmp"),
+        (["--prune-method", "wanda"], "--prune-method: goes with --prune gmp or --prune iterative"),
         (["--prune", "gmp", "--pattern", "3:7"], "7 does not divide the 192 inputs"),
-        (["--prune", "magnitude", "--sparsity", "0.5"], "prune"),
+        (["--prune", "magnitude", "--sparsity", "0.5"], "--prune 'magnitude': not a way to prune"),
     ],
 )
 def test_bad_pruning_options_exit_2(

@@ -17,8 +17,8 @@ from tests.conftest import assert_bad_input
 from tests.distillation.test_distill import FAST, InterruptAfter, assert_same_weights, weights
 
 runner = CliRunner()
-ITERATIVE = {**FAST, "lr": 1e-3, "prune": "iterative", "prune_method": "wanda", "sparsity": 0.5,
-             "rounds": 2, "steps_per_round": 2, "keep": "last"}  # fmt: skip
+ROUNDS = {"method": "wanda", "sparsity": 0.5, "rounds": 2}
+ITERATIVE = {**FAST, "lr": 1e-3, "iterative": ROUNDS, "steps_per_round": 2, "keep": "last"}
 
 
 def decoder_linears(folder: Path) -> dict[str, torch.Tensor]:
@@ -50,11 +50,12 @@ def test_structured_rounds_keep_the_schedules_densities() -> None:
     import math
 
     from llmq.config import DistillConfig
+    from llmq.config.distill import IterativeConfig
     from llmq.recipes.iterative import rounds_recipe
 
     for schedule in ("geometric", "cubic"):
-        config = DistillConfig(prune="iterative", prune_method="structured", sparsity=0.4,
-                               rounds=3, round_schedule=schedule, max_steps=3)  # fmt: skip
+        rounds = IterativeConfig(method="structured", sparsity=0.4, rounds=3, schedule=schedule)
+        config = DistillConfig(iterative=rounds, max_steps=3)
         stages = rounds_recipe(config, Path("teacher"), None).model_dump()["stages"]
         keeps = [stage["prune"]["decoder_params"] for stage in stages if stage.get("prune")]
         assert math.prod(keeps) == pytest.approx(0.6, abs=1e-12)
@@ -102,22 +103,25 @@ def test_an_interrupted_run_resumes_in_its_round_to_the_same_weights(
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        (["--prune", "iterative"], "give sparsity"),
-        (["--prune", "iterative", "--pattern", "2:4"], "give sparsity"),
+        (["--prune", "iterative"], "iterative.sparsity: Field required"),
+        (["--prune", "iterative", "--pattern", "2:4"], "--pattern: goes with --prune gmp"),
         (
             ["--prune", "iterative", "--sparsity", "0.5", "--max-steps", "5"],
-            "not a multiple of rounds 3",
+            "not a multiple of iterative.rounds 3",
         ),
-        (["--prune", "iterative", "--sparsity", "0.5", "--prune-end", "2"], "prunes once a round"),
+        (
+            ["--prune", "iterative", "--sparsity", "0.5", "--prune-end", "2"],
+            "--prune-end: goes with --prune gmp",
+        ),
         (
             ["--prune", "gmp", "--sparsity", "0.5", "--rounds", "2"],
-            "rounds: prunes only with prune iterative",
+            "--rounds: goes with --prune iterative",
         ),
         (["--steps-per-round", "2", "--max-steps", "4"], "goes with --prune iterative"),
-        (["--round-schedule", "geometric"], "round_schedule: prunes only with prune iterative"),
+        (["--round-schedule", "geometric"], "--round-schedule: goes with --prune iterative"),
         (
             ["--prune", "iterative", "--sparsity", "0.5", "--round-schedule", "linear"],
-            "round_schedule: Input should be 'cubic' or 'geometric'",
+            "iterative.schedule: Input should be 'cubic' or 'geometric'",
         ),
         (
             [
@@ -146,7 +150,8 @@ def test_bad_iterative_options_exit_2(
 
 def test_structured_rounds_narrow_the_mlp_each_round(tmp_path: Path, teacher: Path) -> None:
     out = tmp_path / "out"
-    options = {**ITERATIVE, "prune_method": "structured", "sparsity": 0.3, "steps_per_round": 1}
+    rounds = {**ROUNDS, "method": "structured", "sparsity": 0.3}
+    options = {**ITERATIVE, "iterative": rounds, "steps_per_round": 1}
     result = llmq.distill(teacher, teacher, out, **options)
     before = json.loads((teacher / "config.json").read_text())["intermediate_size"]
     after = json.loads((out / "config.json").read_text())["intermediate_size"]

@@ -20,6 +20,7 @@ from llmq.distillation.qat import (
     linear_args,
 )
 from llmq.io.checkpoint import open_checkpoint
+from llmq.io.record import OutputRecord
 from llmq.progress import NO_PROGRESS
 from llmq.runtime.load import load_dequantized
 from tests.conftest import assert_bad_input
@@ -68,7 +69,8 @@ def export_trained(model, student, tmp_path, scheme, group_size):
     """The model written in float, then exported as `distill --qat` does; the export's folder
     and its quantization_config."""
     (tmp_path / "float").mkdir()
-    write_student(model.state_dict(), student, tmp_path / "float", {}, "cpu", reference=False)
+    record = OutputRecord(source_model=str(student.path))
+    write_student(model.state_dict(), student, tmp_path / "float", record, "cpu", reference=False)
     export(tmp_path / "float", tmp_path / "q", scheme, group_size, progress=NO_PROGRESS)
     return tmp_path / "q", json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]  # fmt: skip
 
@@ -125,12 +127,16 @@ def test_qat_distillation_writes_the_scheme_and_resumes_identically(tmp_path, te
     from tests.distillation.test_distill import InterruptAfter, assert_same_weights
 
     options = {**FAST, "max_steps": 4, "lr": 3e-3, "keep": "last", "eval_every": 4,
-               "checkpoint_every": 2, "qat": "w4a16", "qat_group_size": 64}  # fmt: skip
+               "checkpoint_every": 2, "qat": {"scheme": "w4a16", "group_size": 64}}  # fmt: skip
     whole = llmq.distill(teacher, student, tmp_path / "whole", **options)
     config = json.loads((tmp_path / "whole" / "config.json").read_text())
     assert config["quantization_config"]["format"] == "pack-quantized"
     record = json.loads((tmp_path / "whole" / "llmq.json").read_text())
-    assert record["distillation"]["config"]["qat"] == "w4a16"
+    assert record["distillation"]["config"]["qat"] == {
+        "scheme": "w4a16",
+        "group_size": 64,
+        "init": "float",
+    }
     assert whole.evaluations[-1]["perplexity"] < whole.evaluations[0]["perplexity"]
     with pytest.raises(KeyboardInterrupt):
         llmq.distill(teacher, student, tmp_path / "resumed", progress=InterruptAfter(3), **options)  # fmt: skip
@@ -144,7 +150,14 @@ def test_w8a8_qat_distillation_writes_what_it_measured(tmp_path, teacher, studen
     perplexity training measured on the fake-quantized student it kept."""
     import llmq
 
-    options = {**FAST, "max_steps": 2, "lr": 3e-3, "keep": "last", "eval_every": 2, "qat": "w8a8"}
+    options = {
+        **FAST,
+        "max_steps": 2,
+        "lr": 3e-3,
+        "keep": "last",
+        "eval_every": 2,
+        "qat": {"scheme": "w8a8"},
+    }
     result = llmq.distill(teacher, student, tmp_path / "out", **options)
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert config["format"] == "int-quantized"
@@ -158,12 +171,12 @@ def test_w8a8_qat_distillation_writes_what_it_measured(tmp_path, teacher, studen
     [
         (
             ["--qat", "w5a16"],
-            "qat: Input should be 'w4a16', 'w4a16-asym', 'w8a16', 'w8a8' or 'fp8'",
+            "qat.scheme: Input should be 'w4a16', 'w4a16-asym', 'w8a16', 'w8a8' or 'fp8'",
         ),
-        (["--qat-group-size", "64"], "qat_group_size and qat_init set up qat: give qat"),
+        (["--qat-group-size", "64"], "--qat-group-size: goes with --qat"),
         (
             ["--qat", "w4a16", "--qat-group-size", "24"],
-            "qat_group_size 24 is not -1 or a power of two >= 16",
+            "qat: group_size 24 is not -1 or a power of two >= 16",
         ),
     ],
 )
@@ -184,8 +197,8 @@ def test_qat_init_starts_from_the_methods_solution(tmp_path, teacher, student, m
 
     import llmq
 
-    options = {**FAST, "max_steps": 1, "lr": 1e-12, "keep": "last", "qat": "w4a16",
-               "qat_group_size": 64, "qat_init": method}  # fmt: skip
+    options = {**FAST, "max_steps": 1, "lr": 1e-12, "keep": "last",
+               "qat": {"scheme": "w4a16", "group_size": 64, "init": method}}  # fmt: skip
     llmq.distill(teacher, student, tmp_path / "qat", **options)
     llmq.quantize(student, tmp_path / method, scheme="w4a16", group_size=64, method=method)
     llmq.quantize(student, tmp_path / "rtn", scheme="w4a16", group_size=64, method="rtn")

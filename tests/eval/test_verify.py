@@ -40,7 +40,7 @@ def test_a_symmetric_checkpoint_loads_everywhere_with_the_recorded_logits(symmet
         assert row.comparison.distance.max_abs < 1e-3
     record = json.loads((symmetric / "llmq.json").read_text())
     assert record["loaders"]["transformers"] == {"reads": True, "why": None}
-    cli = runner.invoke(app, ["verify", str(symmetric), "--loaders", "transformers,llmq"])
+    cli = runner.invoke(app, ["verify", str(symmetric), "--loader", "transformers,llmq"])
     assert cli.exit_code == 0 and "PASS" in cli.output
 
 
@@ -55,7 +55,7 @@ def test_asymmetric_int4_fails_in_transformers_in_one_line_and_loads_in_llmq(
     assert verdicts(result) == {"transformers": "does not load", "llmq": "ok"}
     reason = result.loaders[0].detail
     assert "\n" not in reason and "weight_zero_point" in reason and "mismatch" in reason
-    cli = runner.invoke(app, ["verify", str(out), "--loaders", "transformers,llmq", "--json"])
+    cli = runner.invoke(app, ["verify", str(out), "--loader", "transformers,llmq", "--json"])
     assert cli.exit_code == 1 and json.loads(cli.stdout)["passed"] is False
 
 
@@ -105,7 +105,7 @@ def test_bad_input_exits_2(tmp_path: Path, tiny_llama: Path, symmetric: Path) ->
     assert_bad_input(runner.invoke(app, ["verify", str(tmp_path / "nothing")]), "nothing")
     assert_bad_input(runner.invoke(app, ["verify", str(tiny_llama)]), "not a quantized checkpoint")
     assert_bad_input(
-        runner.invoke(app, ["verify", str(symmetric), "--loaders", "onnx"]), "unknown loader 'onnx'"
+        runner.invoke(app, ["verify", str(symmetric), "--loader", "onnx"]), "unknown loader 'onnx'"
     )
 
 
@@ -178,8 +178,9 @@ def test_vllm_outputs_are_read_at_the_right_positions(symmetric: Path) -> None:
     )
     from llmq.eval.verify import vllm_top_values
     from llmq.io.checkpoint import open_checkpoint
+    from llmq.io.record import OutputRecord
 
-    reference = recorded_reference(json.loads((symmetric / "llmq.json").read_text()), symmetric)
+    reference = recorded_reference(OutputRecord.read(symmetric), symmetric)
     full = evaluator_log_probs(open_checkpoint(symmetric), reference.input_ids)
 
     def top(values: torch.Tensor) -> dict[int, SimpleNamespace]:

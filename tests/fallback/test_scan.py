@@ -95,7 +95,7 @@ def test_cli_reports_and_exit_codes(checkpoint: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("extra", "fragment"),
     [
-        (["--workers", "0"], "--workers 0"),
+        (["--jobs", "0"], "--jobs 0: must be between 1 and 256"),
         (["--scheme", "int3"], "unknown scheme 'int3'"),
         (["--nrmse-threshold", "-1"], "--nrmse-threshold -1"),
         (["--include", "("], "invalid regular expression"),

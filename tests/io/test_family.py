@@ -10,3 +10,21 @@ def test_the_norm_before_each_block_is_the_one_feeding_its_first_group(family: s
     layout = FAMILY_LAYOUT[family]
     assert layout.norm_before(layout.attention) == "input_layernorm"
     assert layout.norm_before(layout.mlp) == "post_attention_layernorm"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_LAYOUT))
+def test_structured_roles_name_the_layouts_own_modules(family: str) -> None:
+    """A family's structured roles slice its linears and norms, nothing the layout lacks: the
+    readers of the residual stream are each block's first group, the writers its last."""
+    layout = FAMILY_LAYOUT[family]
+    roles = layout.structured
+    if roles is None:  # `prune --structured` refuses the family
+        return
+    blocks = dict(layout.blocks)
+    attention, mlp = blocks[layout.attention], blocks[layout.mlp]
+    assert set(roles.hidden_readers) == {*attention[0], *mlp[0]}
+    assert roles.hidden_writers == (attention[-1][0], mlp[-1][0])
+    assert roles.query in attention[0] and set(roles.key_value) < set(attention[0])
+    assert roles.mlp_input == mlp[0]
+    assert roles.norms == (layout.norm_before(layout.attention), layout.norm_before(layout.mlp))
+    assert roles.norm_readers == (attention[0][0], mlp[0][0])

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 import llmq
 from llmq.cli.main import app
 from llmq.errors import InputError
+from llmq.io.family import FAMILY_LAYOUT
 from llmq.pruning.structured import (
     BUDGET_CHANNELS,
     Importance,
@@ -43,7 +44,9 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return found
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize(
+    "model_type", sorted(name for name, layout in FAMILY_LAYOUT.items() if layout.structured)
+)
 def test_every_axis_reloads_in_transformers_with_the_recorded_logits(
     tmp_path: Path, default_model: Path, model_type: str
 ) -> None:
@@ -186,12 +189,15 @@ def test_saved_scores_give_the_same_checkpoint(tmp_path: Path, gqa_model: Path) 
         (["--hidden-size", "300"], "the model has 256"),
         (["--hidden-size", "250"], "multiple of the 4 attention heads"),
         (["--num-heads", "3"], "does not divide into the 2 key-value groups"),
-        (["--intermediate-size", "0"], "keep between 1 and 512"),
-        (["--params", "0"], "a share of the parameters in (0, 1)"),
-        (["--params", "1.5"], "a share of the parameters in (0, 1)"),
+        (
+            ["--intermediate-size", "0"],
+            "--intermediate-size 0: Input should be greater than or equal to 1",
+        ),
+        (["--params", "0"], "--params 0.0: Input should be greater than 0"),
+        (["--params", "1.5"], "--params 1.5: Input should be less than 1"),
         (["--params", "0.5", "--intermediate-size", "128"], "not both"),
         (["--params", "0.5", "--decoder-params", "0.5"], "give one"),
-        (["--decoder-params", "1"], "a share of the parameters in (0, 1)"),
+        (["--decoder-params", "1"], "--decoder-params 1.0: Input should be less than 1"),
         (["--params", "0.05"], "narrowing the MLP keeps at least"),
         (["--sparsity", "0.5"], "--structured removes whole channels"),
         ([], "nothing to remove"),

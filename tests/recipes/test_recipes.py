@@ -36,7 +36,7 @@ SMALL = {
         "eval_seq_len": 64,
         "warmup_steps": 0,
     },
-    "eval": {"max_windows": 2, "seq_len": 64, "limit": 4},
+    "eval": {"eval_windows": 2, "seq_len": 64, "limit": 4},
 }
 
 
@@ -136,7 +136,7 @@ def test_recipe_errors_name_file_line_and_key(tmp_path: Path, text: str, fragmen
 def test_a_failed_gate_stops_the_chain_with_exit_1(tmp_path: Path, default_model: Path) -> None:
     model = sharpen(make_tiny(tmp_path / "model", default_model))
     path = write(tmp_path, "stages:\n  - prune:\n      method: magnitude\n      sparsity: 0.9\n"
-                 "  - eval:\n      max_ppl_increase: 0.01\n      max_windows: 1\n      seq_len: 64\n"
+                 "  - eval:\n      max_ppl_increase: 0.01\n      eval_windows: 1\n      seq_len: 64\n"
                  "  - quantize:\n      scheme: w8a16\n")  # fmt: skip
     out = tmp_path / "out"
     result = runner.invoke(app, ["run", str(path), "--model", str(model), "--out", str(out)])
@@ -176,3 +176,21 @@ def test_resume_skips_finished_stages_and_refuses_another_recipe(
         run(other, tiny_llama, out, resume=True)
     with pytest.raises(InputError, match="exists"):
         run(recipe, tiny_llama, out)
+
+
+def test_recipe_keys_take_percentages_and_the_old_spellings() -> None:
+    """A share is a fraction or a percentage in a recipe as on the command line; the eval and
+    distill keys renamed with their flags (`text`, `max_windows`, `data`) still read."""
+    from llmq.recipes.schema import ChainRecipe
+
+    stages = ChainRecipe.model_validate({"stages": [
+        {"prune": {"sparsity": "50%"}},
+        {"distill": {"max_steps": 3, "gmp": {"sparsity": "40%"}, "min_lr_ratio": "5%", "data": "pydoc"}},
+        {"eval": {"max_ppl_increase": "3%", "text": "news", "max_windows": 3}},
+    ]}).stages  # fmt: skip
+    prune, distill, gate = (entry.stage for entry in stages)
+    assert prune.sparsity == 0.5 and distill.gmp.sparsity == 0.4 and distill.min_lr_ratio == 0.05
+    assert distill.train_text == "pydoc" and gate.eval_text == "news" and gate.eval_windows == 3
+    assert gate.max_ppl_increase == 0.03
+    with pytest.raises(ValueError, match="expected a percentage like 3%"):
+        ChainRecipe.model_validate({"stages": [{"prune": {"sparsity": "5x%"}}]})

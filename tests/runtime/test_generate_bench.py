@@ -86,7 +86,7 @@ def test_graph_decode_needs_a_gpu(tiny_quantized) -> None:
 def test_bench_a_checkpoint(tiny_quantized) -> None:
     path = tiny_quantized("w4a16")
     result = runner.invoke(
-        app, ["bench", str(path), "--batch", "1,3", "--prompt-tokens", "8", "--new-tokens", "3",
+        app, ["bench", str(path), "--batch-size", "1,3", "--prompt-tokens", "8", "--new-tokens", "3",
               "--json"],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
@@ -130,7 +130,7 @@ def test_bench_synthetic_shapes() -> None:
         (["bench", "--shapes", "1x2"], "expected MxNxK"),
         (["bench", "--shapes", "0x2x3"], "at least 1"),
         (["bench", "--shapes", "1x64x256", "--scheme", "w5a16"], "unknown scheme"),
-        (["bench", "--shapes", "1x64x256", "--batch", "a"], "comma-separated integers"),
+        (["bench", "--shapes", "1x64x256", "--batch-size", "a"], "comma-separated integers"),
         (["bench", "--shapes", "1x64x256", "--kernels", "cuda"], "not a kernel choice"),
         (["bench", "x", "--new-tokens", "1"], "--new-tokens 1"),
         (["generate", "missing-folder", "--prompt", "hi"], "no such folder"),

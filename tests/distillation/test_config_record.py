@@ -17,6 +17,7 @@ from llmq.api.chain import run
 from llmq.cli.main import app
 from tests.distillation.test_distill import FAST, FAST_CLI
 
+pytestmark = pytest.mark.slow  # three distillations a case
 runner = CliRunner()
 SHARED = {"max_steps": 2, "seq_len": 64, "batch_size": 2, "grad_accum": 2, "eval_windows": 2, "eval_seq_len": 64, "lr": 1e-3}  # fmt: skip
 

@@ -61,6 +61,7 @@ def heldout_kl(teacher: Path, student: Path) -> float:
     return kl_divergence(logits[1], logits[0]).item()
 
 
+@pytest.mark.slow
 def test_distillation_moves_the_student_to_the_teacher_and_writes_what_transformers_loads(
     tmp_path: Path, teacher: Path, student: Path
 ) -> None:
@@ -128,6 +129,7 @@ class InterruptAfter:
         yield advance
 
 
+@pytest.mark.slow
 def test_resume_after_an_interruption_equals_an_uninterrupted_run(
     tmp_path: Path, teacher: Path, student: Path
 ) -> None:
@@ -240,6 +242,7 @@ def test_bad_input_is_refused_in_one_line_before_any_work(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_each_loss_is_what_it_says_on_the_first_batch(
     tmp_path: Path, teacher: Path, student: Path
 ) -> None:

@@ -104,6 +104,7 @@ def test_a_reduction_over_processes_replaces_the_sums() -> None:
     assert norms.squares["0.weight"].tolist() == [2.0, 2.0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["magnitude", "wanda"])
 def test_gmp_distillation_writes_exact_zeros_and_resumes_identically(
     tmp_path: Path, teacher: Path, student: Path, method: str

@@ -63,6 +63,7 @@ def test_structured_rounds_keep_the_schedules_densities() -> None:
         assert keeps == pytest.approx([densities[r + 1] / densities[r] for r in range(3)])
 
 
+@pytest.mark.slow
 def test_rounds_prune_then_distill_and_report_each(
     tmp_path: Path, teacher: Path, student: Path
 ) -> None:
@@ -82,6 +83,7 @@ def test_rounds_prune_then_distill_and_report_each(
     assert not list(tmp_path.glob(".out.*")), "the staging folder is removed"
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_resumes_in_its_round_to_the_same_weights(
     tmp_path: Path, teacher: Path, student: Path
 ) -> None:

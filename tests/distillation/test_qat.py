@@ -119,6 +119,7 @@ FAST = {"seq_len": 64, "batch_size": 2, "grad_accum": 2, "eval_windows": 2, "eva
         "evaluate": False, "reference": False}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_qat_distillation_writes_the_scheme_and_resumes_identically(tmp_path, teacher, student):
     """`llmq distill --qat w4a16`: OUT is a pack-quantized checkpoint with the distillation's
     record, the student trains (held-out perplexity of the fake-quantized model falls), and a
@@ -188,6 +189,7 @@ def test_bad_qat_options_are_refused_in_one_line(tmp_path, teacher, student, opt
     assert_bad_input(result, fragment)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_qat_init_starts_from_the_methods_solution(tmp_path, teacher, student, method) -> None:
     """With a learning rate too small to move a weight, the run's export is the method's

@@ -178,3 +178,23 @@ def assert_bad_input(result, fragment: str) -> None:
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert "error:" in result.output and fragment in result.output
+
+
+@pytest.fixture
+def read_only_folder(tmp_path: Path) -> Iterator[Path]:
+    """A folder no one may write: a read-only tmpfs for root (root ignores permission bits),
+    mode 0555 for anyone else."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() == 0:
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True
+        )
+        if mounted.returncode:
+            pytest.skip("root, and cannot mount a read-only tmpfs here")
+        yield folder
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+    else:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)

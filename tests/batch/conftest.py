@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,23 +34,3 @@ def write_jobs(folder: Path, models: Path, recipes: str = RECIPES, extra: str = 
 def output_bytes(out: Path) -> dict[str, bytes]:
     """Every job's weights, by path under OUT (what must be identical across runs)."""
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.glob("*/*/**/*.safetensors"))}  # fmt: skip
-
-
-@pytest.fixture
-def read_only_folder(tmp_path: Path) -> Iterator[Path]:
-    """A folder no one may write: a read-only tmpfs for root (root ignores permission bits),
-    mode 0555 for anyone else."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    if os.geteuid() == 0:
-        mounted = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True
-        )
-        if mounted.returncode:
-            pytest.skip("root, and cannot mount a read-only tmpfs here")
-        yield folder
-        subprocess.run(["umount", "-l", str(folder)], check=False)
-    else:
-        folder.chmod(0o555)
-        yield folder
-        folder.chmod(0o755)

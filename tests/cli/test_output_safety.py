@@ -184,37 +184,17 @@ def test_a_full_disk_without_a_resume_point_leaves_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.fixture
-def read_only(tmp_path: Path) -> Iterator[Path]:
-    """A folder no one may write: a read-only tmpfs for root (root ignores permission bits),
-    mode 0555 for anyone else."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    if os.geteuid() == 0:
-        mounted = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True
-        )
-        if mounted.returncode:
-            pytest.skip("root, and cannot mount a read-only tmpfs here")
-        yield folder
-        subprocess.run(["umount", "-l", str(folder)], check=False)
-    else:
-        folder.chmod(0o555)
-        yield folder
-        folder.chmod(0o755)
-
-
 def test_every_command_under_a_read_only_folder_fails_in_one_line(
-    read_only: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+    read_only_folder: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = str(tiny_llama)
     writers = {
-        "quantize": ["quantize", model, "--out", str(read_only / "q"), "--scheme", "w8a16"],
-        "quantize, new parent": ["quantize", model, "--out", str(read_only / "a" / "q")],
-        "calibrate": ["calibrate", model, "--out", str(read_only / "s.safetensors")],
-        "scan --report": ["fallback-scan", model, "--report", str(read_only / "r.json")],
-        "scan --csv": ["fallback-scan", model, "--csv", str(read_only / "r.csv")],
-        "scan --markdown": ["fallback-scan", model, "--markdown", str(read_only / "r.md")],
+        "quantize": ["quantize", model, "--out", str(read_only_folder / "q"), "--scheme", "w8a16"],
+        "quantize, new parent": ["quantize", model, "--out", str(read_only_folder / "a" / "q")],
+        "calibrate": ["calibrate", model, "--out", str(read_only_folder / "s.safetensors")],
+        "scan --report": ["fallback-scan", model, "--report", str(read_only_folder / "r.json")],
+        "scan --csv": ["fallback-scan", model, "--csv", str(read_only_folder / "r.csv")],
+        "scan --markdown": ["fallback-scan", model, "--markdown", str(read_only_folder / "r.md")],
     }
     for name, command in writers.items():
         result = runner.invoke(app, command)
@@ -222,7 +202,7 @@ def test_every_command_under_a_read_only_folder_fails_in_one_line(
         line = one_error_line(result.output)
         assert "Read-only file system" in line or "Permission denied" in line, (name, line)
     # Commands that write only to the cache still work, with a warning about the cache.
-    monkeypatch.setenv("LLMQ_CACHE_DIR", str(read_only / "cache"))
+    monkeypatch.setenv("LLMQ_CACHE_DIR", str(read_only_folder / "cache"))
     for command in (
         ["eval", model, "--baseline", model, "--eval-windows", "1", "--seq-len", "64"],
         ["models"],
@@ -230,7 +210,7 @@ def test_every_command_under_a_read_only_folder_fails_in_one_line(
         result = runner.invoke(app, command)
         assert result.exit_code == 0, result.output
         assert "Traceback" not in result.output and "error:" not in result.output
-    assert list(read_only.iterdir()) == []
+    assert list(read_only_folder.iterdir()) == []
 
 
 def test_a_name_too_long_and_a_file_in_the_path_fail_in_one_line(

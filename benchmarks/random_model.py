@@ -3,11 +3,14 @@ GPU benchmarks quantize and time end to end where the real model cannot travel (
 the shapes, not on the weight values).
 
     python benchmarks/random_model.py OUT [--arch smollm2-135m|llama3-8b] [--layers N]
+        [--tokenizer DIR] [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -32,13 +35,26 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--arch", choices=sorted(ARCHS), default="smollm2-135m")
     parser.add_argument("--layers", type=int, help="fewer decoder layers than the real model")
+    parser.add_argument(
+        "--tokenizer", type=Path, help="copy this folder's tokenizer files (calibration needs one)"
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where to draw the weights (cuda: seconds for 8B, not minutes)",
+    )
     args = parser.parse_args()
     fields = {**ARCHS[args.arch], "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
     if args.layers:
         fields["num_hidden_layers"] = args.layers
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**fields)).to(torch.bfloat16)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(args.device):
+        model = LlamaForCausalLM(LlamaConfig(**fields))
     model.save_pretrained(args.out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if args.tokenizer and (args.tokenizer / name).is_file():
+            shutil.copy(args.tokenizer / name, Path(args.out) / name)
     print(f"wrote {args.out}: {args.arch}, {model.config.num_hidden_layers} layers")
 
 

@@ -2,7 +2,8 @@
 """Quantize a Hugging Face checkpoint with llm-compressor (peer runner).
 
 Runs INSIDE benchmarks/.venvs/llmcompressor (see setup_llmcompressor.sh); it is
-never imported by llmq. Loads the model in float32 on CPU, runs llm-compressor's
+never imported by llmq. Loads the model on the CPU (float32 unless --dtype auto; on a GPU
+machine llm-compressor onloads one layer at a time to the GPU), runs llm-compressor's
 ``oneshot`` with the modifier matching ``--method``, saves the compressed
 checkpoint (compressed-tensors format) plus the tokenizer to ``--out`` and
 prints ONE JSON line with timings on stdout. Everything else (llm-compressor's
@@ -29,7 +30,7 @@ NEEDS_CALIB = ("gptq", "awq", "smoothquant-gptq")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="HF float32 checkpoint folder")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--scheme", required=True, choices=SCHEMES)
     p.add_argument("--method", required=True, choices=METHODS)
@@ -54,6 +55,13 @@ def parse_args(argv=None):
         action="append",
         default=None,
         help="module name/pattern to leave unquantized (repeatable; default: lm_head)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "auto"),
+        default="float32",
+        help="load dtype: float32 (the CPU benchmarks) or auto (the checkpoint's own, as "
+        "llm-compressor's GPU examples load it: on the CPU, onloaded a layer at a time)",
     )
     p.add_argument(
         "--smoothing-strength",
@@ -218,7 +226,8 @@ def run(args) -> dict:
     torch.manual_seed(0)
 
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, device_map=None)
+    dtype = torch.float32 if args.dtype == "float32" else "auto"
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, device_map=None)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     load_s = time.perf_counter() - t0

@@ -65,8 +65,8 @@ def clip_ratios(
     groups = as_groups(weight, args).to(torch.float32)
     blocks = None if hessian is None else _diagonal_blocks(hessian.to(torch.float32), groups.shape)
     rounding_error = _rounding_error(weight, groups, args, scale_dtype or weight.dtype)
-    best_err = torch.full(groups.shape[:2], float("inf"), dtype=torch.float64)
-    best_ratio = torch.ones(groups.shape[:2], dtype=torch.float64)
+    best_err = torch.full(groups.shape[:2], float("inf"), dtype=torch.float64, device=weight.device)
+    best_ratio = torch.ones(groups.shape[:2], dtype=torch.float64, device=weight.device)
     for ratio in CLIP_GRID:
         delta = rounding_error(ratio)
         if blocks is None:

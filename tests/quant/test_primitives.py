@@ -233,3 +233,14 @@ def test_a_zero_static_range_gives_eps_not_nan() -> None:
     scale = static_scale(0.0, args)
     assert float(scale) == torch.finfo(torch.float32).eps
     assert torch.equal(fake_quantize(torch.zeros(2, 8), args, scale), torch.zeros(2, 8))
+
+
+@pytest.mark.parametrize("with_hessian", [False, True])
+def test_clip_search_keeps_its_state_on_the_weights_device(with_hessian):
+    # The meta device stands in for a GPU: the search failed on a CUDA weight (H200, 2026-11-27)
+    # because its best-so-far tensors lived on the CPU.
+    args = QuantArgs(num_bits=4, strategy="group", group_size=32)
+    x = torch.randn(64, 128)
+    hessian = (x.T @ x).to("meta") if with_hessian else None
+    chosen = clip_ratios(torch.randn(24, 128).to("meta"), args, hessian=hessian)
+    assert chosen.device.type == "meta" and chosen.shape == (24, 4)

@@ -1,8 +1,11 @@
-"""Adversarial input, as a user on a fresh clone gives it, in real processes: every command that
-writes refuses an output over one of its inputs, --overwrite replaces only what llmq wrote, no
-input file's bytes make a traceback, and a threshold that would gate nothing is refused. Each
-case asserts the exit code, a single `error:` line and that every input is byte for byte (and
-mode for mode) what it was."""
+"""Adversarial input, as a user on a fresh clone gives it: every command that writes refuses an
+output over one of its inputs, --overwrite replaces only what llmq wrote, no input file's bytes
+make a traceback, and a threshold that would gate nothing is refused. Each case asserts the exit
+code, a single `error:` line and that every input is byte for byte (and mode for mode) what it
+was. Refusals run through the CLI's app in this process (the entry point is `app()` and nothing
+more; a real process only adds seconds of imports a case, and tests/cli/test_output_safety.py
+refuses in real ones); what depends on the process itself (its umask, what lm-eval's child
+processes print) runs in a real one."""
 
 from __future__ import annotations
 
@@ -12,10 +15,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from llmq.cli.main import app
 from tests.cli.test_output_safety import llmq_cmd, one_error_line
-
-pytestmark = pytest.mark.process
 
 
 def fingerprint(path: Path) -> dict[str, tuple[str, int]]:
@@ -30,12 +33,12 @@ def fingerprint(path: Path) -> dict[str, tuple[str, int]]:
     }
 
 
-def refused(args: list[str], inputs: list[Path], *, code: int = 2, cwd: Path | None = None) -> str:
-    """Run `llmq ARGS` in a real process; assert it exits `code` with one `error:` line and that
-    no input changed. Returns the error line."""
+def refused(args: list[str], inputs: list[Path], *, code: int = 2) -> str:
+    """Run `llmq ARGS`; assert it exits `code` with one `error:` line and that no input changed.
+    Returns the error line."""
     before = {str(p): fingerprint(p) for p in inputs}
-    run = subprocess.run(llmq_cmd(*args), capture_output=True, text=True, cwd=cwd, timeout=300)
-    assert run.returncode == code, (args, run.stdout, run.stderr)
+    run = CliRunner().invoke(app, args)
+    assert run.exit_code == code, (args, run.output)
     line = one_error_line(run.stderr)
     assert "error:" not in run.stdout, run.stdout
     for path in inputs:
@@ -91,8 +94,8 @@ def test_overwrite_replaces_only_a_folder_llmq_wrote(tmp_path: Path, tiny_llama:
     out = tmp_path / "out"
     out.mkdir()
     for _ in range(2):
-        run = subprocess.run(llmq_cmd("quantize", str(tiny_llama), "--out", str(out), "--overwrite", "--scheme", "w8a16", "--no-reference"), capture_output=True, text=True, timeout=300)  # fmt: skip
-        assert run.returncode == 0, run.stderr
+        run = CliRunner().invoke(app, ["quantize", str(tiny_llama), "--out", str(out), "--overwrite", "--scheme", "w8a16", "--no-reference"])  # fmt: skip
+        assert run.exit_code == 0, run.output
         assert (out / "llmq.json").is_file()
 
 
@@ -193,6 +196,7 @@ def test_thresholds_that_gate_nothing_are_refused(tmp_path: Path, tiny_llama: Pa
     assert not (tmp_path / "q").exists()
 
 
+@pytest.mark.process
 def test_shards_are_written_with_the_users_umask(tmp_path: Path, tiny_llama: Path) -> None:
     out = tmp_path / "q"
     run = subprocess.run(
@@ -254,6 +258,7 @@ def test_bad_options_and_recipes_say_what_to_use(tmp_path: Path, tiny_llama: Pat
         assert fragment in refused(args, [tiny_llama, tmp_path]), args
 
 
+@pytest.mark.process
 def test_task_gates_print_no_git_noise(tmp_path: Path, tiny_llama: Path) -> None:
     """lm-eval runs `git describe` in the current folder; outside a repository git's `fatal:`
     lines went straight to the user's terminal."""

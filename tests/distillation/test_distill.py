@@ -159,7 +159,7 @@ def cli(*args: str) -> list[str]:
 def test_resume_after_sigkill_equals_an_uninterrupted_run(
     tmp_path: Path, teacher: Path, student: Path
 ) -> None:
-    args = ["--teacher", str(teacher), "--student", str(student), *FAST_CLI, "--max-steps", "20",
+    args = ["--teacher", str(teacher), "--student", str(student), *FAST_CLI, "--max-steps", "10",
             "--checkpoint-every", "3", "--lr", "1e-3"]  # fmt: skip
     out = tmp_path / "killed"
     pointer = tmp_path / ".killed.llmq-partial" / ".distill" / "latest"

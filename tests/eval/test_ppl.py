@@ -38,7 +38,9 @@ def test_default_model_w8a16_and_fp8_accuracy(tmp_path: Path, default_model: Pat
     results = {}
     for scheme in ("w8a16", "fp8"):
         out = tmp_path / scheme
-        llmq.quantize(default_model, out, scheme=scheme, num_samples=1, seq_len=128, reference=False)
+        llmq.quantize(
+            default_model, out, scheme=scheme, num_samples=1, seq_len=128, reference=False
+        )
         results[scheme] = llmq.evaluate(out, baseline=default_model, text="pydoc", max_windows=4)
     assert 0 <= results["w8a16"].increase < 0.01
     assert results["fp8"].increase < 0.05

@@ -23,6 +23,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# The config fields of tiny mixture-of-experts models, by model_type.
+TINY_EXPERTS = {
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128},
+}
 
 # What `scripts/test.sh --fast` leaves out is found by marker, so the markers must be right: a
 # test that starts a Python process without `process`, or launches a Triton kernel in the
@@ -113,10 +117,13 @@ def make_tiny(
     kv_heads: int = 1,
     heads: int = 3,
     tied: bool = True,
+    **config_fields: object,
 ) -> Path:
     """A small random decoder of `model_type`, saved as a Hugging Face folder.
 
-    hidden 192 is not divisible by 128 (like SmolLM2's 576), so the group-size fallback runs."""
+    hidden 192 is not divisible by 128 (like SmolLM2's 576), so the group-size fallback runs.
+    Mixtures of experts get 4 experts of 128, 2 per token (`TINY_EXPERTS`), and a router with
+    a realistic spread; `config_fields` set anything else."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -131,14 +138,18 @@ def make_tiny(
         head_dim=64,
         max_position_embeddings=512,
         tie_word_embeddings=tied,
+        **TINY_EXPERTS.get(model_type, {}),
+        **config_fields,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    # Give the weights a realistic scale and a few outlier channels.
+    # Give the weights a realistic scale and a few outlier channels (the fused 3-D experts too).
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("proj.weight"):
+            if name.endswith(("proj.weight", "experts.gate_up_proj", "experts.down_proj")):
                 param.normal_(0, 0.05)
-                param[:, :3] *= 8
+                param[..., :3] *= 8
+            elif name.endswith("mlp.gate.weight"):  # the router: tokens prefer some experts
+                param.normal_(0, 0.5)
     kwargs = {"max_shard_size": shards} if shards else {}
     model.save_pretrained(dest, **kwargs)
     for name in TOKENIZER_FILES:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from llmq.calib.attention import blocked_causal_applies, causal_attention
+from llmq.calib.experts import unfuse_experts
 from llmq.calib.norm import fuse_rms_norms
 from llmq.calib.walk import H, LayerWalk
 from llmq.config import QuantArgs
@@ -111,6 +112,7 @@ class LayerStream:
             self._skeleton = AutoModelForCausalLM.from_config(
                 self.config, attn_implementation=ATTENTION_IMPLEMENTATION
             )
+        unfuse_experts(self._skeleton, self.layout)
         rotary_meta = self._skeleton.get_submodule(self.layout.rotary)
         self._rotary = type(rotary_meta)(self._skeleton.config).to(self.device)
 

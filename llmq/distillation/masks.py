@@ -23,6 +23,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from llmq.distillation.sharding import local
+from llmq.errors import UnsupportedModelError
 from llmq.io.family import layout_for
 
 MASKED_MIN_ZEROS = 0.10
@@ -38,6 +39,10 @@ def prunable_linears(model: nn.Module) -> dict[str, nn.Linear]:
         linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
     else:
         layout = layout_for(config.model_type)
+        if layout.experts is not None:  # transformers holds them fused: no linears to prune
+            raise UnsupportedModelError(
+                "pruning a mixture of experts while distilling is not supported yet"
+            )
         layers = range(config.num_hidden_layers)
         linears = [model.get_submodule(name) for i in layers for name in layout.linear_names(i)]
     names = {id(param): name for name, param in model.named_parameters()}

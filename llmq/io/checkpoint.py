@@ -168,7 +168,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             f"{folder}: not a folder", hint="MODEL is a Hugging Face checkpoint folder"
         )
     config = _read_config(folder)
-    layout = layout_for(config.get("model_type"))
+    layout = layout_for(config.get("model_type")).for_config(config)
     tensors: dict[str, TensorInfo] = {}
     for shard in _shard_files(folder):
         for name, entry in read_safetensors_header(shard).items():

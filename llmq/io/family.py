@@ -13,9 +13,12 @@ reload test take every entry of the table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from llmq.errors import UnsupportedModelError
+
+EXPERT = "*"  # where an expert's index goes in a mixture-of-experts layout's module names
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,35 @@ class StructuredRoles:
 
 
 @dataclass(frozen=True, slots=True)
+class Experts:
+    """A mixture-of-experts MLP as checkpoints store it: gated experts (as many as the config
+    says, under the first of `count_keys` it has) under
+    `module` (`{module}.{e}.{gate}` ...), routed by `router`. transformers fuses them into 3-D
+    parameters in memory; llmq holds each as plain linears under these names (calib/experts.py),
+    so every method sees the linears the checkpoint has and writes them back under its names."""
+
+    module: str  # e.g. "mlp.experts"
+    router: str  # e.g. "mlp.gate": not a linear llmq quantizes, kept in 16 bits
+    gate: str
+    up: str
+    down: str
+    # transformers 5 writes `num_local_experts` where hub Qwen3-MoE configs say `num_experts`
+    count_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
+
+    def count(self, config: dict[str, Any]) -> int:
+        for key in self.count_keys:
+            if config.get(key):
+                return int(config[key])
+        raise UnsupportedModelError(
+            f"config.json names no expert count ({', '.join(self.count_keys)})"
+        )
+
+    def linear(self, role: str) -> str:
+        """The layout's name of one role's linear (gate, up or down), EXPERT for the index."""
+        return f"{self.module}.{EXPERT}.{getattr(self, role)}"
+
+
+@dataclass(frozen=True, slots=True)
 class DecoderLayout:
     """Module names of one decoder-only family, relative to the checkpoint root or to one layer."""
 
@@ -74,6 +106,40 @@ class DecoderLayout:
     # Which linears structured pruning slices along which axis; None: `prune --structured`
     # refuses the family.
     structured: StructuredRoles | None = None
+    # A mixture of experts in every layer's MLP: names above hold EXPERT for the expert's index,
+    # and `for_config` writes them out for a model's expert count.
+    experts: Experts | None = None
+
+    def for_config(self, config: dict[str, Any]) -> DecoderLayout:
+        """The layout of one model: a mixture of experts' names written out once per expert
+        (its gates and ups in one group: with every token through every expert during
+        calibration they read the same input; each down on its own)."""
+        if self.experts is None:
+            return self
+        count = self.experts.count(config)
+        _refuse_dense_layers(config)
+
+        def names(group: tuple[str, ...]) -> tuple[str, ...]:
+            if not any(EXPERT in name for name in group):
+                return group
+            return tuple(name.replace(EXPERT, str(e)) for e in range(count) for name in group)
+
+        sequential: list[tuple[str, ...]] = []
+        for group in self.sequential:
+            if len(group) == 1 and EXPERT in group[0]:  # each expert's down reads its own input
+                sequential.extend((name,) for name in names(group))
+            else:
+                sequential.append(names(group))
+        smooth: list[tuple[str, tuple[str, ...]]] = []
+        for producer, consumers in self.smooth:
+            if EXPERT in producer:  # one pairing per expert (its up -> its down)
+                smooth.extend(
+                    (producer.replace(EXPERT, str(e)), names(consumers)[e : e + 1])
+                    for e in range(count)
+                )
+            else:
+                smooth.append((producer, names(consumers)))
+        return replace(self, sequential=tuple(sequential), smooth=tuple(smooth))
 
     def smoothing_pairs(self, smooth: float | str) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """The pairings SmoothQuant scales: all of them for "auto" (its search may leave any
@@ -144,12 +210,43 @@ _LLAMA_LIKE = DecoderLayout(
     ),
 )
 
+_QWEN3_MOE_EXPERTS = Experts(
+    module="mlp.experts", router="mlp.gate", gate="gate_proj", up="up_proj", down="down_proj"
+)
+_EXPERTS_IN = (_QWEN3_MOE_EXPERTS.linear("gate"), _QWEN3_MOE_EXPERTS.linear("up"))
+_EXPERTS_DOWN = _QWEN3_MOE_EXPERTS.linear("down")
+# Qwen3-MoE (and OLMoE, which names its experts alike): llama's attention, a mixture of experts
+# for the MLP. The experts of a layer read one norm's output, so AWQ and SmoothQuant scale them
+# as one group, the scale folded into that norm.
+_QWEN3_MOE = replace(
+    _LLAMA_LIKE,
+    sequential=(_ATTENTION, ("self_attn.o_proj",), _EXPERTS_IN, (_EXPERTS_DOWN,)),
+    smooth=(
+        ("input_layernorm", _ATTENTION),
+        ("self_attn.v_proj", ("self_attn.o_proj",)),
+        ("post_attention_layernorm", _EXPERTS_IN),
+        (_QWEN3_MOE_EXPERTS.linear("up"), (_EXPERTS_DOWN,)),
+    ),
+    structured=None,
+    experts=_QWEN3_MOE_EXPERTS,
+)
+
 FAMILY_LAYOUT: dict[str, DecoderLayout] = {
     "llama": _LLAMA_LIKE,
     "mistral": _LLAMA_LIKE,
     "qwen2": _LLAMA_LIKE,
     "qwen3": _LLAMA_LIKE,
+    "qwen3_moe": _QWEN3_MOE,
 }
+
+
+def _refuse_dense_layers(config: dict[str, Any]) -> None:
+    """Models that mix dense and mixture-of-experts layers are not handled yet: refused."""
+    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
+        raise UnsupportedModelError(
+            "a model with dense MLP layers between its mixture-of-experts layers is not "
+            "supported yet (mlp_only_layers / decoder_sparse_step)"
+        )
 
 
 def layout_for(model_type: str | None) -> DecoderLayout:

@@ -177,7 +177,7 @@ def _quantize_layer(
     """The layer quantized: its report, its output (the next layer's input) and its tensors."""
     index, prefix, hidden = layer.index, layer.prefix, layer.hidden
     local = {linear.name[len(prefix) :]: linear for linear in linears}
-    staged = hidden is not None and _stages_in_layer(recipe, method, calib_stats, local)
+    staged = hidden is not None and _stages_in_layer(stream, recipe, method, calib_stats, local)
     passes = _passes(stream, method, hidden, staged=staged)
     with progress.stage(f"layer {index}", total=passes, transient=True) as step:
         if staged:
@@ -202,15 +202,21 @@ def _quantize_layer(
 
 
 def _stages_in_layer(
-    recipe: Recipe, method: Method, calib_stats: CalibStats | None, local: dict[str, LinearPlan]
+    stream: LayerStream,
+    recipe: Recipe,
+    method: Method,
+    calib_stats: CalibStats | None,
+    local: dict[str, LinearPlan],
 ) -> bool:
     """Whether the layer is quantized group by group (`StagedLayer`): for methods that
     observe their own Hessians (or input norms: Wanda) and quantize weights alone, unless the
     recipe turns it off.
     Scale searches (AWQ, SmoothQuant), KV cache and activation scales read the float layer's
-    statistics of all groups at once."""
+    statistics of all groups at once; so do mixtures of experts, whose MLP output is no single
+    linear's output that a stage could reuse."""
     return (
         recipe.gptq.true_sequential
+        and stream.layout.experts is None
         and calib_stats is None
         and (method.needs_hessian or method.needs_norms)
         and method.awq is None

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from llmq.calib.experts import unfuse_experts
 from llmq.calib.stream import resolve_device
 from llmq.config import QuantArgs
 from llmq.errors import InputError
@@ -72,7 +73,9 @@ def _skeleton(ckpt: Checkpoint, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(ckpt.model_config(), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(ckpt.model_config(), dtype=dtype)
+    unfuse_experts(model, ckpt.layout)
+    return model
 
 
 def _finish(

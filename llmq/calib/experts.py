@@ -1,0 +1,68 @@
+"""A mixture of experts as plain linears, named as the checkpoint names them.
+
+transformers 5 holds a layer's experts fused in 3-D parameters (`gate_up_proj` [E, 2I, H],
+`down_proj` [E, H, I]); checkpoints and vLLM name every expert's linears (`experts.3.gate_proj`).
+llmq swaps the fused module for `UnfusedExperts` before loading a layer, so the checkpoint's
+tensors load under their own names, every method (input hooks, GPTQ, AWQ, RTN) sees ordinary
+`nn.Linear`s, and what is written goes back under the names it came from.
+
+Every token runs through every expert: each expert's statistics see the whole calibration text
+(an expert the router rarely picks is calibrated like the others), while the layer's output is
+the model's own, each token's output the routing-weighted sum of its chosen experts only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from llmq.io.family import DecoderLayout, Experts
+
+
+class _Expert(nn.Module):
+    """One gated expert: down(act(gate(x)) * up(x)), its linears under the checkpoint's names."""
+
+    def __init__(self, names: Experts, hidden: int, intermediate: int, act: nn.Module) -> None:
+        super().__init__()
+        self._names = names
+        for role, shape in (("gate", (hidden, intermediate)), ("up", (hidden, intermediate)),
+                            ("down", (intermediate, hidden))):  # fmt: skip
+            self.add_module(getattr(names, role), nn.Linear(*shape, bias=False))
+        self.act = act
+
+    def forward(self, x: Tensor) -> Tensor:
+        names = self._names
+        gate, up, down = (self.get_submodule(getattr(names, r)) for r in ("gate", "up", "down"))
+        return down(self.act(gate(x)) * up(x))
+
+
+class UnfusedExperts(nn.Module):
+    """Drop-in for transformers' fused experts module: the same call (tokens [T, H], each
+    token's chosen experts [T, k] and their weights [T, k]) and the same output [T, H]."""
+
+    def __init__(self, names: Experts, count: int, hidden: int, intermediate: int, act: nn.Module):
+        super().__init__()
+        self.count = count
+        for e in range(count):  # children "0", "1", ...: `experts.3.gate_proj`, as on disk
+            self.add_module(str(e), _Expert(names, hidden, intermediate, act))
+
+    def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        output = torch.zeros_like(hidden)
+        for e in range(self.count):
+            routed = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)
+            output += self.get_submodule(str(e))(hidden) * routed.to(hidden.dtype)
+        return output
+
+
+def unfuse_experts(model: nn.Module, layout: DecoderLayout) -> None:
+    """Swap the fused experts module of each of `model`'s decoder layers for `UnfusedExperts`,
+    on the same device (meta in a skeleton, whose weights are loaded afterwards)."""
+    names = layout.experts
+    if names is None:
+        return
+    for layer in model.get_submodule(layout.layers):
+        fused = layer.get_submodule(names.module)
+        count, double_intermediate, hidden = fused.gate_up_proj.shape
+        with torch.device(fused.gate_up_proj.device):
+            unfused = UnfusedExperts(names, count, hidden, double_intermediate // 2, fused.act_fn)
+        layer.set_submodule(names.module, unfused)

@@ -1,0 +1,95 @@
+"""Mixtures of experts on the layer pipeline (tiny random Qwen3-MoE): llmq computes what
+transformers computes, every expert is calibrated on every token, and every expert is written
+packed under the name the checkpoint gives it, which transformers and compressed-tensors read."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import llmq
+from llmq.calib.collect import run_observed
+from llmq.calib.stream import LayerStream
+from llmq.errors import UnsupportedModelError
+from llmq.io.checkpoint import open_checkpoint
+from tests.conftest import TINY_EXPERTS, make_tiny
+
+EXPERTS = TINY_EXPERTS["qwen3_moe"]["num_experts"]
+IDS = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("moe") / "qwen3-moe", default_model, model_type="qwen3_moe")  # fmt: skip
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def test_llmq_computes_the_experts_as_transformers_does(tiny_moe: Path) -> None:
+    theirs = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32)
+    torch.testing.assert_close(logits(llmq.load_dequantized(tiny_moe)), logits(theirs))
+
+
+def test_every_expert_sees_every_calibration_token(tiny_moe: Path) -> None:
+    """Its gate and up read the layer's normed input (one statistic for all of them); its down
+    reads its own intermediate activations, of all tokens, whatever the router picked."""
+    ckpt = open_checkpoint(tiny_moe)
+    stream = LayerStream(ckpt)
+    layer = stream.load_layer(0)
+    names = ckpt.layout.linears
+    hidden = stream.embed(IDS)
+    _, stats = run_observed(stream, layer, list(names), hidden, hessian=True)
+    tokens = IDS.numel()
+    downs = [stats[f"mlp.experts.{e}.down_proj"] for e in range(EXPERTS)]
+    assert all(s.num_tokens == tokens for s in downs)
+    assert len({id(s) for s in downs}) == EXPERTS  # each down its own input
+    ins = {id(stats[f"mlp.experts.{e}.{role}"]) for e in range(EXPERTS) for role in ("gate_proj", "up_proj")}  # fmt: skip
+    assert len(ins) == 1 and stats["mlp.experts.0.gate_proj"].num_tokens == tokens
+
+
+def test_every_expert_is_written_packed_under_its_checkpoint_name(
+    tmp_path: Path, tiny_moe: Path
+) -> None:
+    out = tmp_path / "w4a16"
+    llmq.quantize(tiny_moe, out, scheme="w4a16", num_samples=4, seq_len=32, reference=False)
+    written: dict[str, torch.Tensor] = {}
+    for shard in out.glob("*.safetensors"):
+        written.update(load_file(shard))
+    source = load_file(tiny_moe / "model.safetensors")
+    for layer in range(2):
+        for e in range(EXPERTS):
+            for role in ("gate_proj", "up_proj", "down_proj"):
+                name = f"model.layers.{layer}.mlp.experts.{e}.{role}"
+                assert f"{name}.weight_packed" in written and f"{name}.weight" not in written
+        router = f"model.layers.{layer}.mlp.gate.weight"  # kept as it was
+        assert torch.equal(written[router], source[router])
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    targets = [t for group in config["config_groups"].values() for t in group["targets"]]
+    experts = sorted(t for t in targets if "experts" in t)  # one target per role, any expert
+    assert experts == [rf"re:.*mlp\.experts\.\d+\.{role}$" for role in ("down_proj", "gate_proj", "up_proj")]  # fmt: skip
+    assert not any(re.match(t[3:], "model.layers.0.mlp.gate") for t in targets)
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    torch.testing.assert_close(logits(theirs), logits(llmq.load_dequantized(out)), rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_gptq_on_the_experts_beats_rtn_in_every_layer(tmp_path: Path, tiny_moe: Path) -> None:
+    result = llmq.quantize(tiny_moe, tmp_path / "gptq", scheme="w4a16", method="gptq",
+                           num_samples=4, seq_len=32, reference=False)  # fmt: skip
+    for layer in result.layers:
+        assert layer.output_rel_rmse < layer.rtn_output_rel_rmse
+        assert sum(".experts." in linear.name for linear in layer.linears) == 3 * EXPERTS
+
+
+def test_dense_layers_between_expert_layers_are_refused(tmp_path: Path, default_model: Path) -> None:  # fmt: skip
+    model = make_tiny(tmp_path / "mixed", default_model, model_type="qwen3_moe", mlp_only_layers=[0])  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="dense MLP layers"):
+        open_checkpoint(model)

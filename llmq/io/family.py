@@ -110,6 +110,14 @@ class DecoderLayout:
     # and `for_config` writes them out for a model's expert count.
     experts: Experts | None = None
 
+    def float_readers(self, producer: str) -> tuple[str, ...]:
+        """Modules that read `producer`'s output and stay in float (a mixture of experts' router
+        reads the MLP's norm): a scale folded into the producer is undone in their columns too,
+        or the router would pick other experts."""
+        if self.experts is not None and producer == self.norm_before(self.mlp):
+            return (self.experts.router,)
+        return ()
+
     def for_config(self, config: dict[str, Any]) -> DecoderLayout:
         """The layout of one model: a mixture of experts' names written out once per expert
         (its gates and ups in one group: with every token through every expert during

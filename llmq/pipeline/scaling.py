@@ -78,7 +78,7 @@ def apply_awq(
         search = search_scales(
             weights, shared.mean_abs, shared.hessian, grid=config.grid, weight_mean=magnitude
         )
-        _fold(layer, producer, consumers, search.scales)
+        _fold(layer, producer, consumers + layout.float_readers(producer), search.scales)
         rescaled = shared.rescaled(1.0 / search.scales)
         stats.update(dict.fromkeys(consumers, rescaled))
         reduction = 1.0 - search.error / search.error_unscaled if search.error_unscaled > 0 else 0.0
@@ -117,7 +117,7 @@ def apply_smoothquant(
             alphas, keep_unsmoothed=smooth == "auto",
         )  # fmt: skip
         if search.scales is not None:
-            _fold(layer, producer, consumers, search.scales)
+            _fold(layer, producer, consumers + layout.float_readers(producer), search.scales)
             stats.update(dict.fromkeys(consumers, shared.rescaled(1.0 / search.scales)))
         reduction = 1.0 - search.error / search.error_unsmoothed if search.error_unsmoothed else 0.0
         reports.append(ScaleReport(producer, search.alpha, reduction))
@@ -151,7 +151,8 @@ def _foldable_stats(
 
 
 @torch.no_grad()
-def _fold(layer: nn.Module, producer: str, consumers: tuple[str, ...], scales: Tensor) -> None:
+def _fold(layer: nn.Module, producer: str, readers: tuple[str, ...], scales: Tensor) -> None:
+    """Scale `producer`'s output by 1 / scales and every reader's input columns by scales."""
     source = layer.get_submodule(producer)
     if isinstance(source, nn.Linear):
         source.weight.data = fold_into_rows(source.weight.data, scales)
@@ -159,6 +160,6 @@ def _fold(layer: nn.Module, producer: str, consumers: tuple[str, ...], scales: T
             source.bias.data = fold_into_rows(source.bias.data, scales)
     else:
         source.weight.data = fold_into_norm(source.weight.data, scales)
-    for name in consumers:
+    for name in readers:
         module = layer.get_submodule(name)
         module.weight.data = scale_columns(module.weight.data, scales)

@@ -93,3 +93,22 @@ def test_dense_layers_between_expert_layers_are_refused(tmp_path: Path, default_
     model = make_tiny(tmp_path / "mixed", default_model, model_type="qwen3_moe", mlp_only_layers=[0])  # fmt: skip
     with pytest.raises(UnsupportedModelError, match="dense MLP layers"):
         open_checkpoint(model)
+
+
+def test_a_scale_folded_into_the_mlp_norm_is_undone_in_the_router(
+    tmp_path: Path, tiny_moe: Path
+) -> None:
+    """The router reads the same norm as the experts: SmoothQuant's 1/s in the norm comes back
+    as s in the router's columns (router x norm unchanged), so every token keeps its experts."""
+    out = tmp_path / "w8a8"
+    result = llmq.quantize(tiny_moe, out, scheme="w8a8", smooth=0.8, num_samples=4, seq_len=32,
+                           reference=False)  # fmt: skip
+    written: dict[str, torch.Tensor] = {}
+    for shard in out.glob("*.safetensors"):
+        written.update(load_file(shard))
+    source = load_file(tiny_moe / "model.safetensors")
+    for layer in range(2):
+        norm, router = (f"model.layers.{layer}.{m}.weight" for m in ("post_attention_layernorm", "mlp.gate"))  # fmt: skip
+        assert not torch.allclose(written[norm], source[norm])  # a scale was folded
+        torch.testing.assert_close(written[router] * written[norm], source[router] * source[norm])
+    assert all(layer.output_rel_rmse < 0.1 for layer in result.layers)

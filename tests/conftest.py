@@ -24,8 +24,15 @@ if not torch.cuda.is_available():
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # The config fields of tiny mixture-of-experts models, by model_type.
+_TINY_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2}
 TINY_EXPERTS = {
-    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128},
+    "qwen3_moe": {**_TINY_EXPERTS, "moe_intermediate_size": 128},
+    "olmoe": {**_TINY_EXPERTS, "intermediate_size": 128},
+    "qwen2_moe": {
+        **_TINY_EXPERTS,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 256,
+    },
 }
 
 # What `scripts/test.sh --fast` leaves out is found by marker, so the markers must be right: a
@@ -131,15 +138,13 @@ def make_tiny(
         model_type,
         vocab_size=49152,
         hidden_size=hidden,
-        intermediate_size=512,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=512,
         tie_word_embeddings=tied,
-        **TINY_EXPERTS.get(model_type, {}),
-        **config_fields,
+        **{"intermediate_size": 512, **TINY_EXPERTS.get(model_type, {}), **config_fields},
     )
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     # Give the weights a realistic scale and a few outlier channels (the fused 3-D experts too).
@@ -148,7 +153,7 @@ def make_tiny(
             if name.endswith(("proj.weight", "experts.gate_up_proj", "experts.down_proj")):
                 param.normal_(0, 0.05)
                 param[..., :3] *= 8
-            elif name.endswith("mlp.gate.weight"):  # the router: tokens prefer some experts
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # routers
                 param.normal_(0, 0.5)
     kwargs = {"max_shard_size": shards} if shards else {}
     model.save_pretrained(dest, **kwargs)

@@ -63,6 +63,10 @@ class Experts:
     gate: str
     up: str
     down: str
+    # Qwen2-MoE's shared expert (a plain gated MLP every token takes, quantized like the
+    # experts) and the gate that weighs it (kept in 16 bits, like the router)
+    shared: str | None = None
+    shared_gate: str | None = None
     # transformers 5 writes `num_local_experts` where hub Qwen3-MoE configs say `num_experts`
     count_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
 
@@ -114,8 +118,9 @@ class DecoderLayout:
         """Modules that read `producer`'s output and stay in float (a mixture of experts' router
         reads the MLP's norm): a scale folded into the producer is undone in their columns too,
         or the router would pick other experts."""
-        if self.experts is not None and producer == self.norm_before(self.mlp):
-            return (self.experts.router,)
+        experts = self.experts
+        if experts is not None and producer == self.norm_before(self.mlp):
+            return (experts.router, *([experts.shared_gate] if experts.shared_gate else []))
         return ()
 
     def for_config(self, config: dict[str, Any]) -> DecoderLayout:
@@ -128,9 +133,12 @@ class DecoderLayout:
         _refuse_dense_layers(config)
 
         def names(group: tuple[str, ...]) -> tuple[str, ...]:
-            if not any(EXPERT in name for name in group):
-                return group
-            return tuple(name.replace(EXPERT, str(e)) for e in range(count) for name in group)
+            per_expert = tuple(name for name in group if EXPERT in name)
+            once = tuple(name for name in group if EXPERT not in name)  # a shared expert's
+            return (
+                tuple(name.replace(EXPERT, str(e)) for e in range(count) for name in per_expert)
+                + once
+            )
 
         sequential: list[tuple[str, ...]] = []
         for group in self.sequential:
@@ -239,12 +247,38 @@ _QWEN3_MOE = replace(
     experts=_QWEN3_MOE_EXPERTS,
 )
 
+_QWEN2_MOE_EXPERTS = replace(
+    _QWEN3_MOE_EXPERTS, shared="mlp.shared_expert", shared_gate="mlp.shared_expert_gate"
+)
+_SHARED_IN = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")
+# Qwen2-MoE: Qwen3-MoE's experts plus a shared expert reading the same norm (biased q/k/v).
+_QWEN2_MOE = replace(
+    _QWEN3_MOE,
+    sequential=(
+        _ATTENTION,
+        ("self_attn.o_proj",),
+        (*_EXPERTS_IN, *_SHARED_IN),
+        (_EXPERTS_DOWN,),
+        ("mlp.shared_expert.down_proj",),
+    ),
+    smooth=(
+        ("input_layernorm", _ATTENTION),
+        ("self_attn.v_proj", ("self_attn.o_proj",)),
+        ("post_attention_layernorm", (*_EXPERTS_IN, *_SHARED_IN)),
+        (_QWEN3_MOE_EXPERTS.linear("up"), (_EXPERTS_DOWN,)),
+        ("mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",)),
+    ),
+    experts=_QWEN2_MOE_EXPERTS,
+)
+
 FAMILY_LAYOUT: dict[str, DecoderLayout] = {
     "llama": _LLAMA_LIKE,
     "mistral": _LLAMA_LIKE,
     "qwen2": _LLAMA_LIKE,
     "qwen3": _LLAMA_LIKE,
     "qwen3_moe": _QWEN3_MOE,
+    "olmoe": _QWEN3_MOE,  # names its experts and router as Qwen3-MoE does
+    "qwen2_moe": _QWEN2_MOE,
 }
 
 

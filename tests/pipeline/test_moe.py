@@ -1,6 +1,7 @@
-"""Mixtures of experts on the layer pipeline (tiny random Qwen3-MoE): llmq computes what
-transformers computes, every expert is calibrated on every token, and every expert is written
-packed under the name the checkpoint gives it, which transformers and compressed-tensors read."""
+"""Mixtures of experts on the layer pipeline (tiny random Qwen3-MoE, OLMoE and Qwen2-MoE, the
+last with a shared expert): llmq computes what transformers computes, every expert is calibrated
+on every token, and every expert is written packed under the name the checkpoint gives it, which
+transformers reads back."""
 
 from __future__ import annotations
 
@@ -20,13 +21,21 @@ from llmq.errors import UnsupportedModelError
 from llmq.io.checkpoint import open_checkpoint
 from tests.conftest import TINY_EXPERTS, make_tiny
 
-EXPERTS = TINY_EXPERTS["qwen3_moe"]["num_experts"]
+EXPERTS = 4
+assert all(fields["num_experts"] == EXPERTS for fields in TINY_EXPERTS.values())
 IDS = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Path:
-    return make_tiny(tmp_path_factory.mktemp("moe") / "qwen3-moe", default_model, model_type="qwen3_moe")  # fmt: skip
+@pytest.fixture(scope="module", params=sorted(TINY_EXPERTS))
+def tiny_moe(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, default_model: Path
+) -> Path:
+    family = request.param
+    return make_tiny(tmp_path_factory.mktemp("moe") / family, default_model, model_type=family)
+
+
+def shared_expert(model: Path) -> bool:
+    return json.loads((model / "config.json").read_text())["model_type"] == "qwen2_moe"
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
@@ -70,11 +79,15 @@ def test_every_expert_is_written_packed_under_its_checkpoint_name(
             for role in ("gate_proj", "up_proj", "down_proj"):
                 name = f"model.layers.{layer}.mlp.experts.{e}.{role}"
                 assert f"{name}.weight_packed" in written and f"{name}.weight" not in written
-        router = f"model.layers.{layer}.mlp.gate.weight"  # kept as it was
-        assert torch.equal(written[router], source[router])
+        if shared_expert(tiny_moe):
+            for role in ("gate_proj", "up_proj", "down_proj"):
+                assert f"model.layers.{layer}.mlp.shared_expert.{role}.weight_packed" in written
+        for kept in ("mlp.gate", *(["mlp.shared_expert_gate"] if shared_expert(tiny_moe) else [])):
+            name = f"model.layers.{layer}.{kept}.weight"  # routers stay as they were
+            assert torch.equal(written[name], source[name])
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     targets = [t for group in config["config_groups"].values() for t in group["targets"]]
-    experts = sorted(t for t in targets if "experts" in t)  # one target per role, any expert
+    experts = sorted(t for t in targets if ".experts" in t)  # one target per role, any expert
     assert experts == [rf"re:.*mlp\.experts\.\d+\.{role}$" for role in ("down_proj", "gate_proj", "up_proj")]  # fmt: skip
     assert not any(re.match(t[3:], "model.layers.0.mlp.gate") for t in targets)
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
@@ -108,7 +121,11 @@ def test_a_scale_folded_into_the_mlp_norm_is_undone_in_the_router(
         written.update(load_file(shard))
     source = load_file(tiny_moe / "model.safetensors")
     for layer in range(2):
-        norm, router = (f"model.layers.{layer}.{m}.weight" for m in ("post_attention_layernorm", "mlp.gate"))  # fmt: skip
+        norm = f"model.layers.{layer}.post_attention_layernorm.weight"
         assert not torch.allclose(written[norm], source[norm])  # a scale was folded
-        torch.testing.assert_close(written[router] * written[norm], source[router] * source[norm])
+        gates = ["mlp.gate", *(["mlp.shared_expert_gate"] if shared_expert(tiny_moe) else [])]
+        for router in (f"model.layers.{layer}.{gate}.weight" for gate in gates):
+            torch.testing.assert_close(
+                written[router] * written[norm], source[router] * source[norm]
+            )
     assert all(layer.output_rel_rmse < 0.1 for layer in result.layers)

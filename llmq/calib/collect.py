@@ -56,7 +56,13 @@ class _Observer:
         self.observed[name].update(x)
 
     def stats(self) -> dict[str, InputStats]:
-        return {name: self.observed[owner] for name, owner in self.owners.items()}
+        """The statistics of each linear that saw input (an expert no token was routed to saw
+        none)."""
+        return {
+            name: self.observed[owner]
+            for name, owner in self.owners.items()
+            if owner in self.observed
+        }
 
 
 def run_observed(

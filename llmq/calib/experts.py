@@ -6,12 +6,17 @@ llmq swaps the fused module for `UnfusedExperts` before loading a layer, so the 
 tensors load under their own names, every method (input hooks, GPTQ, AWQ, RTN) sees ordinary
 `nn.Linear`s, and what is written goes back under the names it came from.
 
-Every token runs through every expert: each expert's statistics see the whole calibration text
-(an expert the router rarely picks is calibrated like the others), while the layer's output is
-the model's own, each token's output the routing-weighted sum of its chosen experts only.
+By default every token runs through every expert (`--moe-calibration all`): each expert's
+statistics see the whole calibration text, so an expert the router rarely picks is calibrated
+like the others, while the layer's output stays the model's own, each token's output the
+routing-weighted sum of its chosen experts only. `routed` runs each expert on the tokens the
+router sends it, as the model does. Either way the module counts the tokens routed to each
+expert: the coverage report (`take_routed_tokens`).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -43,20 +48,34 @@ class UnfusedExperts(nn.Module):
     def __init__(self, names: Experts, count: int, hidden: int, intermediate: int, act: nn.Module):
         super().__init__()
         self.count = count
+        self.every_token = True
+        self.routed_tokens: Tensor | None = None  # per expert, since the last take_routed_tokens
         for e in range(count):  # children "0", "1", ...: `experts.3.gate_proj`, as on disk
             self.add_module(str(e), _Expert(names, hidden, intermediate, act))
 
     def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        counts = torch.bincount(top_k_index.flatten(), minlength=self.count).cpu()
+        self.routed_tokens = counts if self.routed_tokens is None else self.routed_tokens + counts
         output = torch.zeros_like(hidden)
         for e in range(self.count):
-            routed = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)
-            output += self.get_submodule(str(e))(hidden) * routed.to(hidden.dtype)
+            expert = self.get_submodule(str(e))
+            weight = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True).to(hidden.dtype)
+            if self.every_token:
+                output += expert(hidden) * weight
+                continue
+            rows = (top_k_index == e).any(dim=-1).nonzero().squeeze(-1)
+            if len(rows):
+                output.index_add_(0, rows, expert(hidden[rows]) * weight[rows])
         return output
 
 
-def unfuse_experts(model: nn.Module, layout: DecoderLayout) -> None:
-    """Swap the fused experts module of each of `model`'s decoder layers for `UnfusedExperts`,
-    on the same device (meta in a skeleton, whose weights are loaded afterwards)."""
+ExpertTokens = Literal["all", "routed"]  # --moe-calibration
+
+
+def unfuse_experts(model: nn.Module, layout: DecoderLayout, tokens: ExpertTokens = "all") -> None:
+    """Swap the fused experts module of each of `model`'s decoder layers for `UnfusedExperts`
+    (running `tokens` through each expert), on the same device (meta in a skeleton, whose
+    weights are loaded afterwards)."""
     names = layout.experts
     if names is None:
         return
@@ -65,4 +84,15 @@ def unfuse_experts(model: nn.Module, layout: DecoderLayout) -> None:
         count, double_intermediate, hidden = fused.gate_up_proj.shape
         with torch.device(fused.gate_up_proj.device):
             unfused = UnfusedExperts(names, count, hidden, double_intermediate // 2, fused.act_fn)
+        unfused.every_token = tokens == "all"
         layer.set_submodule(names.module, unfused)
+
+
+def take_routed_tokens(layer: nn.Module) -> list[int] | None:
+    """The tokens the router sent to each expert of `layer` since the last call (a token
+    counts once for each of its top-k experts); None for a layer without experts."""
+    for module in layer.modules():
+        if isinstance(module, UnfusedExperts):
+            counts, module.routed_tokens = module.routed_tokens, None
+            return [0] * module.count if counts is None else counts.tolist()
+    return None

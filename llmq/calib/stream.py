@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from llmq.calib.attention import blocked_causal_applies, causal_attention
-from llmq.calib.experts import unfuse_experts
+from llmq.calib.experts import ExpertTokens, unfuse_experts
 from llmq.calib.norm import fuse_rms_norms
 from llmq.calib.walk import H, LayerWalk
 from llmq.config import QuantArgs
@@ -97,11 +97,13 @@ class LayerStream:
         dtype: torch.dtype = ACTIVATION_DTYPE,
         state_loader: StateLoader = read_plain_state,
         batch_size: int = 4,
+        expert_tokens: ExpertTokens = "all",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.ckpt = ckpt
-        self.layout = ckpt.layout
+        # which linears share an input: an expert's alone when it sees only its routed tokens
+        self.layout = ckpt.layout if expert_tokens == "all" else ckpt.layout.expert_groups_split()
         self.device = resolve_device(device)
         self.dtype = dtype
         self.batch_size = batch_size
@@ -112,7 +114,7 @@ class LayerStream:
             self._skeleton = AutoModelForCausalLM.from_config(
                 self.config, attn_implementation=ATTENTION_IMPLEMENTATION
             )
-        unfuse_experts(self._skeleton, self.layout)
+        unfuse_experts(self._skeleton, self.layout, expert_tokens)
         rotary_meta = self._skeleton.get_submodule(self.layout.rotary)
         self._rotary = type(rotary_meta)(self._skeleton.config).to(self.device)
 

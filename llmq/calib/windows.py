@@ -73,7 +73,8 @@ def model_windows(
 def windows_key(model_dir: Path, cal: CalibConfig) -> str:
     """The tokenizer's files (their bytes: windows depend on nothing else of the model) and the
     calibration settings."""
-    digest = hashlib.sha256(json.dumps(cal.model_dump(), sort_keys=True).encode())
+    settings = cal.model_dump(exclude={"moe_calibration"})  # routing does not change the text
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     for path in sorted(Path(model_dir).glob("tokenizer*")):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:20]

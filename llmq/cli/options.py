@@ -82,6 +82,15 @@ Seed = Annotated[
         metavar="N", help="Seed for sampling calibration windows.", rich_help_panel=CALIBRATION
     ),
 ]
+MoeCalibration = Annotated[
+    str,
+    typer.Option(
+        metavar="MODE",
+        help="Mixtures of experts: all (every token through every expert for the statistics; "
+        "the output keeps the model's routing) or routed (each expert on its routed tokens).",
+        rich_help_panel=CALIBRATION,
+    ),
+]
 JsonFlag = Annotated[
     bool,
     typer.Option("--json", help="Print the result as JSON on stdout.", rich_help_panel=OUTPUT),

@@ -31,6 +31,7 @@ from llmq.cli.options import (
     Ignore,
     JsonFlag,
     ModelArg,
+    MoeCalibration,
     Overwrite,
     PatternOption,
     Reference,
@@ -49,6 +50,7 @@ from llmq.cli.options import (
     names,
 )
 from llmq.config import RESUME_EVERY_S, QuantizeOptions, scheme_names
+from llmq.pipeline.report import STARVED_SHARE, starved_experts
 
 Q = defaults(QuantizeOptions)
 
@@ -197,6 +199,7 @@ def quantize(
         ),
     ] = False,
     seed: Seed = Q["seed"],
+    moe_calibration: MoeCalibration = Q["moe_calibration"],
     calib_stats: CalibStatsPath = None,
     fallback: Annotated[
         str | None,
@@ -298,6 +301,7 @@ def render(result: Any) -> None:
             f"{counted(count, 'linear')} use {used_text} (own config group)"
         )
     _print_scaling(result.layers)
+    _print_expert_coverage(result.layers)
     if result.fallback:
         kept = result.fallback["kept"]
         out_console.print(
@@ -357,6 +361,23 @@ def _print_scaling(layers: list[Any]) -> None:
         f"(alpha: {', '.join(f'{a:g} x{n}' for a, n in sorted(alphas.items()))}); median "
         f"output error reduction {reductions[len(reductions) // 2]:.1%}"
     )
+
+
+def _print_expert_coverage(layers: list[Any]) -> None:
+    """Mixtures of experts: the calibration tokens routed to each expert, their range over the
+    model, and every expert routed too few of them."""
+    counts = [n for layer in layers for n in layer.expert_tokens or []]
+    if not counts:
+        return
+    starved = starved_experts(layers)
+    out_console.print(
+        f"experts: {min(counts)} to {max(counts)} calibration tokens routed to each; "
+        f"{counted(len(starved), 'expert')} under {STARVED_SHARE:.0%} of an even share"
+    )
+    for index, expert, tokens in starved:
+        out_console.print(
+            f"warning: layer {index} expert {expert}: {counted(tokens, 'token')} routed"
+        )
 
 
 def _number(value: float | None) -> str:

@@ -63,9 +63,10 @@ class CalibrationOptions(_Options):
     num_samples: int | None = Field(None, ge=1)  # None: the method's (see `num_samples_for`)
     seq_len: int = default(CalibConfig, "seq_len")
     seed: int = default(CalibConfig, "seed")
+    moe_calibration: Literal["all", "routed"] = default(CalibConfig, "moe_calibration")
 
     def calibration(self, num_samples: int) -> CalibConfig:
-        return build(CalibConfig, text=self.calib_text, num_samples=num_samples, seq_len=self.seq_len, seed=self.seed)  # fmt: skip
+        return build(CalibConfig, text=self.calib_text, num_samples=num_samples, seq_len=self.seq_len, seed=self.seed, moe_calibration=self.moe_calibration)  # fmt: skip
 
 
 class LayerOptions(CalibrationOptions):

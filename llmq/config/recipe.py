@@ -33,6 +33,9 @@ class CalibConfig(BaseModel):
     num_samples: int = Field(DEFAULT_CALIB_SAMPLES, ge=1, le=100_000)
     seq_len: int = Field(512, ge=8, le=131_072)
     seed: int = 0
+    # A mixture of experts: every token through every expert for the statistics (the output
+    # keeps the model's routing), or each expert on the tokens routed to it.
+    moe_calibration: Literal["all", "routed"] = "all"
 
 
 class GPTQConfig(BaseModel):
@@ -110,6 +113,12 @@ class Recipe(BaseModel):
         if self.calibration is None and self.needs_calibration:
             raise ValueError("static activation scales, --smooth and --kv-cache need calibration")
         _check_pruning(self)
+        routed = self.calibration is not None and self.calibration.moe_calibration == "routed"
+        if routed and (self.method.startswith("awq") or self.smooth is not None):
+            raise ValueError(
+                "moe_calibration routed: AWQ and SmoothQuant scale all experts from one input "
+                "norm, which needs every expert's statistics on every token; use all"
+            )
         return self
 
     @property

@@ -114,6 +114,22 @@ class DecoderLayout:
     # and `for_config` writes them out for a model's expert count.
     experts: Experts | None = None
 
+    def expert_groups_split(self) -> DecoderLayout:
+        """The groups when each expert sees only the tokens routed to it (`--moe-calibration
+        routed`): an expert's gate and up share an input, no two experts do."""
+        if self.experts is None:
+            return self
+        prefix = f"{self.experts.module}."
+
+        def owner(name: str) -> str:  # the expert's index; "" for the linears of no expert
+            return name[len(prefix) :].split(".")[0] if name.startswith(prefix) else ""
+
+        split: list[tuple[str, ...]] = []
+        for group in self.sequential:
+            owners = dict.fromkeys(owner(name) for name in group)
+            split.extend(tuple(n for n in group if owner(n) == o) for o in owners)
+        return replace(self, sequential=tuple(split))
+
     def float_readers(self, producer: str) -> tuple[str, ...]:
         """Modules that read `producer`'s output and stay in float (a mixture of experts' router
         reads the MLP's norm): a scale folded into the producer is undone in their columns too,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from llmq.pipeline.scaling import ScaleReport
 from llmq.quant.awq import output_error
 from llmq.quant.kvcache import KVQuantizer
 from llmq.quant.masks import Sparsity, magnitude_scores, pruned_mask
-from llmq.quant.methods import Method, MethodResult
+from llmq.quant.methods import RTN, Method, MethodResult
 from llmq.quant.primitives import ROW_STRATEGIES
 from llmq.quant.rtn import rtn_quantize_weight
 
@@ -48,6 +48,7 @@ class LayerDone:
     error: float | None = None  # LayerReport.output_rel_rmse
     rtn_error: float | None = None
     scales: list[ScaleReport] = field(default_factory=list)
+    expert_tokens: list[int] | None = None  # LayerReport.expert_tokens
 
 
 def quantize_linears(
@@ -112,12 +113,17 @@ def _quantize_stack(
     raised dampening warned."""
     names = ", ".join(linear.name for linear in linears)
     stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
+    unreached = stats is None and (method.needs_hessian or method.needs_norms)
+    if unreached:  # an expert the router sent no calibration token (--moe-calibration routed)
+        method = RTN(sparsity=method.sparsity)
     try:
         result = method.quantize_weight(
             stacked, linears[0].args, stats, scale_dtype=torch_dtype(linears[0].dtype)
         )
     except NumericalError as exc:
         raise NumericalError(f"{names}: {exc.message}", hint=exc.hint) from None
+    if unreached:
+        result = replace(result, warning="no calibration token reached it: rounded to nearest")
     if result.warning:
         log.warning("%s: %s", names, result.warning)
     return [result] if len(weights) == 1 else result.split_rows([len(w) for w in weights])

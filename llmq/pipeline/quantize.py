@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from llmq.calib.collect import run_observed
+from llmq.calib.experts import take_routed_tokens
 from llmq.calib.stats import CalibStats, InputStats
 from llmq.calib.stream import (
     InputQuantization,
@@ -107,7 +108,8 @@ def run_quantization(
         state = RunState(staging, fingerprint, every_s=resume_every_s)
     resumed = state.done
     method = get_method(recipe)
-    stream = LayerStream(ckpt, device=device)
+    tokens = recipe.calibration.moe_calibration if recipe.calibration else "all"
+    stream = LayerStream(ckpt, device=device, expert_tokens=tokens)
     shards = ShardNames(ckpt.num_layers)
     if resumed == 0:
         save_safetensors(staging / shards.name(0), non_layer_tensors(ckpt))
@@ -196,7 +198,7 @@ def _quantize_layer(
     tensors.update(other_layer_tensors(stream.ckpt, layer.module, prefix, local))
     report = LayerReport(
         index, done.error, time.perf_counter() - layer.started, done.linears, done.rtn_error,
-        done.scales,
+        done.scales, done.expert_tokens,
     )  # fmt: skip
     return report, done.output, tensors
 
@@ -264,6 +266,7 @@ def _quantize_observed(
                 norms=method.needs_norms,
                 samples=_needs_samples(recipe), on_batch=on_batch, keep=REPORT_WINDOWS,
             )  # fmt: skip
+    expert_tokens = take_routed_tokens(layer) if hidden is not None else None
     stats = {name: _stats_for(calib_stats, observed, prefix, name) for name in local}
     kv = _kv_quantization(recipe, kv_range, local)
     rtn_errors: dict[str, float | None] = {}
@@ -282,7 +285,9 @@ def _quantize_observed(
         output = run_quantized(stream, layer, inputs, kv, hidden, on_batch, in_place=True)
         error = relative_rmse(output[:REPORT_WINDOWS], reference)
     tensors.update(_scale_tensors(inputs, kv, stream.layout.attention))
-    return LayerDone(tensors, linear_reports, output, error, rtn_error, scale_reports)
+    return LayerDone(
+        tensors, linear_reports, output, error, rtn_error, scale_reports, expert_tokens
+    )
 
 
 def _needs_samples(recipe: Recipe) -> bool:

@@ -38,6 +38,9 @@ class LayerReport:
     # The same layer and inputs with plain RTN, on the same windows.
     rtn_output_rel_rmse: float | None = None
     scales: list[ScaleReport] = field(default_factory=list)  # AWQ's folds
+    # A mixture of experts: the calibration tokens the router sent to each expert (each token
+    # counts for each of its top-k experts), on the float layer.
+    expert_tokens: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -79,3 +82,19 @@ def written_sparsity(layers: list[dict[str, Any]]) -> dict[str, float]:
     total = sum(linear["numel"] for linear in linears)
     shares = [linear["sparsity"] for linear in linears]
     return {"linears": zeros / max(total, 1), "min": min(shares), "max": max(shares)}
+
+
+STARVED_SHARE = 0.1  # an expert routed fewer tokens than this share of an even split is flagged
+
+
+def starved_experts(layers: list[LayerReport]) -> list[tuple[int, int, int]]:
+    """(layer, expert, routed tokens) of each expert the router sent fewer than STARVED_SHARE
+    of an even share of the calibration tokens: with `--moe-calibration routed` its statistics
+    rest on few tokens (none: it is rounded to nearest); with `all` it is calibrated anyway,
+    and the line says how much of the text ever reaches it."""
+    found = []
+    for layer in layers:
+        counts = layer.expert_tokens or []
+        even = sum(counts) / max(len(counts), 1)
+        found += [(layer.index, e, n) for e, n in enumerate(counts) if n < STARVED_SHARE * even]
+    return found

@@ -66,7 +66,7 @@ def staged_run(tiny_llama: Path, request: pytest.FixtureRequest):
     hidden = inputs.clone()
     layer = stream.load_layer(0)
     method = Recording(get_method(recipe))
-    assert _stages_in_layer(recipe, method, None, local)
+    assert _stages_in_layer(stream, recipe, method, None, local)
     done = StagedLayer(stream, layer, local, method, recipe, hidden, lambda: None).run()
     return stream, layer, inputs, done, method, local
 
@@ -154,7 +154,7 @@ def test_rtn_with_output_clipping_runs_staged_without_comparing_with_itself(
     local = {
         linear.name[len(prefix) :]: linear for linear in plan_quantization(ckpt, recipe).layers[0]
     }
-    assert _stages_in_layer(recipe, method, None, local)
+    assert _stages_in_layer(stream, recipe, method, None, local)
     inputs = torch.randn(
         3, 16, stream.config.hidden_size, generator=torch.Generator().manual_seed(1)
     )

@@ -33,6 +33,7 @@ TINY_EXPERTS = {
         "moe_intermediate_size": 128,
         "shared_expert_intermediate_size": 256,
     },
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 128},
 }
 
 # What `scripts/test.sh --fast` leaves out is found by marker, so the markers must be right: a

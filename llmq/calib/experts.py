@@ -80,12 +80,24 @@ def unfuse_experts(model: nn.Module, layout: DecoderLayout, tokens: ExpertTokens
     if names is None:
         return
     for layer in model.get_submodule(layout.layers):
+        if names.loaded_as is not None:
+            _register_under_checkpoint_name(layer, names.loaded_as, layout.mlp)
         fused = layer.get_submodule(names.module)
         count, double_intermediate, hidden = fused.gate_up_proj.shape
         with torch.device(fused.gate_up_proj.device):
             unfused = UnfusedExperts(names, count, hidden, double_intermediate // 2, fused.act_fn)
         unfused.every_token = tokens == "all"
         layer.set_submodule(names.module, unfused)
+
+
+def _register_under_checkpoint_name(layer: nn.Module, attribute: str, name: str) -> None:
+    """Make the block transformers keeps as `layer.<attribute>` a child named `name`, as the
+    checkpoint names it: the layer's forward still finds `self.<attribute>` (a plain attribute
+    now), while state dicts, hooks and written tensors use the checkpoint's names."""
+    block = layer.get_submodule(attribute)
+    delattr(layer, attribute)
+    layer.add_module(name, block)
+    object.__setattr__(layer, attribute, block)
 
 
 def take_routed_tokens(layer: nn.Module) -> list[int] | None:

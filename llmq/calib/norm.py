@@ -16,7 +16,7 @@ from torch import Tensor, float32, nn
 
 FUSED_RMS_NORMS = frozenset({
     "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm",
-    "Qwen3MoeRMSNorm", "OlmoeRMSNorm",
+    "Qwen3MoeRMSNorm", "OlmoeRMSNorm", "MixtralRMSNorm",
 })  # fmt: skip
 """The RMSNorm classes of `llmq.io.family`'s families: weight · x / sqrt(mean(x²) + eps)."""
 

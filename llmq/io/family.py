@@ -67,6 +67,10 @@ class Experts:
     # experts) and the gate that weighs it (kept in 16 bits, like the router)
     shared: str | None = None
     shared_gate: str | None = None
+    # The attribute transformers 5 gives the mixture-of-experts block where the checkpoint
+    # names it otherwise (Mixtral's `block_sparse_moe` is its `mlp`); llmq registers the block
+    # under the checkpoint's name (calib/experts.py).
+    loaded_as: str | None = None
     # transformers 5 writes `num_local_experts` where hub Qwen3-MoE configs say `num_experts`
     count_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
 
@@ -287,6 +291,26 @@ _QWEN2_MOE = replace(
     experts=_QWEN2_MOE_EXPERTS,
 )
 
+_MIXTRAL_EXPERTS = Experts(
+    module="block_sparse_moe.experts", router="block_sparse_moe.gate", gate="w1", up="w3",
+    down="w2", loaded_as="mlp",
+)  # fmt: skip
+_MIXTRAL_IN = (_MIXTRAL_EXPERTS.linear("gate"), _MIXTRAL_EXPERTS.linear("up"))
+_MIXTRAL_DOWN = _MIXTRAL_EXPERTS.linear("down")
+# Mixtral: Mistral's attention; eight experts named w1 (gate), w3 (up), w2 (down).
+_MIXTRAL = replace(
+    _QWEN3_MOE,
+    mlp="block_sparse_moe",
+    sequential=(_ATTENTION, ("self_attn.o_proj",), _MIXTRAL_IN, (_MIXTRAL_DOWN,)),
+    smooth=(
+        ("input_layernorm", _ATTENTION),
+        ("self_attn.v_proj", ("self_attn.o_proj",)),
+        ("post_attention_layernorm", _MIXTRAL_IN),
+        (_MIXTRAL_EXPERTS.linear("up"), (_MIXTRAL_DOWN,)),
+    ),
+    experts=_MIXTRAL_EXPERTS,
+)
+
 FAMILY_LAYOUT: dict[str, DecoderLayout] = {
     "llama": _LLAMA_LIKE,
     "mistral": _LLAMA_LIKE,
@@ -295,6 +319,7 @@ FAMILY_LAYOUT: dict[str, DecoderLayout] = {
     "qwen3_moe": _QWEN3_MOE,
     "olmoe": _QWEN3_MOE,  # names its experts and router as Qwen3-MoE does
     "qwen2_moe": _QWEN2_MOE,
+    "mixtral": _MIXTRAL,
 }
 
 

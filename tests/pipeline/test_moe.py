@@ -1,7 +1,7 @@
-"""Mixtures of experts on the layer pipeline (tiny random Qwen3-MoE, OLMoE and Qwen2-MoE, the
-last with a shared expert): llmq computes what transformers computes, every expert is calibrated
-on every token, and every expert is written packed under the name the checkpoint gives it, which
-transformers reads back."""
+"""Mixtures of experts on the layer pipeline (tiny random Qwen3-MoE, OLMoE, Qwen2-MoE with its
+shared expert, and Mixtral, whose checkpoint names differ from transformers' modules): llmq
+computes what transformers computes, every expert is calibrated on every token, and every expert
+is written packed under the name the checkpoint gives it, which transformers reads back."""
 
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ from llmq.calib.collect import run_observed
 from llmq.calib.stream import LayerStream
 from llmq.errors import UnsupportedModelError
 from llmq.io.checkpoint import open_checkpoint
+from llmq.io.family import FAMILY_LAYOUT, Experts
 from tests.conftest import TINY_EXPERTS, make_tiny
 
 EXPERTS = 4
-assert all(fields["num_experts"] == EXPERTS for fields in TINY_EXPERTS.values())
+assert all(FAMILY_LAYOUT[t].experts.count(f) == EXPERTS for t, f in TINY_EXPERTS.items())  # type: ignore[union-attr]
+ROLES = ("gate", "up", "down")
 IDS = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
@@ -34,8 +36,21 @@ def tiny_moe(
     return make_tiny(tmp_path_factory.mktemp("moe") / family, default_model, model_type=family)
 
 
-def shared_expert(model: Path) -> bool:
-    return json.loads((model / "config.json").read_text())["model_type"] == "qwen2_moe"
+def names(model: Path) -> Experts:
+    """The family's names for its experts, router and shared expert."""
+    experts = open_checkpoint(model).layout.experts
+    assert experts is not None
+    return experts
+
+
+def expert(model: Path, e: int, role: str) -> str:
+    return names(model).linear(role).replace("*", str(e))
+
+
+def routers(model: Path) -> list[str]:
+    """The modules kept in 16 bits that weigh experts: the router, a shared expert's gate."""
+    found = names(model)
+    return [found.router, *([found.shared_gate] if found.shared_gate else [])]
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
@@ -58,11 +73,11 @@ def test_every_expert_sees_every_calibration_token(tiny_moe: Path) -> None:
     hidden = stream.embed(IDS)
     _, stats = run_observed(stream, layer, list(names), hidden, hessian=True)
     tokens = IDS.numel()
-    downs = [stats[f"mlp.experts.{e}.down_proj"] for e in range(EXPERTS)]
+    downs = [stats[expert(tiny_moe, e, "down")] for e in range(EXPERTS)]
     assert all(s.num_tokens == tokens for s in downs)
     assert len({id(s) for s in downs}) == EXPERTS  # each down its own input
-    ins = {id(stats[f"mlp.experts.{e}.{role}"]) for e in range(EXPERTS) for role in ("gate_proj", "up_proj")}  # fmt: skip
-    assert len(ins) == 1 and stats["mlp.experts.0.gate_proj"].num_tokens == tokens
+    ins = {id(stats[expert(tiny_moe, e, role)]) for e in range(EXPERTS) for role in ("gate", "up")}  # fmt: skip
+    assert len(ins) == 1 and stats[expert(tiny_moe, 0, "gate")].num_tokens == tokens
 
 
 def test_every_expert_is_written_packed_under_its_checkpoint_name(
@@ -75,21 +90,20 @@ def test_every_expert_is_written_packed_under_its_checkpoint_name(
         written.update(load_file(shard))
     source = load_file(tiny_moe / "model.safetensors")
     for layer in range(2):
-        for e in range(EXPERTS):
-            for role in ("gate_proj", "up_proj", "down_proj"):
-                name = f"model.layers.{layer}.mlp.experts.{e}.{role}"
-                assert f"{name}.weight_packed" in written and f"{name}.weight" not in written
-        if shared_expert(tiny_moe):
-            for role in ("gate_proj", "up_proj", "down_proj"):
-                assert f"model.layers.{layer}.mlp.shared_expert.{role}.weight_packed" in written
-        for kept in ("mlp.gate", *(["mlp.shared_expert_gate"] if shared_expert(tiny_moe) else [])):
-            name = f"model.layers.{layer}.{kept}.weight"  # routers stay as they were
+        linears = [expert(tiny_moe, e, role) for e in range(EXPERTS) for role in ROLES]
+        if names(tiny_moe).shared:
+            linears += [f"{names(tiny_moe).shared}.{r}_proj" for r in ROLES]
+        for name in (f"model.layers.{layer}.{linear}" for linear in linears):
+            assert f"{name}.weight_packed" in written and f"{name}.weight" not in written
+        for kept in routers(tiny_moe):  # as they were
+            name = f"model.layers.{layer}.{kept}.weight"
             assert torch.equal(written[name], source[name])
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     targets = [t for group in config["config_groups"].values() for t in group["targets"]]
     experts = sorted(t for t in targets if ".experts" in t)  # one target per role, any expert
-    assert experts == [rf"re:.*mlp\.experts\.\d+\.{role}$" for role in ("down_proj", "gate_proj", "up_proj")]  # fmt: skip
-    assert not any(re.match(t[3:], "model.layers.0.mlp.gate") for t in targets)
+    module = re.escape(names(tiny_moe).module)
+    assert experts == sorted(rf"re:.*{module}\.\d+\.{getattr(names(tiny_moe), r)}$" for r in ROLES)  # fmt: skip
+    assert not any(re.match(t[3:], f"model.layers.0.{router}") for t in targets for router in routers(tiny_moe))  # fmt: skip
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     torch.testing.assert_close(logits(theirs), logits(llmq.load_dequantized(out)), rtol=1e-5, atol=1e-5)  # fmt: skip
 
@@ -123,8 +137,7 @@ def test_a_scale_folded_into_the_mlp_norm_is_undone_in_the_router(
     for layer in range(2):
         norm = f"model.layers.{layer}.post_attention_layernorm.weight"
         assert not torch.allclose(written[norm], source[norm])  # a scale was folded
-        gates = ["mlp.gate", *(["mlp.shared_expert_gate"] if shared_expert(tiny_moe) else [])]
-        for router in (f"model.layers.{layer}.{gate}.weight" for gate in gates):
+        for router in (f"model.layers.{layer}.{gate}.weight" for gate in routers(tiny_moe)):
             torch.testing.assert_close(
                 written[router] * written[norm], source[router] * source[norm]
             )

@@ -101,3 +101,21 @@ def test_routed_calibration_refuses_a_scale_search_over_all_experts(moe: Path, t
                                    "--moe-calibration", "routed"])  # fmt: skip
     assert_bad_input(run, "moe_calibration routed: AWQ and SmoothQuant")
     assert not (tmp_path / "o").exists()
+
+
+def test_an_interrupted_mixture_of_experts_run_resumes_to_the_same_files(
+    tmp_path: Path, default_model: Path
+) -> None:
+    """GPTQ with the coverage count: stopped after two of four layers, resumed from there."""
+    from tests.pipeline.test_quantize import InterruptAfter, checkpoint_bytes
+
+    model = make_tiny(tmp_path / "model", default_model, model_type="qwen3_moe", layers=4)
+    job = {"scheme": "w4a16", "method": "gptq", **CALIBRATION}
+    whole = llmq.quantize(model, tmp_path / "whole", **job)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        llmq.quantize(model, out, progress=InterruptAfter(2), resume_every_s=0, **job)
+    resumed = llmq.quantize(model, out, resume=True, **job)
+    assert resumed.resumed_layers == 2
+    assert checkpoint_bytes(out) == checkpoint_bytes(tmp_path / "whole")
+    assert [layer.expert_tokens for layer in resumed.layers] == [layer.expert_tokens for layer in whole.layers]  # fmt: skip

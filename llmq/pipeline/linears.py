@@ -98,12 +98,23 @@ def _stacks(local: dict[str, LinearPlan], stats: dict[str, InputStats | None]) -
     scales are per row. Methods treat rows independently, so the codes are the same; GPTQ then
     runs its per-column loop once for q/k/v instead of three times (2x faster here)."""
     stacks: dict[object, list[str]] = {}
+    rows: dict[object, int] = {}
     for name, linear in local.items():
         rows_apart = linear.args is None or linear.args.strategy in ROW_STRATEGIES
         stackable = stats[name] is not None and rows_apart
-        key = (id(stats[name]), linear.args, linear.dtype) if stackable else name
+        key: object = (id(stats[name]), linear.args, linear.dtype) if stackable else name
+        if rows.get(key, 0) + linear.out_features > MAX_STACKED_ROWS and key in stacks:
+            stacks[(key, len(stacks))] = stacks.pop(key)  # full: later linears start anew
+            rows[key] = 0
         stacks.setdefault(key, []).append(name)
+        rows[key] = rows.get(key, 0) + linear.out_features
     return list(stacks.values())
+
+
+# A stack's rows at most: all experts of a mixture share one input (128 experts of Qwen3-235B:
+# 393,216 gate/up rows, 6.4 GB in float32), and one stack is copied several times over while
+# it is solved. No dense family comes near it (Llama-3-70B's gate/up: 57,344 rows).
+MAX_STACKED_ROWS = 65_536
 
 
 def _quantize_stack(

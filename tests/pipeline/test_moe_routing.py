@@ -119,3 +119,25 @@ def test_an_interrupted_mixture_of_experts_run_resumes_to_the_same_files(
     assert resumed.resumed_layers == 2
     assert checkpoint_bytes(out) == checkpoint_bytes(tmp_path / "whole")
     assert [layer.expert_tokens for layer in resumed.layers] == [layer.expert_tokens for layer in whole.layers]  # fmt: skip
+
+
+def test_experts_are_solved_in_stacks_of_bounded_rows_with_the_same_result(
+    moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All experts' gates and ups share one input; they are stacked for GPTQ at most
+    MAX_STACKED_ROWS rows at a time (rows are solved independently: the same codes)."""
+    from llmq.pipeline import linears
+
+    job = {"scheme": "w4a16", "method": "gptq", **CALIBRATION}
+    llmq.quantize(moe, tmp_path / "one-stack", **job)
+    monkeypatch.setattr(linears, "MAX_STACKED_ROWS", 300)  # 128 rows a linear: stacks of two
+    sizes: list[int] = []
+    original = linears._quantize_stack
+    monkeypatch.setattr(linears, "_quantize_stack", lambda m, w, *a: sizes.append(sum(len(x) for x in w)) or original(m, w, *a))  # fmt: skip
+    llmq.quantize(moe, tmp_path / "stacks", **job)
+    assert max(sizes) <= 300 and sizes.count(256) >= 8  # 4 experts x (gate, up) in pairs, 2 layers
+    for shard in sorted((tmp_path / "one-stack").glob("*.safetensors")):
+        ours, theirs = load_file(shard), load_file(tmp_path / "stacks" / shard.name)
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=0, msg=key)

@@ -246,70 +246,53 @@ _LLAMA_LIKE = DecoderLayout(
     ),
 )
 
+
+def _mixture(experts: Experts, mlp: str = "mlp") -> DecoderLayout:
+    """Llama's attention, a mixture of experts (and a shared expert, where the family has one)
+    for the MLP. The experts of a layer read one norm's output, so AWQ and SmoothQuant scale
+    them as one group, the scale folded into that norm."""
+    shared_in: tuple[str, ...] = ()
+    shared_down: tuple[tuple[str, ...], ...] = ()
+    shared_pair: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    if experts.shared is not None:  # a plain gated MLP every token takes
+        shared_in = (f"{experts.shared}.gate_proj", f"{experts.shared}.up_proj")
+        shared_down = ((f"{experts.shared}.down_proj",),)
+        shared_pair = ((shared_in[1], shared_down[0]),)
+    readers = (experts.linear("gate"), experts.linear("up"), *shared_in)
+    down = experts.linear("down")
+    return replace(
+        _LLAMA_LIKE,
+        mlp=mlp,
+        sequential=(_ATTENTION, ("self_attn.o_proj",), readers, (down,), *shared_down),
+        smooth=(
+            ("input_layernorm", _ATTENTION),
+            ("self_attn.v_proj", ("self_attn.o_proj",)),
+            ("post_attention_layernorm", readers),
+            (experts.linear("up"), (down,)),
+            *shared_pair,
+        ),
+        structured=None,
+        experts=experts,
+    )
+
+
 _QWEN3_MOE_EXPERTS = Experts(
     module="mlp.experts", router="mlp.gate", gate="gate_proj", up="up_proj", down="down_proj"
 )
-_EXPERTS_IN = (_QWEN3_MOE_EXPERTS.linear("gate"), _QWEN3_MOE_EXPERTS.linear("up"))
-_EXPERTS_DOWN = _QWEN3_MOE_EXPERTS.linear("down")
-# Qwen3-MoE (and OLMoE, which names its experts alike): llama's attention, a mixture of experts
-# for the MLP. The experts of a layer read one norm's output, so AWQ and SmoothQuant scale them
-# as one group, the scale folded into that norm.
-_QWEN3_MOE = replace(
-    _LLAMA_LIKE,
-    sequential=(_ATTENTION, ("self_attn.o_proj",), _EXPERTS_IN, (_EXPERTS_DOWN,)),
-    smooth=(
-        ("input_layernorm", _ATTENTION),
-        ("self_attn.v_proj", ("self_attn.o_proj",)),
-        ("post_attention_layernorm", _EXPERTS_IN),
-        (_QWEN3_MOE_EXPERTS.linear("up"), (_EXPERTS_DOWN,)),
-    ),
-    structured=None,
-    experts=_QWEN3_MOE_EXPERTS,
+# Qwen3-MoE, and OLMoE, which names its experts alike.
+_QWEN3_MOE = _mixture(_QWEN3_MOE_EXPERTS)
+# Qwen2-MoE: the same experts plus a shared expert reading the same norm (and biased q/k/v).
+_QWEN2_MOE = _mixture(
+    replace(_QWEN3_MOE_EXPERTS, shared="mlp.shared_expert", shared_gate="mlp.shared_expert_gate")
 )
-
-_QWEN2_MOE_EXPERTS = replace(
-    _QWEN3_MOE_EXPERTS, shared="mlp.shared_expert", shared_gate="mlp.shared_expert_gate"
-)
-_SHARED_IN = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")
-# Qwen2-MoE: Qwen3-MoE's experts plus a shared expert reading the same norm (biased q/k/v).
-_QWEN2_MOE = replace(
-    _QWEN3_MOE,
-    sequential=(
-        _ATTENTION,
-        ("self_attn.o_proj",),
-        (*_EXPERTS_IN, *_SHARED_IN),
-        (_EXPERTS_DOWN,),
-        ("mlp.shared_expert.down_proj",),
+# Mixtral: Mistral's attention; experts named w1 (gate), w3 (up), w2 (down) in block_sparse_moe.
+_MIXTRAL = _mixture(
+    Experts(
+        module="block_sparse_moe.experts", router="block_sparse_moe.gate", gate="w1", up="w3",
+        down="w2", loaded_as="mlp",
     ),
-    smooth=(
-        ("input_layernorm", _ATTENTION),
-        ("self_attn.v_proj", ("self_attn.o_proj",)),
-        ("post_attention_layernorm", (*_EXPERTS_IN, *_SHARED_IN)),
-        (_QWEN3_MOE_EXPERTS.linear("up"), (_EXPERTS_DOWN,)),
-        ("mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",)),
-    ),
-    experts=_QWEN2_MOE_EXPERTS,
-)
-
-_MIXTRAL_EXPERTS = Experts(
-    module="block_sparse_moe.experts", router="block_sparse_moe.gate", gate="w1", up="w3",
-    down="w2", loaded_as="mlp",
-)  # fmt: skip
-_MIXTRAL_IN = (_MIXTRAL_EXPERTS.linear("gate"), _MIXTRAL_EXPERTS.linear("up"))
-_MIXTRAL_DOWN = _MIXTRAL_EXPERTS.linear("down")
-# Mixtral: Mistral's attention; eight experts named w1 (gate), w3 (up), w2 (down).
-_MIXTRAL = replace(
-    _QWEN3_MOE,
     mlp="block_sparse_moe",
-    sequential=(_ATTENTION, ("self_attn.o_proj",), _MIXTRAL_IN, (_MIXTRAL_DOWN,)),
-    smooth=(
-        ("input_layernorm", _ATTENTION),
-        ("self_attn.v_proj", ("self_attn.o_proj",)),
-        ("post_attention_layernorm", _MIXTRAL_IN),
-        (_MIXTRAL_EXPERTS.linear("up"), (_MIXTRAL_DOWN,)),
-    ),
-    experts=_MIXTRAL_EXPERTS,
-)
+)  # fmt: skip
 
 FAMILY_LAYOUT: dict[str, DecoderLayout] = {
     "llama": _LLAMA_LIKE,

@@ -50,7 +50,6 @@ from llmq.cli.options import (
     names,
 )
 from llmq.config import RESUME_EVERY_S, QuantizeOptions, scheme_names
-from llmq.pipeline.report import STARVED_SHARE, starved_experts
 
 Q = defaults(QuantizeOptions)
 
@@ -369,6 +368,8 @@ def _print_expert_coverage(layers: list[Any]) -> None:
     counts = [n for layer in layers for n in layer.expert_tokens or []]
     if not counts:
         return
+    from llmq.pipeline.report import STARVED_SHARE, starved_experts  # torch: not for --help
+
     starved = starved_experts(layers)
     out_console.print(
         f"experts: {min(counts)} to {max(counts)} calibration tokens routed to each; "

@@ -9,8 +9,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from llmq.calib.hooks import input_hooks
 from llmq.calib.stats import CalibStats, InputStats
-from llmq.calib.stream import BlockOutput, LayerStream, input_hooks
+from llmq.calib.stream import BlockOutput, LayerStream
 from llmq.heap import ReusedBuffers
 from llmq.io.checkpoint import Checkpoint
 from llmq.progress import NO_PROGRESS, Progress

@@ -47,7 +47,7 @@ from llmq.cli.options import (
     from_flags,
     given,
 )
-from llmq.cli.quantize import render
+from llmq.cli.quantize_report import render
 from llmq.config import RESUME_EVERY_S, CalibrationOptions, PruneOptions, StructuredOptions
 from llmq.errors import InputError
 

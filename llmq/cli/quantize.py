@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from llmq.cli.console import (
     cli_errors,
-    counted,
-    labelled,
-    out_console,
     print_json,
     progress_bars,
     quiet_libraries,
@@ -49,6 +44,7 @@ from llmq.cli.options import (
     given,
     names,
 )
+from llmq.cli.quantize_report import render
 from llmq.config import RESUME_EVERY_S, QuantizeOptions, scheme_names
 
 Q = defaults(QuantizeOptions)
@@ -256,147 +252,3 @@ def quantize(
         print_json(result.to_dict())
     else:
         render(result)
-
-
-def render(result: Any) -> None:
-    compare = any(layer.rtn_output_rel_rmse is not None for layer in result.layers)
-    baseline = "magnitude" if result.scheme == "DENSE" else "RTN"  # pruning alone, quantizing
-    pruning_only = result.scheme == "DENSE"
-    what = f"{result.method} pruning" if pruning_only else f"{result.scheme} ({result.method})"
-    table = Table(title=f"{what} per-layer report")
-    table.add_column("layer", justify="right")
-    table.add_column("output rel. RMSE", justify="right")
-    if compare:
-        table.add_column(f"with {baseline}", justify="right")
-        table.add_column(f"worst linear: output error ({baseline})")
-    else:
-        table.add_column("worst linear (weight NRMSE)")
-    pruned = result.sparsity is not None
-    if pruned:
-        table.add_column("sparsity", justify="right")
-    table.add_column("seconds", justify="right")
-    for layer in result.layers:
-        cells = [str(layer.index), _number(layer.output_rel_rmse)]
-        if compare:
-            cells += [_number(layer.rtn_output_rel_rmse), _worst_output(layer.linears)]
-        else:
-            cells.append(_worst_weight(layer.linears))
-        if pruned:
-            zeros = sum(linear.sparsity * linear.numel for linear in layer.linears)
-            cells.append(f"{zeros / max(sum(linear.numel for linear in layer.linears), 1):.1%}")
-        table.add_row(*cells, f"{layer.seconds:.1f}")
-    out_console.print(table)
-    for layer in result.layers:
-        for linear in layer.linears:
-            if linear.warning:
-                out_console.print(f"warning: {linear.name}: {linear.warning}")
-    adjusted = Counter(
-        (a["requested"], a["used"], a["in_features"]) for a in result.group_size_adjustments
-    )
-    for (requested, used, in_features), count in sorted(adjusted.items(), key=str):
-        used_text = "per-channel" if used is None else f"{used}"
-        out_console.print(
-            f"group size (block width) {requested} does not divide in_features {in_features}: "
-            f"{counted(count, 'linear')} use {used_text} (own config group)"
-        )
-    _print_scaling(result.layers)
-    _print_expert_coverage(result.layers)
-    if result.fallback:
-        kept = result.fallback["kept"]
-        out_console.print(
-            f"fallback ({result.fallback['report']}, {result.fallback['scheme']}): kept "
-            f"{counted(len(kept), 'flagged linear')} in full precision{': ' if kept else ''}"
-            + ", ".join(kept)
-        )
-    if result.resumed_layers:
-        out_console.print(f"resumed after {counted(result.resumed_layers, 'finished layer')}")
-    _print_sparsity(result)
-    if result.scheme != "DENSE":  # a pruned checkpoint is plain: every loader but llmq's reads it
-        _print_loaders(result)
-    sizes = result.size_bytes
-    kept = "left unpruned" if result.scheme == "DENSE" else "kept in full precision"
-    out_console.print(
-        f"wrote {result.out_dir} ({sizes['output'] / 1e6:.1f} MB, source {sizes['source'] / 1e6:.1f} MB) "
-        f"in {result.seconds:.1f} s; {kept}: {counted(len(result.ignored), 'linear')}"
-    )
-
-
-def _print_sparsity(result: Any) -> None:
-    """Pruning methods: the share of zeros in the linears, as written."""
-    if result.sparsity is None:
-        return
-    which = "pruned" if result.scheme == "DENSE" else "quantized"
-    shares = result.sparsity
-    out_console.print(
-        f"sparsity of the {which} linears, as written: {shares['linears']:.2%} "
-        f"(per linear {shares['min']:.2%} to {shares['max']:.2%})"
-    )
-
-
-def _print_loaders(result: Any) -> None:
-    """Which loaders read the checkpoint, and for the others why not and what to use."""
-    readers = [name for name, support in result.loaders.items() if support["reads"]]
-    for name, support in result.loaders.items():
-        if not support["reads"]:
-            out_console.print(
-                labelled("note:", "bold yellow", f"plain {name} cannot load this checkpoint: "
-                f"{support['why']}; load it with {' or '.join(readers)} "
-                "(llmq.load_quantized), and check it with `llmq verify`"),
-                soft_wrap=True,
-            )  # fmt: skip
-
-
-def _print_scaling(layers: list[Any]) -> None:
-    """One line on the AWQ / SmoothQuant folds: how many pairings were scaled, with which
-    alphas, and the median change of their output error on the calibration data."""
-    reports = [scale for layer in layers for scale in layer.scales]
-    if not reports:
-        return
-    scaled = [r for r in reports if r.alpha is not None]
-    alphas = Counter(r.alpha for r in scaled)
-    reductions = sorted(r.error_reduction for r in reports)
-    out_console.print(
-        f"equivalence scaling: {len(scaled)} of {counted(len(reports), 'norm/linear pairing')} scaled "
-        f"(alpha: {', '.join(f'{a:g} x{n}' for a, n in sorted(alphas.items()))}); median "
-        f"output error reduction {reductions[len(reductions) // 2]:.1%}"
-    )
-
-
-def _print_expert_coverage(layers: list[Any]) -> None:
-    """Mixtures of experts: the calibration tokens routed to each expert, their range over the
-    model, and every expert routed too few of them."""
-    counts = [n for layer in layers for n in layer.expert_tokens or []]
-    if not counts:
-        return
-    from llmq.pipeline.report import STARVED_SHARE, starved_experts  # torch: not for --help
-
-    starved = starved_experts(layers)
-    out_console.print(
-        f"experts: {min(counts)} to {max(counts)} calibration tokens routed to each; "
-        f"{counted(len(starved), 'expert')} under {STARVED_SHARE:.0%} of an even share"
-    )
-    for index, expert, tokens in starved:
-        out_console.print(
-            f"warning: layer {index} expert {expert}: {counted(tokens, 'token')} routed"
-        )
-
-
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
-
-
-def _short(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
-
-
-def _worst_weight(linears: list[Any]) -> str:
-    worst = max(linears, key=lambda linear: linear.weight_nrmse, default=None)
-    return "-" if worst is None else f"{_short(worst.name)} {worst.weight_nrmse:.4f}"
-
-
-def _worst_output(linears: list[Any]) -> str:
-    measured = [linear for linear in linears if linear.output_error is not None]
-    worst = max(measured, key=lambda linear: linear.output_error, default=None)
-    if worst is None:
-        return "-"
-    return f"{_short(worst.name)} {worst.output_error:.4f} ({_number(worst.rtn_output_error)})"

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from llmq.calib.data import TokenWindows
-from llmq.calib.stream import LayerStream, activation_quantization, kv_hook
+from llmq.calib.hooks import activation_quantization
+from llmq.calib.stream import LayerStream, kv_hook
 from llmq.config import QuantArgs
 from llmq.io.atomic import write_json
 from llmq.io.cache import read_cached, write_cached

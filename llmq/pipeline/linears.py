@@ -12,13 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from llmq.calib.hooks import InputQuantization, activation_quantization
 from llmq.calib.stats import InputStats
-from llmq.calib.stream import (
-    InputQuantization,
-    LayerStream,
-    activation_quantization,
-    kv_hook,
-)
+from llmq.calib.stream import LayerStream, kv_hook
 from llmq.errors import NumericalError
 from llmq.io.checkpoint import torch_dtype
 from llmq.pack.format import PackFormat, compress

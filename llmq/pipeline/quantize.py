@@ -30,12 +30,9 @@ from torch import Tensor, nn
 
 from llmq.calib.collect import run_observed
 from llmq.calib.experts import take_routed_tokens
+from llmq.calib.hooks import InputQuantization
 from llmq.calib.stats import CalibStats, InputStats
-from llmq.calib.stream import (
-    InputQuantization,
-    LayerStream,
-    kv_hook,
-)
+from llmq.calib.stream import LayerStream, kv_hook
 from llmq.calib.walk import StreamedLayer
 from llmq.config import RESUME_EVERY_S, Recipe
 from llmq.errors import InputError
@@ -66,7 +63,7 @@ from llmq.pipeline.output import (
 from llmq.pipeline.plan import LinearPlan, Plan
 from llmq.pipeline.report import LayerReport, QuantizeResult, layer_report, written_sparsity
 from llmq.pipeline.scaling import ScaleReport, apply_awq, apply_smoothquant
-from llmq.pipeline.staged import StagedLayer
+from llmq.pipeline.staged import StagedLayer, stages_in_layer
 from llmq.pipeline.state import RunState, load_state
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.quant.kvcache import KVQuantizer, KVRange
@@ -179,7 +176,7 @@ def _quantize_layer(
     """The layer quantized: its report, its output (the next layer's input) and its tensors."""
     index, prefix, hidden = layer.index, layer.prefix, layer.hidden
     local = {linear.name[len(prefix) :]: linear for linear in linears}
-    staged = hidden is not None and _stages_in_layer(stream, recipe, method, calib_stats, local)
+    staged = hidden is not None and stages_in_layer(stream, recipe, method, calib_stats, local)
     passes = _passes(stream, method, hidden, staged=staged)
     with progress.stage(f"layer {index}", total=passes, transient=True) as step:
         if staged:
@@ -201,31 +198,6 @@ def _quantize_layer(
         done.scales, done.expert_tokens,
     )  # fmt: skip
     return report, done.output, tensors
-
-
-def _stages_in_layer(
-    stream: LayerStream,
-    recipe: Recipe,
-    method: Method,
-    calib_stats: CalibStats | None,
-    local: dict[str, LinearPlan],
-) -> bool:
-    """Whether the layer is quantized group by group (`StagedLayer`): for methods that
-    observe their own Hessians (or input norms: Wanda) and quantize weights alone, unless the
-    recipe turns it off.
-    Scale searches (AWQ, SmoothQuant), KV cache and activation scales read the float layer's
-    statistics of all groups at once; so do mixtures of experts, whose MLP output is no single
-    linear's output that a stage could reuse."""
-    return (
-        recipe.gptq.true_sequential
-        and stream.layout.experts is None
-        and calib_stats is None
-        and (method.needs_hessian or method.needs_norms)
-        and method.awq is None
-        and recipe.smooth is None
-        and recipe.kv_cache_args is None
-        and all(linear.input_args is None for linear in local.values())
-    )
 
 
 def _passes(stream: LayerStream, method: Method, hidden: Tensor | None, *, staged: bool) -> int:

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from llmq.calib.collect import observe_until
+from llmq.calib.stats import CalibStats
 from llmq.calib.stream import (
     BlockOutput,
     LayerStream,
@@ -125,3 +126,28 @@ def _kept_output(
     for rows in stream.batches(inputs):
         output[rows] = projection(inputs[rows])
     return lambda rows: output[rows]
+
+
+def stages_in_layer(
+    stream: LayerStream,
+    recipe: Recipe,
+    method: Method,
+    calib_stats: CalibStats | None,
+    local: dict[str, LinearPlan],
+) -> bool:
+    """Whether the layer is quantized group by group (`StagedLayer`): for methods that
+    observe their own Hessians (or input norms: Wanda) and quantize weights alone, unless the
+    recipe turns it off.
+    Scale searches (AWQ, SmoothQuant), KV cache and activation scales read the float layer's
+    statistics of all groups at once; so do mixtures of experts, whose MLP output is no single
+    linear's output that a stage could reuse."""
+    return (
+        recipe.gptq.true_sequential
+        and stream.layout.experts is None
+        and calib_stats is None
+        and (method.needs_hessian or method.needs_norms)
+        and method.awq is None
+        and recipe.smooth is None
+        and recipe.kv_cache_args is None
+        and all(linear.input_args is None for linear in local.values())
+    )

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from llmq.calib.collect import run_observed
-from llmq.calib.stream import LayerStream, activation_quantization, input_hooks
+from llmq.calib.hooks import activation_quantization, input_hooks
+from llmq.calib.stream import LayerStream
 from llmq.config import QuantArgs
 from llmq.io.checkpoint import open_checkpoint
 from llmq.quant.primitives import fake_quantize
@@ -97,7 +98,7 @@ def test_shared_inputs_are_quantized_once_with_the_same_result(stream_and_layer,
             calls.append(x)
             return fake_quantize(x, *spec)
 
-        monkeypatch.setattr("llmq.calib.stream.fake_quantize", counted)
+        monkeypatch.setattr("llmq.calib.hooks.fake_quantize", counted)
         with activation_quantization(layer, inputs):
             got = stream.run_layer(layer, hidden)
         monkeypatch.undo()

@@ -100,6 +100,9 @@ def test_routed_calibration_refuses_a_scale_search_over_all_experts(moe: Path, t
     run = CliRunner().invoke(app, ["quantize", str(moe), "--out", str(tmp_path / "o"), "--method", "awq",
                                    "--moe-calibration", "routed"])  # fmt: skip
     assert_bad_input(run, "moe_calibration routed: AWQ and SmoothQuant")
+    unknown = CliRunner().invoke(app, ["quantize", str(moe), "--out", str(tmp_path / "o"),
+                                       "--moe-calibration", "some"])  # fmt: skip
+    assert_bad_input(unknown, "--moe-calibration some: Input should be 'all' or 'routed'")
     assert not (tmp_path / "o").exists()
 
 

@@ -20,8 +20,7 @@ from llmq.config import Recipe
 from llmq.io.checkpoint import open_checkpoint
 from llmq.pipeline.linears import REPORT_WINDOWS
 from llmq.pipeline.plan import plan_quantization
-from llmq.pipeline.quantize import _stages_in_layer
-from llmq.pipeline.staged import StagedLayer
+from llmq.pipeline.staged import StagedLayer, stages_in_layer
 from llmq.progress import NO_PROGRESS
 from llmq.quant.methods import Method, MethodResult, get_method
 
@@ -66,7 +65,7 @@ def staged_run(tiny_llama: Path, request: pytest.FixtureRequest):
     hidden = inputs.clone()
     layer = stream.load_layer(0)
     method = Recording(get_method(recipe))
-    assert _stages_in_layer(stream, recipe, method, None, local)
+    assert stages_in_layer(stream, recipe, method, None, local)
     done = StagedLayer(stream, layer, local, method, recipe, hidden, lambda: None).run()
     return stream, layer, inputs, done, method, local
 
@@ -154,7 +153,7 @@ def test_rtn_with_output_clipping_runs_staged_without_comparing_with_itself(
     local = {
         linear.name[len(prefix) :]: linear for linear in plan_quantization(ckpt, recipe).layers[0]
     }
-    assert _stages_in_layer(stream, recipe, method, None, local)
+    assert stages_in_layer(stream, recipe, method, None, local)
     inputs = torch.randn(
         3, 16, stream.config.hidden_size, generator=torch.Generator().manual_seed(1)
     )

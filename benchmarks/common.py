@@ -107,13 +107,15 @@ def peer_prune_cmd(model: Path, out: Path, options: list[str]) -> list[str]:
 TEXTS = ("pydoc", "shakespeare")  # held-out splits: last quarter of pydoc topics; Hamlet
 
 
-def held_out_perplexity(out: Path, model: Path, windows: int) -> dict[str, dict]:
+def held_out_perplexity(
+    out: Path, model: Path, windows: int, texts: tuple[str, ...] = TEXTS
+) -> dict[str, dict]:
     """llmq's perplexity of checkpoint `out` (either tool's) and of the fp32 `model` on the
     held-out windows of each text; activations quantized per token where the scheme says."""
     import llmq
 
     ppl = {}
-    for text in TEXTS:
+    for text in texts:
         result = llmq.evaluate(out, baseline=model, text=text, max_windows=windows)
         ppl[text] = {"ppl": result.model.perplexity, "base": result.baseline.perplexity,
                      "increase": result.increase, "simulated": result.model.quantized}  # fmt: skip
@@ -220,6 +222,7 @@ def run_jobs(
     windows: int,
     only: str | None,
     commands: tuple[Command, Command] = (llmq_quantize_cmd, peer_quantize_cmd),
+    texts: tuple[str, ...] = TEXTS,
 ) -> list[dict]:
     """Run each job (those whose label contains one of the '|'-separated parts of `only`, when
     given) in its own measured process, and score its checkpoint: one result row per job.
@@ -243,15 +246,17 @@ def run_jobs(
         rows.append({"tool": job.tool, "label": job.label, "compare_with": job.compare_with,
                      "baseline": job.baseline, "options": options,
                      "wall_s": measured.wall_s, "peak_rss_gb": measured.peak_rss_bytes / 1e9,
-                     "ppl": held_out_perplexity(folder, model, windows)})  # fmt: skip
+                     "ppl": held_out_perplexity(folder, model, windows, texts)})  # fmt: skip
         print(f"done: {job.tool} {job.label}: {measured.wall_s:.1f} s", file=sys.stderr, flush=True)
     return rows
 
 
-def peer_comparison(rows: list[dict]) -> list[str]:
+def peer_comparison(rows: list[dict], texts: tuple[str, ...] = TEXTS) -> list[str]:
     """Markdown rows: each llmq row against the peer row it names (time, memory, accuracy)."""
-    lines = ["| llmq row | vs peer row | llmq/peer wall | llmq/peer peak RSS | increase pydoc llmq vs peer | increase Hamlet llmq vs peer |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    names = {"pydoc": "pydoc", "news": "news", "shakespeare": "Hamlet"}
+    lines = ["| llmq row | vs peer row | llmq/peer wall | llmq/peer peak RSS | "
+             + " | ".join(f"increase {names[t]} llmq vs peer" for t in texts) + " |",
+             "|---|---|---|---|" + "---|" * len(texts)]  # fmt: skip
     peers = {r["label"]: r for r in rows if r["tool"] == PEER}
     for r in rows:
         peer = peers.get(r["compare_with"] or "")
@@ -259,7 +264,7 @@ def peer_comparison(rows: list[dict]) -> list[str]:
             continue
         increases = [
             f"{r['ppl'][text]['increase']:+.2%} vs {peer['ppl'][text]['increase']:+.2%}"
-            for text in TEXTS
+            for text in texts
         ]
         lines.append(
             f"| {r['label']} | {peer['label']} | {r['wall_s'] / peer['wall_s']:.2f}x | "

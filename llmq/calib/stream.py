@@ -9,6 +9,8 @@ class, in one loop: `LayerStream.walk` (llmq.calib.walk).
 from __future__ import annotations
 
 import copy
+import inspect
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -16,7 +18,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from llmq.calib.attention import blocked_causal_applies, causal_attention
+from llmq.calib.attention import (
+    blocked_causal_applies,
+    causal_attention,
+    causal_mask,
+    needs_explicit_mask,
+)
 from llmq.calib.experts import ExpertTokens, unfuse_experts
 from llmq.calib.norm import fuse_rms_norms
 from llmq.calib.walk import H, LayerWalk
@@ -32,7 +39,7 @@ KVHook = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 """(keys, values) after the rotary embedding, as the KV cache stores them -> what attention reads."""
 
 ACTIVATION_DTYPE = torch.float32
-ATTENTION_IMPLEMENTATION = "llmq_sdpa"
+ATTENTION_IMPLEMENTATION = "llmq_attention"  # no "sdpa" in it: transformers would refuse Gemma 2
 _KV_HOOK = "_llmq_kv_hook"
 
 
@@ -54,6 +61,12 @@ def _sdpa_with_kv_hook(
         key, value = hook(key, value)
     if blocked_causal_applies(module, query, key, attention_mask, kwargs):
         return causal_attention(query, key, value, kwargs["scaling"]), None
+    softcap = kwargs.get("softcap")
+    if attention_mask is None and needs_explicit_mask(query, key, kwargs):
+        attention_mask = causal_mask(query, key, kwargs.get("sliding_window"))
+    if softcap is not None:  # Gemma 2 caps attention logits: SDPA cannot, its eager code does
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -115,6 +128,15 @@ class LayerStream:
         unfuse_experts(self._skeleton, self.layout, expert_tokens)
         rotary_meta = self._skeleton.get_submodule(self.layout.rotary)
         self._rotary = type(rotary_meta)(self._skeleton.config).to(self.device)
+        # Gemma 3 keeps one rotary table per attention type (sliding layers use another base)
+        self._rotary_by_layer_type = (
+            "layer_type" in inspect.signature(self._rotary.forward).parameters
+        )
+        # Gemma multiplies its embeddings by sqrt(hidden): the embedding module's own scale
+        self._embed_scale = getattr(
+            self._skeleton.get_submodule(self.layout.embed), "scalar_embed_scale", None
+        )
+        self._logit_softcap = getattr(self.config, "final_logit_softcapping", None)
 
     @property
     def num_layers(self) -> int:
@@ -154,13 +176,21 @@ class LayerStream:
     def embed(self, input_ids: Tensor) -> Tensor:
         """Token embeddings [batch, seq, hidden]; the table is read, used and dropped."""
         weight = self._read_weight(self.layout.embed)
-        return nn.functional.embedding(input_ids.to(self.device), weight)
+        embedded = nn.functional.embedding(input_ids.to(self.device), weight)
+        if self._embed_scale is not None:  # rounded to the weights' dtype, as transformers does
+            embedded = embedded * torch.tensor(self._embed_scale).to(weight.dtype)
+        return embedded
 
     def _read_weight(self, module: str) -> Tensor:
         return self._read_state(f"{module}.")["weight"]
 
-    def _position_embeddings(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    def _position_embeddings(self, layer: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin of the rotary embedding for `layer` (its attention type's, where the
+        family keeps one table per type)."""
         positions = torch.arange(hidden.shape[1], device=self.device).unsqueeze(0)
+        if self._rotary_by_layer_type:
+            layer_type = layer.get_submodule(self.layout.attention).layer_type
+            return self._rotary(hidden, positions, layer_type)
         return self._rotary(hidden, positions)
 
     def batches(self, hidden: Tensor) -> Iterator[slice]:
@@ -232,7 +262,7 @@ class LayerStream:
     ) -> Iterator[tuple[slice, Any]]:
         """(rows, the layer's output on them) per micro-batch; batches from sample `after` on
         stop before module `stop` and give None."""
-        position_embeddings = self._position_embeddings(hidden[:1])
+        position_embeddings = self._position_embeddings(layer, hidden[:1])
         stop_module = layer.get_submodule(stop)
         for rows in self.batches(hidden):
             stopping = rows.start >= after
@@ -283,8 +313,15 @@ class LayerStream:
         output, one sample at a time (logits are vocab-wide)."""
         norm, head = self._head()
         return torch.stack(
-            [torch.log_softmax((norm(row) @ head.T).float(), dim=-1) for row in hidden]
+            [torch.log_softmax(self._logits(norm, head, row).float(), dim=-1) for row in hidden]
         )
+
+    def _logits(self, norm: nn.Module, head: Tensor, hidden: Tensor) -> Tensor:
+        """The LM head's logits, capped where the family caps them (Gemma 2: c · tanh(x / c))."""
+        logits = norm(hidden) @ head.T
+        if self._logit_softcap is None:
+            return logits
+        return torch.tanh(logits / self._logit_softcap) * self._logit_softcap
 
     @torch.inference_mode()
     def token_nll(self, hidden: Tensor, input_ids: Tensor) -> tuple[float, int]:
@@ -292,7 +329,7 @@ class LayerStream:
         norm, head = self._head()
         total, count = 0.0, 0
         for row in range(hidden.shape[0]):  # one window at a time: logits are vocab-wide
-            logits = norm(hidden[row, :-1]) @ head.T
+            logits = self._logits(norm, head, hidden[row, :-1])
             targets = input_ids[row, 1:].to(self.device)
             nll = nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
             total += float(nll.double())

@@ -117,6 +117,14 @@ class DecoderLayout:
     # A mixture of experts in every layer's MLP: names above hold EXPERT for the expert's index,
     # and `for_config` writes them out for a model's expert count.
     experts: Experts | None = None
+    # Gemma's RMSNorms multiply by (1 + weight), not weight: a scale folded into a norm
+    # divides (offset + weight), and the stored weight is that minus the offset again.
+    norm_weight_offset: float = 0.0
+    # Linears that hold several projections in their output rows (Phi-3's qkv_proj: q, k, v;
+    # gate_up_proj: gate, up), with how many equal parts they hold when a pairing applies. A
+    # fused producer's consumer reads its last part (v, up): a scale folds into those rows, and
+    # only when the parts are equal and as wide as the consumer's input (not under GQA).
+    fused_parts: tuple[tuple[str, int], ...] = ()
 
     def expert_groups_split(self) -> DecoderLayout:
         """The groups when each expert sees only the tokens routed to it (`--moe-calibration
@@ -176,6 +184,10 @@ class DecoderLayout:
             else:
                 smooth.append((producer, names(consumers)))
         return replace(self, sequential=tuple(sequential), smooth=tuple(smooth))
+
+    def parts(self, linear: str) -> int:
+        """How many projections `linear` holds in its output rows (1: not fused)."""
+        return dict(self.fused_parts).get(linear, 1)
 
     def smoothing_pairs(self, smooth: float | str) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """The pairings SmoothQuant scales: all of them for "auto" (its search may leave any
@@ -294,6 +306,39 @@ _MIXTRAL = _mixture(
     mlp="block_sparse_moe",
 )  # fmt: skip
 
+# Gemma 2 and 3: four norms a layer (the two before the attention and the MLP feed the linears;
+# the two after scale the blocks' outputs), norms of (1 + weight), Llama's linears. Structured
+# pruning would have to slice the post-norms and q/k norms too: not supported.
+_GEMMA = replace(
+    _LLAMA_LIKE,
+    smooth=(
+        ("input_layernorm", _ATTENTION),
+        ("self_attn.v_proj", ("self_attn.o_proj",)),
+        ("pre_feedforward_layernorm", _MLP_IN),
+        ("mlp.up_proj", ("mlp.down_proj",)),
+    ),
+    fixed_alpha_producers=("input_layernorm", "self_attn.v_proj", "pre_feedforward_layernorm"),
+    structured=None,
+    norm_weight_offset=1.0,
+)
+
+# Phi-3: q, k and v in one linear, gate and up in another (one scheme per fused tensor, as the
+# checkpoint stores them). Scales fold through the fusion into v's and up's rows.
+_PHI3_QKV, _PHI3_GATE_UP = ("self_attn.qkv_proj",), ("mlp.gate_up_proj",)
+_PHI3 = replace(
+    _LLAMA_LIKE,
+    sequential=(_PHI3_QKV, ("self_attn.o_proj",), _PHI3_GATE_UP, ("mlp.down_proj",)),
+    smooth=(
+        ("input_layernorm", _PHI3_QKV),
+        (_PHI3_QKV[0], ("self_attn.o_proj",)),
+        ("post_attention_layernorm", _PHI3_GATE_UP),
+        (_PHI3_GATE_UP[0], ("mlp.down_proj",)),
+    ),
+    fixed_alpha_producers=("input_layernorm", _PHI3_QKV[0], "post_attention_layernorm"),
+    structured=None,
+    fused_parts=((_PHI3_QKV[0], 3), (_PHI3_GATE_UP[0], 2)),
+)
+
 FAMILY_LAYOUT: dict[str, DecoderLayout] = {
     "llama": _LLAMA_LIKE,
     "mistral": _LLAMA_LIKE,
@@ -303,6 +348,9 @@ FAMILY_LAYOUT: dict[str, DecoderLayout] = {
     "olmoe": _QWEN3_MOE,  # names its experts and router as Qwen3-MoE does
     "qwen2_moe": _QWEN2_MOE,
     "mixtral": _MIXTRAL,
+    "gemma2": _GEMMA,
+    "gemma3_text": _GEMMA,
+    "phi3": _PHI3,
 }
 
 

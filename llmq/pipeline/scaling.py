@@ -66,7 +66,7 @@ def apply_awq(
     stats = dict(stats)
     reports = []
     for producer, consumers in layout.smooth:
-        shared = _foldable_stats(layer, producer, consumers, quantizers, stats)
+        shared = _foldable_stats(layer, layout, producer, consumers, quantizers, stats)
         if shared is None or shared.hessian is None:
             continue
         weights = [(layer.get_submodule(name).weight.data, quantizers[name]) for name in consumers]
@@ -78,7 +78,7 @@ def apply_awq(
         search = search_scales(
             weights, shared.mean_abs, shared.hessian, grid=config.grid, weight_mean=magnitude
         )
-        _fold(layer, producer, consumers + layout.float_readers(producer), search.scales)
+        _fold(layer, layout, producer, consumers + layout.float_readers(producer), search.scales)
         rescaled = shared.rescaled(1.0 / search.scales)
         stats.update(dict.fromkeys(consumers, rescaled))
         reduction = 1.0 - search.error / search.error_unscaled if search.error_unscaled > 0 else 0.0
@@ -108,7 +108,7 @@ def apply_smoothquant(
     stats = dict(stats)
     reports = []
     for producer, consumers in layout.smoothing_pairs(smooth):
-        shared = _foldable_stats(layer, producer, consumers, quantizers, stats)
+        shared = _foldable_stats(layer, layout, producer, consumers, quantizers, stats)
         if shared is None or shared.samples is None or len(shared.samples) == 0:
             continue
         weights = [(layer.get_submodule(name).weight.data, quantizers[name]) for name in consumers]
@@ -117,7 +117,9 @@ def apply_smoothquant(
             alphas, keep_unsmoothed=smooth == "auto",
         )  # fmt: skip
         if search.scales is not None:
-            _fold(layer, producer, consumers + layout.float_readers(producer), search.scales)
+            _fold(
+                layer, layout, producer, consumers + layout.float_readers(producer), search.scales
+            )
             stats.update(dict.fromkeys(consumers, shared.rescaled(1.0 / search.scales)))
         reduction = 1.0 - search.error / search.error_unsmoothed if search.error_unsmoothed else 0.0
         reports.append(ScaleReport(producer, search.alpha, reduction))
@@ -134,32 +136,42 @@ def input_quantizer(args: QuantArgs) -> ActivationQuantizer:
 
 def _foldable_stats(
     layer: nn.Module,
+    layout: DecoderLayout,
     producer: str,
     consumers: tuple[str, ...],
     quantizers: dict[str, Quantizer],
     stats: dict[str, InputStats | None],
 ) -> InputStats | None:
     """The consumers' shared input statistics, or None where the pairing does not apply: an
-    ignored consumer (nothing to protect) or a linear producer of another width (GQA's v_proj)."""
+    ignored consumer (nothing to protect) or a linear producer of another width (GQA's v_proj,
+    or a fused qkv_proj whose v is narrower than q)."""
     if not all(name in quantizers for name in consumers):
         return None
     source = layer.get_submodule(producer)
     width = layer.get_submodule(consumers[0]).weight.shape[1]
-    if isinstance(source, nn.Linear) and source.out_features != width:
+    if isinstance(source, nn.Linear) and source.out_features != width * layout.parts(producer):
         return None
     return stats.get(consumers[0])
 
 
 @torch.no_grad()
-def _fold(layer: nn.Module, producer: str, readers: tuple[str, ...], scales: Tensor) -> None:
-    """Scale `producer`'s output by 1 / scales and every reader's input columns by scales."""
+def _fold(
+    layer: nn.Module,
+    layout: DecoderLayout,
+    producer: str,
+    readers: tuple[str, ...],
+    scales: Tensor,
+) -> None:
+    """Scale `producer`'s output by 1 / scales and every reader's input columns by scales. A
+    linear producer's readers read its last rows: all of them, or a fused linear's last part."""
     source = layer.get_submodule(producer)
     if isinstance(source, nn.Linear):
-        source.weight.data = fold_into_rows(source.weight.data, scales)
+        read = slice(source.out_features - scales.numel(), None)
+        source.weight.data[read] = fold_into_rows(source.weight.data[read], scales)
         if source.bias is not None:
-            source.bias.data = fold_into_rows(source.bias.data, scales)
+            source.bias.data[read] = fold_into_rows(source.bias.data[read], scales)
     else:
-        source.weight.data = fold_into_norm(source.weight.data, scales)
+        source.weight.data = fold_into_norm(source.weight.data, scales, layout.norm_weight_offset)
     for name in readers:
         module = layer.get_submodule(name)
         module.weight.data = scale_columns(module.weight.data, scales)

@@ -90,9 +90,10 @@ def weight_magnitude(weights: list[tuple[Tensor, QuantArgs]]) -> Tensor:
     return torch.stack(means).mean(dim=0)
 
 
-def fold_into_norm(norm_weight: Tensor, scales: Tensor) -> Tensor:
-    """RMSNorm weight g' = g / s: the norm's output channel j shrinks by s_j."""
-    return norm_weight / scales.to(norm_weight.dtype)
+def fold_into_norm(norm_weight: Tensor, scales: Tensor, offset: float = 0.0) -> Tensor:
+    """RMSNorm weight g' = g / s: the norm's output channel j shrinks by s_j. A norm that
+    multiplies by (offset + g) (Gemma's, offset 1) gets g' = (offset + g) / s - offset."""
+    return (norm_weight + offset) / scales.to(norm_weight.dtype) - offset
 
 
 def fold_into_rows(weight: Tensor, scales: Tensor) -> Tensor:

@@ -93,8 +93,18 @@ def _finish(
         raise InputError(f"{ckpt.path}: tensors {what} the checkpoint: {names}")
     rotary = model.get_submodule(ckpt.layout.rotary)
     model.set_submodule(ckpt.layout.rotary, type(rotary)(model.config).to(device))
+    _compute_embedding_scale(model, device)
     model.tie_weights()
     return model.eval()
+
+
+def _compute_embedding_scale(model: nn.Module, device: torch.device) -> None:
+    """Gemma's embedding scale (sqrt(hidden)) is a buffer no checkpoint stores: built on the
+    meta device with the skeleton, it is set from the module's own float."""
+    for module in model.modules():
+        scale = getattr(module, "scalar_embed_scale", None)
+        if scale is not None and module.embed_scale.is_meta:
+            module.embed_scale = torch.tensor(scale, device=device)
 
 
 def load_dequantized(ckpt: Checkpoint, *, quantize_inputs: bool = False) -> nn.Module:

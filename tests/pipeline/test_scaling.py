@@ -33,20 +33,44 @@ def fold_layer(model: Path) -> tuple[torch.Tensor, torch.Tensor, list, dict, dic
     return reference, folded, reports, scaled_stats, observed
 
 
-@pytest.mark.parametrize("model_type,kv_heads", [("llama", 3), ("qwen3", 1), ("mistral", 1)])
+LLAMA_PAIRS = ["input_layernorm", "post_attention_layernorm", "mlp.up_proj"]
+GEMMA_PAIRS = ["input_layernorm", "pre_feedforward_layernorm", "mlp.up_proj"]
+
+
+@pytest.mark.parametrize(
+    "model_type,kv_heads,producers",
+    [
+        # v_proj -> o_proj only where v's width is o's input width (no GQA)
+        ("llama", 3, ["input_layernorm", "self_attn.v_proj", *LLAMA_PAIRS[1:]]),
+        ("qwen3", 1, LLAMA_PAIRS),
+        ("mistral", 1, LLAMA_PAIRS),
+        # Gemma: the MLP reads its own pre-norm, of (1 + weight): folding must divide (1 + g)
+        ("gemma3_text", 3, ["input_layernorm", "self_attn.v_proj", *GEMMA_PAIRS[1:]]),
+        ("gemma2", 1, GEMMA_PAIRS),
+        # Phi-3: fused qkv and gate_up; scales fold into v's and up's rows of the fusion (v's
+        # only without GQA)
+        (
+            "phi3",
+            3,
+            [
+                "input_layernorm",
+                "self_attn.qkv_proj",
+                "post_attention_layernorm",
+                "mlp.gate_up_proj",
+            ],
+        ),
+        ("phi3", 1, ["input_layernorm", "post_attention_layernorm", "mlp.gate_up_proj"]),
+    ],
+)
 def test_folding_preserves_the_layer_output(
-    tmp_path: Path, default_model: Path, model_type: str, kv_heads: int
+    tmp_path: Path, default_model: Path, model_type: str, kv_heads: int, producers: list[str]
 ) -> None:
     model = make_tiny(
         tmp_path / model_type, default_model, model_type=model_type, layers=1, kv_heads=kv_heads
     )
     reference, folded, reports, scaled, observed = fold_layer(model)
     assert float((folded - reference).abs().max() / reference.abs().max()) < 1e-5
-    producers = [r.producer for r in reports]
-    expected = ["input_layernorm", "post_attention_layernorm", "mlp.up_proj"]
-    if kv_heads == 3:  # v_proj -> o_proj only where v's width is o's input width (no GQA)
-        expected.insert(1, "self_attn.v_proj")
-    assert producers == expected
+    assert [r.producer for r in reports] == producers
     for name, stats in scaled.items():  # the rescaled statistics are those of the folded inputs
         assert torch.allclose(
             stats.hessian,

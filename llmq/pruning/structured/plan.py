@@ -11,7 +11,7 @@ from torch import Tensor
 
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
-from llmq.io.family import StructuredRoles
+from llmq.io.family import FAMILY_LAYOUT, StructuredRoles
 from llmq.pruning.importance import kept_indices
 
 if TYPE_CHECKING:
@@ -58,9 +58,11 @@ def structured_roles(ckpt: Checkpoint) -> StructuredRoles:
     if ckpt.quantization_config:
         raise InputError(f"{ckpt.path}: quantized", hint="prune the original float checkpoint")
     if ckpt.layout.structured is None:
+        able = sorted(name for name, layout in FAMILY_LAYOUT.items() if layout.structured)
         raise InputError(
-            f"{ckpt.path}: structured pruning knows Llama-style attention and gated MLPs only "
-            f"(model_type {ckpt.config.get('model_type')!r})"
+            f"{ckpt.path}: structured pruning cannot slice model_type "
+            f"{ckpt.config.get('model_type')!r} (fused, expert or extra-norm layers)",
+            hint=f"families it slices: {', '.join(able)}",
         )
     return ckpt.layout.structured
 

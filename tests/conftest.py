@@ -34,6 +34,23 @@ TINY_EXPERTS = {
         "shared_expert_intermediate_size": 256,
     },
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 128},
+    # latent attention (low-rank q and kv), a shared expert, one dense layer before the experts
+    "deepseek_v3": {
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 128,
+        "kv_lora_rank": 64,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "head_dim": 16,  # transformers' rotary reads head_dim: the rope part
+        "num_key_value_heads": 3,  # as many as query heads, as DeepSeek-V3's config says
+    },
 }
 
 # What `scripts/test.sh --fast` leaves out is found by marker, so the markers must be right: a
@@ -141,12 +158,11 @@ def make_tiny(
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=64,
         max_position_embeddings=512,
         tie_word_embeddings=tied,
-        **{"intermediate_size": 512, **TINY_EXPERTS.get(model_type, {}), **config_fields},
-    )
+        **{"num_key_value_heads": kv_heads, "head_dim": 64, "intermediate_size": 512, **TINY_EXPERTS.get(model_type, {}),
+           **config_fields},
+    )  # fmt: skip
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     # Give the weights a realistic scale and a few outlier channels (the fused 3-D experts too).
     with torch.no_grad():

@@ -14,13 +14,14 @@ from llmq.calib.stats import CalibStats, InputStats
 from llmq.calib.stream import BlockOutput, LayerStream
 from llmq.heap import ReusedBuffers
 from llmq.io.checkpoint import Checkpoint
+from llmq.io.layout import DecoderLayout
 from llmq.progress import NO_PROGRESS, Progress
 
 
-def shared_input_owners(stream: LayerStream, names: list[str]) -> dict[str, str]:
+def shared_input_owners(layout: DecoderLayout, names: list[str]) -> dict[str, str]:
     """Each linear -> the first present linear of its shared-input group (q/k/v -> q)."""
     owners = {}
-    for group in stream.layout.sequential:
+    for group in layout.sequential:
         present = [name for name in group if name in names]
         for name in present:
             owners[name] = present[0]
@@ -33,7 +34,7 @@ class _Observer:
 
     def __init__(
         self,
-        stream: LayerStream,
+        layout: DecoderLayout,
         names: list[str],
         *,
         hessian: bool,
@@ -41,7 +42,7 @@ class _Observer:
         magnitudes: bool = True,
         norms: bool = False,
     ) -> None:
-        self.owners = shared_input_owners(stream, names)
+        self.owners = shared_input_owners(layout, names)
         self.hessian, self.samples, self.magnitudes = hessian, samples, magnitudes
         self.norms = norms
         self.observed: dict[str, InputStats] = {}
@@ -82,7 +83,9 @@ def run_observed(
     """Run `layer` on `hidden` and return its output (all of it, the first `keep` samples, or
     written over `hidden` when `in_place`: see `LayerStream.run_layer`) and the input statistics
     of the named linears (with sample rows when `samples`, sums of squares when `norms`)."""
-    observer = _Observer(stream, names, hessian=hessian, samples=samples, norms=norms)
+    observer = _Observer(
+        stream.layout_of(layer), names, hessian=hessian, samples=samples, norms=norms
+    )
     with input_hooks(layer, names, observer):
         output = stream.run_layer(layer, hidden, on_batch=on_batch, keep=keep, in_place=in_place)
     return output, observer.stats()
@@ -108,8 +111,9 @@ def observe_until(
     alone) and, when `capture`, `until`'s input for every sample, in the "capture" slot of
     `buffers` when given."""
     observer = _Observer(
-        stream, names, hessian=hessian, samples=False, magnitudes=False, norms=norms
-    )
+        stream.layout_of(layer), names, hessian=hessian, samples=False, magnitudes=False,
+        norms=norms,
+    )  # fmt: skip
     captured = _Captured(len(hidden), buffers or ReusedBuffers()) if capture else None
     with (
         input_hooks(layer, names, observer),
@@ -149,12 +153,12 @@ def collect_stats(
     (a copy of the inputs is kept for it: one more copy of the activations)."""
     stream = LayerStream(ckpt, device=device)
     stats = CalibStats()
-    names = list(stream.layout.linears)
     walk = stream.walk(stream.embed(input_ids), progress=progress, label="calibrating layers")
     for layer in walk:
         hidden = layer.hidden
         batches = len(list(stream.batches(hidden)))
         before = hidden.clone() if on_layer is not None else None
+        names = list(stream.layout_of(layer.module).linears)
         with progress.stage(f"layer {layer.index}", total=batches, transient=True) as step:
             hidden, observed = run_observed(
                 stream, layer.module, names, hidden, hessian=hessian, on_batch=lambda: step(1),

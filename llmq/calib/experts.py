@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from llmq.io.family import DecoderLayout, Experts
+from llmq.io.layout import DecoderLayout, Experts
 
 
 class _Expert(nn.Module):
@@ -79,7 +79,9 @@ def unfuse_experts(model: nn.Module, layout: DecoderLayout, tokens: ExpertTokens
     names = layout.experts
     if names is None:
         return
-    for layer in model.get_submodule(layout.layers):
+    for index, layer in enumerate(model.get_submodule(layout.layers)):
+        if layout.at(index).experts is None:  # a dense layer of the mixture (DeepSeek's first)
+            continue
         if names.loaded_as is not None:
             _register_under_checkpoint_name(layer, names.loaded_as, layout.mlp)
         fused = layer.get_submodule(names.module)

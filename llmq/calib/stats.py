@@ -233,7 +233,7 @@ def saved_stats_bytes(ckpt: Checkpoint, *, hessian: bool) -> int:
     layout = ckpt.layout
     total = 0
     for index in range(ckpt.num_layers):
-        for group in layout.sequential:
+        for group in layout.at(index).sequential:
             info = ckpt.tensors.get(f"{layout.layer_prefix(index)}{group[0]}.weight")
             if info is None:
                 continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -29,6 +30,7 @@ from llmq.calib.norm import fuse_rms_norms
 from llmq.calib.walk import H, LayerWalk
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
+from llmq.io.layout import DecoderLayout
 from llmq.progress import NO_PROGRESS, Progress
 
 StateLoader = Callable[[Checkpoint, str], dict[str, Tensor]]
@@ -115,6 +117,11 @@ class LayerStream:
         self.ckpt = ckpt
         # which linears share an input: an expert's alone when it sees only its routed tokens
         self.layout = ckpt.layout if expert_tokens == "all" else ckpt.layout.expert_groups_split()
+        # each materialized layer's index and own layout (a mixture of experts may have dense
+        # layers)
+        self._loaded: weakref.WeakKeyDictionary[nn.Module, tuple[int, DecoderLayout]] = (
+            weakref.WeakKeyDictionary()
+        )
         self.device = resolve_device(device)
         self.dtype = dtype
         self.batch_size = batch_size
@@ -164,7 +171,13 @@ class LayerStream:
     def load_layer(self, index: int) -> nn.Module:
         """Decoder layer `index`, materialized on the stream's device in its compute dtype."""
         prefix = self.layout.layer_prefix(index)
-        return self._materialize(prefix.rstrip("."), prefix)
+        layer = self._materialize(prefix.rstrip("."), prefix)
+        self._loaded[layer] = (index, self.layout.at(index))
+        return layer
+
+    def layout_of(self, layer: nn.Module) -> DecoderLayout:
+        """The layout of a layer `load_layer` materialized: its linears, groups and pairings."""
+        return self._loaded[layer][1]
 
     def walk(
         self, hidden: H, *, start: int = 0, progress: Progress = NO_PROGRESS, label: str = "layers"
@@ -189,7 +202,7 @@ class LayerStream:
         family keeps one table per type)."""
         positions = torch.arange(hidden.shape[1], device=self.device).unsqueeze(0)
         if self._rotary_by_layer_type:
-            layer_type = layer.get_submodule(self.layout.attention).layer_type
+            layer_type = self.config.layer_types[self._loaded[layer][0]]
             return self._rotary(hidden, positions, layer_type)
         return self._rotary(hidden, positions)
 
@@ -225,7 +238,7 @@ class LayerStream:
             raise ValueError("run_layer: keep and in_place exclude each other")
         kept = hidden.shape[0] if keep is None else min(keep, hidden.shape[0])
         out = hidden if in_place else torch.empty_like(hidden[:kept])
-        last_linear = self.layout.linears[-1]
+        last_linear = self.layout_of(layer).linears[-1]
         for rows, result in self._forward(layer, hidden, replace, stop=last_linear, after=kept):
             if rows.start < kept:
                 result = result[0] if isinstance(result, tuple) else result
@@ -291,7 +304,7 @@ class LayerStream:
                 module = layer.get_submodule(name)
                 module.forward = lambda *_args, _answer=answer, **_kwargs: _answer
                 modules.append(module)
-                norm = self.layout.norm_before(name)
+                norm = self.layout_of(layer).norm_before(name)
                 if norm is not None:
                     skipped = layer.get_submodule(norm)
                     skipped.forward = lambda hidden, *_args, **_kwargs: hidden

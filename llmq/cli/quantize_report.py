@@ -52,6 +52,10 @@ def render(result: Any) -> None:
             f"group size (block width) {requested} does not divide in_features {in_features}: "
             f"{counted(count, 'linear')} use {used_text} (own config group)"
         )
+    if result.discovered_layout:
+        out_console.print("layout found from the module tree (the family is not in llmq's table):")
+        for line in result.discovered_layout:
+            out_console.print(f"  {line}")
     _print_scaling(result.layers)
     _print_expert_coverage(result.layers)
     if result.fallback:

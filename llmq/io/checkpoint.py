@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmq.errors import InputError
-from llmq.io.family import DecoderLayout, layout_for
+from llmq.errors import InputError, UnsupportedModelError
+from llmq.io.family import layout_for_config
+from llmq.io.layout import DecoderLayout
 from llmq.io.record import RECORD_FILE, OutputRecord
 
 if TYPE_CHECKING:
@@ -168,12 +169,20 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             f"{folder}: not a folder", hint="MODEL is a Hugging Face checkpoint folder"
         )
     config = _read_config(folder)
-    layout = layout_for(config.get("model_type")).for_config(config)
+    layout = layout_for_config(config)
     tensors: dict[str, TensorInfo] = {}
     for shard in _shard_files(folder):
         for name, entry in read_safetensors_header(shard).items():
             tensors[name] = TensorInfo(shard=shard, dtype=entry.dtype, shape=entry.shape)
     _check_index_matches(folder, tensors)
+    if layout.discovered:  # module names found in transformers' tree must be the file's names
+        stored = {name.rpartition(".")[0] for name in tensors}  # weight, weight_packed, ...
+        missing = [name for name in layout.linear_names(0) if name not in stored]
+        if missing:
+            raise UnsupportedModelError(
+                f"{folder}: the layout found for model_type {config.get('model_type')!r} names "
+                f"linears the checkpoint does not store ({', '.join(missing[:3])})"
+            )
     return Checkpoint(path=folder, config=config, layout=layout, tensors=tensors)
 
 

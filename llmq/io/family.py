@@ -1,234 +1,23 @@
 """What llmq knows about each decoder-only family, as data: one table of module names.
 
-Every family listed here stores its weights under the same Hugging Face names
-(`model.embed_tokens`, `model.layers.N.self_attn.q_proj`, ...). Algorithms ask this table which
-linears share an input, which norm feeds them and which axis structured pruning slices; the
-layer stream asks it where the layers are. Nothing else in llmq names a module.
+Each family's `DecoderLayout` (llmq.io.layout) names its embedding, layers, norms and linears as
+its checkpoints do. Algorithms ask this table which linears share an input, which norm or linear
+feeds them and which axis structured pruning slices; the layer stream asks it where the layers
+are. Nothing else in llmq names a module.
 
 Adding a family is one entry in FAMILY_LAYOUT (a new `DecoderLayout` where its names differ; its
 `structured` roles None where `prune --structured` cannot slice it) plus tests: those of
-tests/io/test_family.py, tests/pruning/test_structured.py and tests/pipeline/test_quantize.py's
-reload test take every entry of the table.
+tests/io/test_family.py, tests/pruning/test_structured.py, tests/calib/test_norm.py and
+tests/pipeline/test_quantize.py's reload test take every entry of the table.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from llmq.errors import UnsupportedModelError
-
-EXPERT = "*"  # where an expert's index goes in a mixture-of-experts layout's module names
-
-
-@dataclass(frozen=True, slots=True)
-class StructuredRoles:
-    """What structured pruning slices in one layer (names relative to it), by what it removes:
-    query heads are rows of `query` and columns of `attention_output`; key-value groups rows of
-    `key_value`; MLP channels rows of `mlp_input` and columns of `mlp_output`. Hidden channels
-    are columns of the linears reading the residual stream (`hidden_readers`), rows of those
-    writing it (`hidden_writers`) and entries of the `norms` in front of the readers."""
-
-    query: str
-    key_value: tuple[str, ...]
-    attention_output: str
-    mlp_input: tuple[str, ...]  # gate and up: the MLP channels are their output rows
-    mlp_output: str
-    norms: tuple[str, ...]  # the norms feeding the attention and the MLP, in that order
-
-    @property
-    def hidden_readers(self) -> tuple[str, ...]:
-        return (self.query, *self.key_value, *self.mlp_input)
-
-    @property
-    def hidden_writers(self) -> tuple[str, ...]:
-        return (self.attention_output, self.mlp_output)
-
-    @property
-    def norm_readers(self) -> tuple[str, ...]:
-        """One linear reading each norm's output, in the order of `norms`."""
-        return (self.query, self.mlp_input[0])
-
-
-@dataclass(frozen=True, slots=True)
-class Experts:
-    """A mixture-of-experts MLP as checkpoints store it: gated experts (as many as the config
-    says, under the first of `count_keys` it has) under
-    `module` (`{module}.{e}.{gate}` ...), routed by `router`. transformers fuses them into 3-D
-    parameters in memory; llmq holds each as plain linears under these names (calib/experts.py),
-    so every method sees the linears the checkpoint has and writes them back under its names."""
-
-    module: str  # e.g. "mlp.experts"
-    router: str  # e.g. "mlp.gate": not a linear llmq quantizes, kept in 16 bits
-    gate: str
-    up: str
-    down: str
-    # Qwen2-MoE's shared expert (a plain gated MLP every token takes, quantized like the
-    # experts) and the gate that weighs it (kept in 16 bits, like the router)
-    shared: str | None = None
-    shared_gate: str | None = None
-    # The attribute transformers 5 gives the mixture-of-experts block where the checkpoint
-    # names it otherwise (Mixtral's `block_sparse_moe` is its `mlp`); llmq registers the block
-    # under the checkpoint's name (calib/experts.py).
-    loaded_as: str | None = None
-    # transformers 5 writes `num_local_experts` where hub Qwen3-MoE configs say `num_experts`
-    count_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
-
-    def count(self, config: dict[str, Any]) -> int:
-        for key in self.count_keys:
-            if config.get(key):
-                return int(config[key])
-        raise UnsupportedModelError(
-            f"config.json names no expert count ({', '.join(self.count_keys)})"
-        )
-
-    def linear(self, role: str) -> str:
-        """The layout's name of one role's linear (gate, up or down), EXPERT for the index."""
-        return f"{self.module}.{EXPERT}.{getattr(self, role)}"
-
-
-@dataclass(frozen=True, slots=True)
-class DecoderLayout:
-    """Module names of one decoder-only family, relative to the checkpoint root or to one layer."""
-
-    embed: str
-    layers: str  # prefix of the decoder layers: f"{layers}.{i}."
-    final_norm: str
-    lm_head: str
-    rotary: str  # the model-level rotary embedding module (cos/sin shared by all layers)
-    attention: str  # a layer's attention module: KV cache scales (k_scale, v_scale) live on it
-    mlp: str  # a layer's MLP module
-    # Linears of one layer, grouped by shared input, in execution order. Members of a group read
-    # the same activations, so they share calibration statistics (and a GPTQ Hessian).
-    sequential: tuple[tuple[str, ...], ...]
-    # (producer, linears reading its output), in execution order: where AWQ and SmoothQuant fold
-    # per-channel scales. A producer is a norm (its weight absorbs 1/s) or a linear (its output
-    # rows do; used only where its out_features equal the consumers' in_features, so not for
-    # v_proj -> o_proj under grouped-query attention).
-    smooth: tuple[tuple[str, tuple[str, ...]], ...]
-    # Producers that a fixed SmoothQuant alpha folds into: the norms and v_proj, as in the paper
-    # and llm-compressor. up_proj -> down_proj is left to `--smooth auto`, which measures whether
-    # scaling helps: the down_proj input (SiLU(gate) · up) is not normalized, and alpha 0.8 there
-    # made the default model's W8A8 out-of-domain perplexity increase 1.6x (benchmarks/RESULTS.md).
-    fixed_alpha_producers: tuple[str, ...]
-    # Which linears structured pruning slices along which axis; None: `prune --structured`
-    # refuses the family.
-    structured: StructuredRoles | None = None
-    # A mixture of experts in every layer's MLP: names above hold EXPERT for the expert's index,
-    # and `for_config` writes them out for a model's expert count.
-    experts: Experts | None = None
-    # Gemma's RMSNorms multiply by (1 + weight), not weight: a scale folded into a norm
-    # divides (offset + weight), and the stored weight is that minus the offset again.
-    norm_weight_offset: float = 0.0
-    # Linears that hold several projections in their output rows (Phi-3's qkv_proj: q, k, v;
-    # gate_up_proj: gate, up), with how many equal parts they hold when a pairing applies. A
-    # fused producer's consumer reads its last part (v, up): a scale folds into those rows, and
-    # only when the parts are equal and as wide as the consumer's input (not under GQA).
-    fused_parts: tuple[tuple[str, int], ...] = ()
-
-    def expert_groups_split(self) -> DecoderLayout:
-        """The groups when each expert sees only the tokens routed to it (`--moe-calibration
-        routed`): an expert's gate and up share an input, no two experts do."""
-        if self.experts is None:
-            return self
-        prefix = f"{self.experts.module}."
-
-        def owner(name: str) -> str:  # the expert's index; "" for the linears of no expert
-            return name[len(prefix) :].split(".")[0] if name.startswith(prefix) else ""
-
-        split: list[tuple[str, ...]] = []
-        for group in self.sequential:
-            owners = dict.fromkeys(owner(name) for name in group)
-            split.extend(tuple(n for n in group if owner(n) == o) for o in owners)
-        return replace(self, sequential=tuple(split))
-
-    def float_readers(self, producer: str) -> tuple[str, ...]:
-        """Modules that read `producer`'s output and stay in float (a mixture of experts' router
-        reads the MLP's norm): a scale folded into the producer is undone in their columns too,
-        or the router would pick other experts."""
-        experts = self.experts
-        if experts is not None and producer == self.norm_before(self.mlp):
-            return (experts.router, *([experts.shared_gate] if experts.shared_gate else []))
-        return ()
-
-    def for_config(self, config: dict[str, Any]) -> DecoderLayout:
-        """The layout of one model: a mixture of experts' names written out once per expert
-        (its gates and ups in one group: with every token through every expert during
-        calibration they read the same input; each down on its own)."""
-        if self.experts is None:
-            return self
-        count = self.experts.count(config)
-        _refuse_dense_layers(config)
-
-        def names(group: tuple[str, ...]) -> tuple[str, ...]:
-            per_expert = tuple(name for name in group if EXPERT in name)
-            once = tuple(name for name in group if EXPERT not in name)  # a shared expert's
-            return (
-                tuple(name.replace(EXPERT, str(e)) for e in range(count) for name in per_expert)
-                + once
-            )
-
-        sequential: list[tuple[str, ...]] = []
-        for group in self.sequential:
-            if len(group) == 1 and EXPERT in group[0]:  # each expert's down reads its own input
-                sequential.extend((name,) for name in names(group))
-            else:
-                sequential.append(names(group))
-        smooth: list[tuple[str, tuple[str, ...]]] = []
-        for producer, consumers in self.smooth:
-            if EXPERT in producer:  # one pairing per expert (its up -> its down)
-                smooth.extend(
-                    (producer.replace(EXPERT, str(e)), names(consumers)[e : e + 1])
-                    for e in range(count)
-                )
-            else:
-                smooth.append((producer, names(consumers)))
-        return replace(self, sequential=tuple(sequential), smooth=tuple(smooth))
-
-    def parts(self, linear: str) -> int:
-        """How many projections `linear` holds in its output rows (1: not fused)."""
-        return dict(self.fused_parts).get(linear, 1)
-
-    def smoothing_pairs(self, smooth: float | str) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        """The pairings SmoothQuant scales: all of them for "auto" (its search may leave any
-        unscaled), those of `fixed_alpha_producers` for a fixed alpha."""
-        if smooth == "auto":
-            return self.smooth
-        return tuple(pair for pair in self.smooth if pair[0] in self.fixed_alpha_producers)
-
-    @property
-    def blocks(self) -> tuple[tuple[str, tuple[tuple[str, ...], ...]], ...]:
-        """The layer's residual blocks in order (attention, MLP), each with its linear groups.
-
-        A block's last group is its output projection: the block returns that linear's output
-        (HF attention modules as `(output, weights)`), which is how the pipeline reuses a block's
-        quantized output without running the block again.
-        """
-        return tuple(
-            (block, tuple(group for group in self.sequential if group[0].startswith(f"{block}.")))
-            for block in (self.attention, self.mlp)
-        )
-
-    def norm_before(self, block: str) -> str | None:
-        """The norm whose output only `block` reads (the producer of its first group, when that
-        is not a linear), or None."""
-        groups = dict(self.blocks)[block]
-        for producer, consumers in self.smooth:
-            if consumers == groups[0] and producer not in self.linears:
-                return producer
-        return None
-
-    @property
-    def linears(self) -> tuple[str, ...]:
-        return tuple(name for group in self.sequential for name in group)
-
-    def layer_prefix(self, index: int) -> str:
-        return f"{self.layers}.{index}."
-
-    def linear_names(self, index: int) -> list[str]:
-        """Full module names of decoder layer `index`'s linears, in execution order."""
-        return [self.layer_prefix(index) + suffix for suffix in self.linears]
-
+from llmq.io.layout import DecoderLayout, Experts, StructuredRoles
 
 _ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _MLP_IN = ("mlp.gate_proj", "mlp.up_proj")
@@ -259,10 +48,13 @@ _LLAMA_LIKE = DecoderLayout(
 )
 
 
-def _mixture(experts: Experts, mlp: str = "mlp") -> DecoderLayout:
-    """Llama's attention, a mixture of experts (and a shared expert, where the family has one)
-    for the MLP. The experts of a layer read one norm's output, so AWQ and SmoothQuant scale
-    them as one group, the scale folded into that norm."""
+def _mixture(
+    experts: Experts, mlp: str = "mlp", dense: DecoderLayout = _LLAMA_LIKE
+) -> DecoderLayout:
+    """`dense`'s attention, a mixture of experts (and a shared expert, where the family has
+    one) for the MLP; `dense` is also the layout of the model's plain-MLP layers, if any. The
+    experts of a layer read one norm's output, so AWQ and SmoothQuant scale them as one group,
+    the scale folded into that norm."""
     shared_in: tuple[str, ...] = ()
     shared_down: tuple[tuple[str, ...], ...] = ()
     shared_pair: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -272,19 +64,22 @@ def _mixture(experts: Experts, mlp: str = "mlp") -> DecoderLayout:
         shared_pair = ((shared_in[1], shared_down[0]),)
     readers = (experts.linear("gate"), experts.linear("up"), *shared_in)
     down = experts.linear("down")
+    in_attention = f"{dense.attention}."
+    attention = tuple(group for group in dense.sequential if group[0].startswith(in_attention))
+    attention_pairs = tuple(pair for pair in dense.smooth if pair[1][0].startswith(in_attention))
     return replace(
-        _LLAMA_LIKE,
+        dense,
         mlp=mlp,
-        sequential=(_ATTENTION, ("self_attn.o_proj",), readers, (down,), *shared_down),
+        sequential=(*attention, readers, (down,), *shared_down),
         smooth=(
-            ("input_layernorm", _ATTENTION),
-            ("self_attn.v_proj", ("self_attn.o_proj",)),
-            ("post_attention_layernorm", readers),
+            *attention_pairs,
+            (dense.norm_before(dense.mlp) or "post_attention_layernorm", readers),
             (experts.linear("up"), (down,)),
             *shared_pair,
         ),
         structured=None,
         experts=experts,
+        dense=dense,
     )
 
 
@@ -304,6 +99,41 @@ _MIXTRAL = _mixture(
         down="w2", loaded_as="mlp",
     ),
     mlp="block_sparse_moe",
+)  # fmt: skip
+
+# DeepSeek-V3: multi-head latent attention. Queries go through
+# a low-rank q_a -> norm -> q_b, keys and values through kv_a (shared with a rotary key part) ->
+# norm -> kv_b; q_a and kv_a read the layer's input norm. Each is its own group, in execution
+# order (q_a and kv_a compute the same statistics, a small price for staying in order). The
+# first `first_k_dense_replace` layers have a plain MLP: this layout; the rest, experts.
+_MLA_INPUT = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")
+_DEEPSEEK_DENSE = replace(
+    _LLAMA_LIKE,
+    sequential=(
+        ("self_attn.q_a_proj",), ("self_attn.q_b_proj",), ("self_attn.kv_a_proj_with_mqa",),
+        ("self_attn.kv_b_proj",), ("self_attn.o_proj",), _MLP_IN, ("mlp.down_proj",),
+    ),
+    smooth=(
+        ("input_layernorm", _MLA_INPUT),
+        ("self_attn.q_a_layernorm", ("self_attn.q_b_proj",)),
+        ("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",)),
+        ("post_attention_layernorm", _MLP_IN),
+        ("mlp.up_proj", ("mlp.down_proj",)),
+    ),
+    fixed_alpha_producers=(
+        "input_layernorm", "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm",
+        "post_attention_layernorm",
+    ),
+    structured=None,
+    latent_attention=True,
+    required_config=("q_lora_rank",),
+)  # fmt: skip
+_DEEPSEEK_V3 = _mixture(
+    Experts(
+        module="mlp.experts", router="mlp.gate", gate="gate_proj", up="up_proj",
+        down="down_proj", shared="mlp.shared_experts", count_keys=("n_routed_experts",),
+    ),
+    dense=_DEEPSEEK_DENSE,
 )  # fmt: skip
 
 # Gemma 2 and 3: four norms a layer (the two before the attention and the MLP feed the linears;
@@ -351,16 +181,19 @@ FAMILY_LAYOUT: dict[str, DecoderLayout] = {
     "gemma2": _GEMMA,
     "gemma3_text": _GEMMA,
     "phi3": _PHI3,
+    "deepseek_v3": _DEEPSEEK_V3,
 }
 
 
-def _refuse_dense_layers(config: dict[str, Any]) -> None:
-    """Models that mix dense and mixture-of-experts layers are not handled yet: refused."""
-    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
-        raise UnsupportedModelError(
-            "a model with dense MLP layers between its mixture-of-experts layers is not "
-            "supported yet (mlp_only_layers / decoder_sparse_step)"
-        )
+def layout_for_config(config: dict[str, Any]) -> DecoderLayout:
+    """The layout of the model `config` (config.json) describes: its family's from the table,
+    written out for it, or one found from transformers' module tree (llmq.io.discover)."""
+    layout = FAMILY_LAYOUT.get(str(config.get("model_type")))
+    if layout is None:
+        from llmq.io.discover import discover_layout
+
+        return discover_layout(config, sorted(FAMILY_LAYOUT))
+    return layout.for_config(config)
 
 
 def layout_for(model_type: str | None) -> DecoderLayout:

@@ -66,7 +66,13 @@ def run_job(
     from llmq.pack.format import scheme_format
     from llmq.pack.loaders import check_required_loaders
     from llmq.pipeline.plan import disk_needed, plan_quantization
-    from llmq.pipeline.prepare import apply_fallback, check_pairings, fallback_input, layer_profile
+    from llmq.pipeline.prepare import (
+        apply_fallback,
+        check_kv_cache,
+        check_pairings,
+        fallback_input,
+        layer_profile,
+    )
     from llmq.pipeline.quantize import run_quantization
     from llmq.pipeline.state import keep_if_resumable
 
@@ -84,6 +90,7 @@ def run_job(
         )
     plan = plan_quantization(ckpt, recipe)
     check_pairings(ckpt, recipe)
+    check_kv_cache(ckpt, recipe)
     stats = CalibStats.load(Path(inputs.calib_stats)) if inputs.calib_stats else None
     staging = staging_path(out)
     kept = partial(keep_if_resumable, staging, "rerun the same command with --resume to continue")

@@ -13,7 +13,7 @@ from llmq.config import QuantArgs, Recipe, fit_group_size, group_width
 from llmq.errors import InputError
 from llmq.io.atomic import folder_size
 from llmq.io.checkpoint import Checkpoint, side_files, torch_dtype
-from llmq.io.family import EXPERT
+from llmq.io.layout import EXPERT
 from llmq.pipeline.state import resume_point_bytes
 
 _FLOAT_DTYPES = ("F32", "F16", "BF16")

@@ -91,6 +91,17 @@ def check_pairings(ckpt: Checkpoint, recipe: Recipe) -> None:
         )
 
 
+def check_kv_cache(ckpt: Checkpoint, recipe: Recipe) -> None:
+    """KV cache scales are for the keys and values attention stores; a latent-attention family
+    (DeepSeek) stores a compressed latent instead: refused, before any work."""
+    if recipe.kv_cache_args is not None and ckpt.layout.latent_attention:
+        raise InputError(
+            f"--kv-cache: model_type {ckpt.config.get('model_type')!r} caches a compressed "
+            "latent (multi-head latent attention), not keys and values",
+            hint="leave out --kv-cache",
+        )
+
+
 def layer_profile(
     ckpt: Checkpoint, plan: Any, recipe: Recipe, ids: Any, progress: Progress, device: str | None
 ) -> dict[str, Any]:

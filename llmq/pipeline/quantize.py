@@ -39,6 +39,8 @@ from llmq.errors import InputError
 from llmq.heap import ReusedBuffers
 from llmq.io.atomic import publish, save_safetensors, staging_path
 from llmq.io.checkpoint import Checkpoint, torch_dtype
+from llmq.io.discover import describe_layout
+from llmq.io.layout import DecoderLayout
 from llmq.io.record import OutputRecord
 from llmq.pack.format import scheme_format
 from llmq.pipeline.linears import (
@@ -150,6 +152,7 @@ def run_quantization(
         seconds=time.perf_counter() - started,
         size_bytes={"source": weights_size(ckpt.path), "output": weights_size(out)},
         sparsity=record.sparsity,
+        discovered_layout=describe_layout(ckpt.layout) if ckpt.layout.discovered else None,
     )
 
 
@@ -177,7 +180,7 @@ def _quantize_layer(
     index, prefix, hidden = layer.index, layer.prefix, layer.hidden
     local = {linear.name[len(prefix) :]: linear for linear in linears}
     staged = hidden is not None and stages_in_layer(stream, recipe, method, calib_stats, local)
-    passes = _passes(stream, method, hidden, staged=staged)
+    passes = _passes(stream, stream.layout_of(layer.module), method, hidden, staged=staged)
     with progress.stage(f"layer {index}", total=passes, transient=True) as step:
         if staged:
             assert hidden is not None
@@ -200,13 +203,20 @@ def _quantize_layer(
     return report, done.output, tensors
 
 
-def _passes(stream: LayerStream, method: Method, hidden: Tensor | None, *, staged: bool) -> int:
+def _passes(
+    stream: LayerStream,
+    layout: DecoderLayout,
+    method: Method,
+    hidden: Tensor | None,
+    *,
+    staged: bool,
+) -> int:
     """Micro-batches a layer runs (its progress bar's total)."""
     if hidden is None:
         return 0
     report = _batches(stream, hidden[:REPORT_WINDOWS]) if method.name != "rtn" else 0
     if staged:  # the reference, each group's stage, the output
-        groups = len(stream.layout.sequential)
+        groups = len(layout.sequential)
         return (
             report
             + _batches(stream, hidden[:REPORT_WINDOWS])
@@ -280,10 +290,11 @@ def _equivalence_scaling(
     args = {name: linear.args for name, linear in local.items()}
     dtypes = {name: torch_dtype(linear.dtype) for name, linear in local.items()}
     if method.awq is not None:
-        return apply_awq(layer, stream.layout, args, dtypes, stats, method.awq)
+        return apply_awq(layer, stream.layout_of(layer), args, dtypes, stats, method.awq)
     if recipe.smooth is not None:
         inputs = {name: lin.input_args for name, lin in local.items() if lin.input_args}
-        return apply_smoothquant(layer, stream.layout, args, dtypes, inputs, stats, recipe.smooth)
+        layout = stream.layout_of(layer)
+        return apply_smoothquant(layer, layout, args, dtypes, inputs, stats, recipe.smooth)
     return stats, []
 
 

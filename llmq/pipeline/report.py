@@ -58,6 +58,8 @@ class QuantizeResult:
     loaders: dict[str, Any] = field(default_factory=dict)
     resumed_layers: int = 0
     seconds: float = 0.0
+    # A layout found from the module tree (a family not in llmq's table): what it found
+    discovered_layout: list[str] | None = None
     size_bytes: dict[str, int] = field(default_factory=dict)
     # pruning methods: the share of zeros written, overall and per linear (`written_sparsity`)
     sparsity: dict[str, float] | None = None

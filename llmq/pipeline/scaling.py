@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from llmq.calib.stats import InputStats
 from llmq.config import AWQConfig, QuantArgs
-from llmq.io.family import DecoderLayout
+from llmq.io.layout import DecoderLayout
 from llmq.quant.awq import (
     Quantizer,
     fold_into_norm,
@@ -172,6 +172,8 @@ def _fold(
             source.bias.data[read] = fold_into_rows(source.bias.data[read], scales)
     else:
         source.weight.data = fold_into_norm(source.weight.data, scales, layout.norm_weight_offset)
+        if getattr(source, "bias", None) is not None:  # a LayerNorm's shift scales too
+            source.bias.data = fold_into_rows(source.bias.data, scales)
     for name in readers:
         module = layer.get_submodule(name)
         module.weight.data = scale_columns(module.weight.data, scales)

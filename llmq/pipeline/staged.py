@@ -72,7 +72,7 @@ class StagedLayer:
             self.done.rtn_error = rtn_layer_error(
                 stream, layer, baseline, {}, None, hidden, reference, self.on_batch
             )
-        blocks = stream.layout.blocks
+        blocks = stream.layout_of(layer).blocks
         for position, (block, groups) in enumerate(blocks):
             for group in groups[:-1]:
                 self._quantize(group)
@@ -140,10 +140,12 @@ def stages_in_layer(
     recipe turns it off.
     Scale searches (AWQ, SmoothQuant), KV cache and activation scales read the float layer's
     statistics of all groups at once; so do mixtures of experts, whose MLP output is no single
-    linear's output that a stage could reuse."""
+    linear's output that a stage could reuse, and layouts found from the module tree, whose
+    blocks' outputs are not known to be their last linear's."""
     return (
         recipe.gptq.true_sequential
         and stream.layout.experts is None
+        and not stream.layout.discovered
         and calib_stats is None
         and (method.needs_hessian or method.needs_norms)
         and method.awq is None

@@ -17,9 +17,10 @@ from transformers import AutoModelForCausalLM
 import llmq
 from llmq.calib.collect import run_observed
 from llmq.calib.stream import LayerStream
-from llmq.errors import UnsupportedModelError
+from llmq.errors import InputError, UnsupportedModelError
 from llmq.io.checkpoint import open_checkpoint
-from llmq.io.family import FAMILY_LAYOUT, Experts
+from llmq.io.family import FAMILY_LAYOUT
+from llmq.io.layout import Experts
 from tests.conftest import TINY_EXPERTS, make_tiny
 
 EXPERTS = 4
@@ -47,6 +48,12 @@ def expert(model: Path, e: int, role: str) -> str:
     return names(model).linear(role).replace("*", str(e))
 
 
+def expert_layers(model: Path) -> list[int]:
+    """The layers with experts (DeepSeek-V3's first layer has a plain MLP)."""
+    ckpt = open_checkpoint(model)
+    return [i for i in range(ckpt.num_layers) if ckpt.layout.at(i).experts is not None]
+
+
 def routers(model: Path) -> list[str]:
     """The modules kept in 16 bits that weigh experts: the router, a shared expert's gate."""
     found = names(model)
@@ -68,8 +75,8 @@ def test_every_expert_sees_every_calibration_token(tiny_moe: Path) -> None:
     reads its own intermediate activations, of all tokens, whatever the router picked."""
     ckpt = open_checkpoint(tiny_moe)
     stream = LayerStream(ckpt)
-    layer = stream.load_layer(0)
-    names = ckpt.layout.linears
+    layer = stream.load_layer(expert_layers(tiny_moe)[0])
+    names = stream.layout_of(layer).linears
     hidden = stream.embed(IDS)
     _, stats = run_observed(stream, layer, list(names), hidden, hessian=True)
     tokens = IDS.numel()
@@ -89,7 +96,7 @@ def test_every_expert_is_written_packed_under_its_checkpoint_name(
     for shard in out.glob("*.safetensors"):
         written.update(load_file(shard))
     source = load_file(tiny_moe / "model.safetensors")
-    for layer in range(2):
+    for layer in expert_layers(tiny_moe):
         linears = [expert(tiny_moe, e, role) for e in range(EXPERTS) for role in ROLES]
         if names(tiny_moe).shared:
             linears += [f"{names(tiny_moe).shared}.{r}_proj" for r in ROLES]
@@ -113,13 +120,27 @@ def test_gptq_on_the_experts_beats_rtn_in_every_layer(tmp_path: Path, tiny_moe: 
                            num_samples=4, seq_len=32, reference=False)  # fmt: skip
     for layer in result.layers:
         assert layer.output_rel_rmse < layer.rtn_output_rel_rmse
-        assert sum(".experts." in linear.name for linear in layer.linears) == 3 * EXPERTS
+        experts = 3 * EXPERTS if layer.index in expert_layers(tiny_moe) else 0
+        assert sum(".experts." in linear.name for linear in layer.linears) == experts
 
 
-def test_dense_layers_between_expert_layers_are_refused(tmp_path: Path, default_model: Path) -> None:  # fmt: skip
-    model = make_tiny(tmp_path / "mixed", default_model, model_type="qwen3_moe", mlp_only_layers=[0])  # fmt: skip
-    with pytest.raises(UnsupportedModelError, match="dense MLP layers"):
-        open_checkpoint(model)
+def test_dense_layers_between_expert_layers_take_their_own_layout(
+    tmp_path: Path, default_model: Path
+) -> None:
+    """Qwen3-MoE's `mlp_only_layers` (and DeepSeek-V3's first layers) have a plain MLP: each
+    layer is quantized with its own linears and reloads in transformers."""
+    model = make_tiny(tmp_path / "mixed", default_model, model_type="qwen3_moe", layers=3,
+                      mlp_only_layers=[1])  # fmt: skip
+    assert expert_layers(model) == [0, 2]
+    out = tmp_path / "gptq"
+    result = llmq.quantize(model, out, scheme="w4a16", method="gptq", num_samples=4, seq_len=32,
+                           reference=False)  # fmt: skip
+    written = {name for shard in out.glob("*.safetensors") for name in load_file(shard)}
+    assert "model.layers.1.mlp.down_proj.weight_packed" in written
+    assert "model.layers.2.mlp.experts.3.down_proj.weight_packed" in written
+    assert [len(layer.linears) for layer in result.layers] == [4 + 3 * EXPERTS, 7, 4 + 3 * EXPERTS]
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    torch.testing.assert_close(logits(theirs), logits(llmq.load_dequantized(out)), rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
 def test_a_scale_folded_into_the_mlp_norm_is_undone_in_the_router(
@@ -134,7 +155,7 @@ def test_a_scale_folded_into_the_mlp_norm_is_undone_in_the_router(
     for shard in out.glob("*.safetensors"):
         written.update(load_file(shard))
     source = load_file(tiny_moe / "model.safetensors")
-    for layer in range(2):
+    for layer in expert_layers(tiny_moe):
         norm = f"model.layers.{layer}.post_attention_layernorm.weight"
         assert not torch.allclose(written[norm], source[norm])  # a scale was folded
         for router in (f"model.layers.{layer}.{gate}.weight" for gate in routers(tiny_moe)):
@@ -142,3 +163,21 @@ def test_a_scale_folded_into_the_mlp_norm_is_undone_in_the_router(
                 written[router] * written[norm], source[router] * source[norm]
             )
     assert all(layer.output_rel_rmse < 0.1 for layer in result.layers)
+
+
+def test_latent_attention_refuses_kv_cache_scales_before_any_work(
+    tmp_path: Path, default_model: Path
+) -> None:
+    """DeepSeek's cache holds the compressed latent, not the keys and values the scales are for."""
+    model = make_tiny(tmp_path / "deepseek", default_model, model_type="deepseek_v3")
+    with pytest.raises(InputError, match="compressed latent"):
+        llmq.quantize(model, tmp_path / "out", scheme="fp8", kv_cache="fp8", num_samples=4, seq_len=32)  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+def test_deepseek_without_low_rank_queries_is_refused_in_one_line(
+    tmp_path: Path, default_model: Path
+) -> None:
+    model = make_tiny(tmp_path / "lite", default_model, model_type="deepseek_v3", q_lora_rank=None)
+    with pytest.raises(UnsupportedModelError, match="without q_lora_rank"):
+        open_checkpoint(model)

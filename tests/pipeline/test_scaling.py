@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from llmq.calib.collect import run_observed
 from llmq.calib.stream import LayerStream
@@ -24,13 +25,25 @@ def fold_layer(model: Path) -> tuple[torch.Tensor, torch.Tensor, list, dict, dic
         2, 48, stream.config.hidden_size, generator=torch.Generator().manual_seed(0)
     )
     layer = stream.load_layer(0)
-    names = list(stream.layout.linears)
+    layout = stream.layout_of(layer)
+    names = list(layout.linears)
     reference, stats = run_observed(stream, layer, names, hidden, hessian=True)
     args = dict.fromkeys(names, INT4_G64)
     dtypes = dict.fromkeys(names, torch.float32)
-    scaled_stats, reports = apply_awq(layer, stream.layout, args, dtypes, stats, AWQConfig())
+    scaled_stats, reports = apply_awq(layer, layout, args, dtypes, stats, AWQConfig())
     folded, observed = run_observed(stream, layer, names, hidden, hessian=True)
     return reference, folded, reports, scaled_stats, observed
+
+
+def randomize_norms(model: Path) -> None:
+    """Norm weights and biases away from their initial ones and zeros, as trained models have
+    them, so that a fold that forgets an offset or a bias shows."""
+    tensors = load_file(model / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    for name, tensor in tensors.items():
+        if "norm" in name and tensor.ndim == 1:
+            tensor += 0.2 * torch.randn(tensor.shape, generator=generator)
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
 
 
 LLAMA_PAIRS = ["input_layernorm", "post_attention_layernorm", "mlp.up_proj"]
@@ -60,14 +73,32 @@ GEMMA_PAIRS = ["input_layernorm", "pre_feedforward_layernorm", "mlp.up_proj"]
             ],
         ),
         ("phi3", 1, ["input_layernorm", "post_attention_layernorm", "mlp.gate_up_proj"]),
+        # DeepSeek-V3's latent attention (its first layer, dense): the low-rank norms take
+        # scales too
+        (
+            "deepseek_v3",
+            3,
+            [
+                "input_layernorm",
+                "self_attn.q_a_layernorm",
+                "self_attn.kv_a_layernorm",
+                *LLAMA_PAIRS[1:],
+            ],
+        ),
+        # layouts found from the module tree: a LayerNorm's bias is scaled with its weight
+        # (GPT-NeoX), and one of (1 + weight) with a bias (Nemotron)
+        ("gpt_neox", 3, ["input_layernorm", "post_attention_layernorm"]),
+        ("nemotron", 3, ["input_layernorm", "post_attention_layernorm"]),
     ],
 )
 def test_folding_preserves_the_layer_output(
     tmp_path: Path, default_model: Path, model_type: str, kv_heads: int, producers: list[str]
 ) -> None:
     model = make_tiny(
-        tmp_path / model_type, default_model, model_type=model_type, layers=1, kv_heads=kv_heads
-    )
+        tmp_path / model_type, default_model, model_type=model_type, layers=1,
+        kv_heads=kv_heads, pad_token_id=0,
+    )  # fmt: skip
+    randomize_norms(model)
     reference, folded, reports, scaled, observed = fold_layer(model)
     assert float((folded - reference).abs().max() / reference.abs().max()) < 1e-5
     assert [r.producer for r in reports] == producers

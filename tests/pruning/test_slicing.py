@@ -12,7 +12,8 @@ import torch
 import llmq
 from llmq.errors import InputError
 from llmq.io import family
-from llmq.io.family import FAMILY_LAYOUT, StructuredRoles
+from llmq.io.family import FAMILY_LAYOUT
+from llmq.io.layout import StructuredRoles
 from llmq.pruning.structured import slice_layer
 
 CONFIG = {"hidden_size": 8, "num_attention_heads": 4, "head_dim": 2}

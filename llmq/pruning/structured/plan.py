@@ -11,7 +11,8 @@ from torch import Tensor
 
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
-from llmq.io.family import FAMILY_LAYOUT, StructuredRoles
+from llmq.io.family import FAMILY_LAYOUT
+from llmq.io.layout import StructuredRoles
 from llmq.pruning.importance import kept_indices
 
 if TYPE_CHECKING:

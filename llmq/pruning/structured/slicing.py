@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llmq.io.family import DecoderLayout, StructuredRoles
+from llmq.io.layout import DecoderLayout, StructuredRoles
 
 
 def slice_layer(

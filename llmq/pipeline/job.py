@@ -104,7 +104,8 @@ def run_job(
             cal = recipe.calibration
             windows = model_windows(ckpt.path, cal, progress)
             ids = windows.input_ids
-            record.calibration = {**cal.model_dump(), "tokens": windows.num_tokens, "bos": windows.add_bos}  # fmt: skip
+            dense = set() if ckpt.layout.experts else {"moe_calibration"}  # routes nothing
+            record.calibration = {**cal.model_dump(exclude=dense), "tokens": windows.num_tokens, "bos": windows.add_bos}  # fmt: skip
         if stats is not None:
             record.calib_stats = {"file": str(inputs.calib_stats), **stats.metadata}
         if fallback_record is not None:

@@ -65,6 +65,8 @@ def test_gptq_beats_rtn_in_every_layer(tmp_path: Path, tiny_dense: Path) -> None
     result = llmq.quantize(tiny_dense, tmp_path / "gptq", scheme="w4a16", method="gptq", **FAST)
     for layer in result.layers:
         assert layer.output_rel_rmse < layer.rtn_output_rel_rmse
+    calibration = json.loads((tmp_path / "gptq" / "llmq.json").read_text())["calibration"]
+    assert "moe_calibration" not in calibration  # a dense model routes nothing
 
 
 def test_awq_scales_reduce_the_error_through_the_norms_and_fusions(

@@ -118,6 +118,8 @@ def test_every_expert_is_written_packed_under_its_checkpoint_name(
 def test_gptq_on_the_experts_beats_rtn_in_every_layer(tmp_path: Path, tiny_moe: Path) -> None:
     result = llmq.quantize(tiny_moe, tmp_path / "gptq", scheme="w4a16", method="gptq",
                            num_samples=4, seq_len=32, reference=False)  # fmt: skip
+    calibration = json.loads((tmp_path / "gptq" / "llmq.json").read_text())["calibration"]
+    assert calibration["moe_calibration"] == "all"
     for layer in result.layers:
         assert layer.output_rel_rmse < layer.rtn_output_rel_rmse
         experts = 3 * EXPERTS if layer.index in expert_layers(tiny_moe) else 0

@@ -54,7 +54,8 @@ class UnfusedExperts(nn.Module):
             self.add_module(str(e), _Expert(names, hidden, intermediate, act))
 
     def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        counts = torch.bincount(top_k_index.flatten(), minlength=self.count).cpu()
+        # counted where the tokens are: a copy to the CPU per batch would wait for the GPU
+        counts = torch.bincount(top_k_index.flatten(), minlength=self.count)
         self.routed_tokens = counts if self.routed_tokens is None else self.routed_tokens + counts
         output = torch.zeros_like(hidden)
         for e in range(self.count):

@@ -55,7 +55,9 @@ def _sdpa_with_kv_hook(
 ) -> Any:
     """PyTorch SDPA attention (transformers' own) with the keys and values first passed through
     the attention module's KV hook, if one is set: where the KV cache is quantized. Unmasked
-    causal windows of CPU passes take `causal_attention` where it is the faster one."""
+    causal windows of CPU passes take `causal_attention` where it is the faster one; layer
+    passes call with no mask, so a sliding window shorter than the keys gets its mask here, and
+    capped logits (Gemma 2) the family's own eager attention."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     hook = getattr(module, _KV_HOOK, None)

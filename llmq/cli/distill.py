@@ -16,11 +16,25 @@ from llmq.cli.console import (
     quiet_libraries,
     resume_hint_on_interrupt,
 )
-from llmq.cli.distill_flags import sub_configs
+from llmq.cli.distill_flags import (
+    PatternFlag,
+    PruneEndFlag,
+    PruneEveryFlag,
+    PruneFlag,
+    PruneMethodFlag,
+    PruneStartFlag,
+    QatFlag,
+    QatGroupSizeFlag,
+    QatInitFlag,
+    RoundScheduleFlag,
+    RoundsFlag,
+    SparsityFlag,
+    StepsPerRoundFlag,
+    sub_configs,
+)
 from llmq.cli.distill_report import render
 from llmq.cli.options import (
     OUTPUT,
-    PRUNING,
     RUN,
     Device,
     JsonFlag,
@@ -41,7 +55,7 @@ from llmq.config.distill import (
     QatConfig,
 )
 
-MODELS, LOSS, TRAINING, EVALUATION, QAT = "Models", "Loss", "Training", "Evaluation", "Quantization"
+MODELS, LOSS, TRAINING, EVALUATION = "Models", "Loss", "Training", "Evaluation"
 D, GMP, ITER, QAT_DEFAULTS = (defaults(kind) for kind in (DistillConfig, GmpConfig, IterativeConfig, QatConfig))  # fmt: skip
 
 
@@ -243,114 +257,19 @@ def distill(
             rich_help_panel=EVALUATION,
         ),
     ] = D["keep"],
-    prune: Annotated[
-        str,
-        typer.Option(
-            metavar="NAME",
-            help="none, gmp (gradually while training) or iterative (prune, distill, repeat).",
-            rich_help_panel=PRUNING,
-        ),
-    ] = "none",
-    prune_method: Annotated[
-        str,
-        typer.Option(
-            metavar="NAME",
-            help="Scores weights: magnitude, wanda, or (iterative only) sparsegpt or structured.",
-            rich_help_panel=PRUNING,
-        ),
-    ] = "magnitude",
-    sparsity: Annotated[
-        float | None,
-        typer.Option(
-            metavar="X",
-            parser=fraction("--sparsity"),
-            help="The final share of each row's weights removed (0.5 or 50%); --sparsity or "
-            "--pattern (not both).",
-            rich_help_panel=PRUNING,
-        ),
-    ] = None,
-    pattern: Annotated[
-        str | None,
-        typer.Option(
-            metavar="N:M",
-            help="--prune gmp: an N:M pattern to reach (2:4); --sparsity or --pattern (not both).",
-            rich_help_panel=PRUNING,
-        ),
-    ] = None,
-    prune_start: Annotated[
-        int,
-        typer.Option(
-            metavar="N",
-            help="--prune gmp: the step pruning starts at.",
-            rich_help_panel=PRUNING,
-        ),
-    ] = GMP["start"],
-    prune_end: Annotated[
-        int | None,
-        typer.Option(
-            metavar="N",
-            help="--prune gmp: the step the final sparsity is reached at (default: 3/4 of them).",
-            rich_help_panel=PRUNING,
-        ),
-    ] = GMP["end"],
-    prune_every: Annotated[
-        int,
-        typer.Option(
-            metavar="N",
-            help="--prune gmp: steps between mask updates.",
-            rich_help_panel=PRUNING,
-        ),
-    ] = GMP["every"],
-    rounds: Annotated[
-        int,
-        typer.Option(
-            metavar="N",
-            help="--prune iterative: prune-then-distill rounds.",
-            rich_help_panel=PRUNING,
-        ),
-    ] = ITER["rounds"],
-    round_schedule: Annotated[
-        str,
-        typer.Option(
-            metavar="NAME",
-            help="--prune iterative: the sparsity after each round, cubic or geometric.",
-            rich_help_panel=PRUNING,
-        ),
-    ] = ITER["schedule"],
-    steps_per_round: Annotated[
-        int | None,
-        typer.Option(
-            metavar="N",
-            help="--prune iterative: training steps after each pruning (default: --max-steps "
-            "split).",
-            rich_help_panel=PRUNING,
-        ),
-    ] = None,
-    qat: Annotated[
-        str | None,
-        typer.Option(
-            metavar="SCHEME",
-            help="Train fake-quantized and write this scheme: w4a16, w4a16-asym, w8a16, w8a8 or "
-            "fp8.",
-            rich_help_panel=QAT,
-        ),
-    ] = None,
-    qat_group_size: Annotated[
-        int | None,
-        typer.Option(
-            metavar="N",
-            help="--qat: the group size, or -1 per output channel (default: the scheme's).",
-            rich_help_panel=QAT,
-        ),
-    ] = None,
-    qat_init: Annotated[
-        str,
-        typer.Option(
-            metavar="NAME",
-            help="--qat: start from the float weights (float) or a gptq or awq solution.",
-            rich_help_panel=QAT,
-        ),
-    ] = QAT_DEFAULTS["init"],
+    prune: PruneFlag = "none",
+    prune_method: PruneMethodFlag = "magnitude",
+    sparsity: SparsityFlag = None,
+    pattern: PatternFlag = None,
+    prune_start: PruneStartFlag = GMP["start"],
+    prune_end: PruneEndFlag = GMP["end"],
+    prune_every: PruneEveryFlag = GMP["every"],
+    rounds: RoundsFlag = ITER["rounds"],
+    round_schedule: RoundScheduleFlag = ITER["schedule"],
+    steps_per_round: StepsPerRoundFlag = None,
+    qat: QatFlag = None,
+    qat_group_size: QatGroupSizeFlag = None,
+    qat_init: QatInitFlag = QAT_DEFAULTS["init"],
     checkpoint_every: Annotated[
         int | None,
         typer.Option(

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmq.errors import InputError, UnsupportedModelError
-from llmq.io.family import layout_for_config
+from llmq.io.family import FAMILY_LAYOUT, layout_for_config
 from llmq.io.layout import DecoderLayout
 from llmq.io.record import RECORD_FILE, OutputRecord
 
@@ -181,7 +181,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         if missing:
             raise UnsupportedModelError(
                 f"{folder}: the layout found for model_type {config.get('model_type')!r} names "
-                f"linears the checkpoint does not store ({', '.join(missing[:3])})"
+                f"linears the checkpoint does not store ({', '.join(missing[:3])})",
+                hint=f"families llmq knows by name: {', '.join(sorted(FAMILY_LAYOUT))}",
             )
     return Checkpoint(path=folder, config=config, layout=layout, tensors=tensors)
 

@@ -45,7 +45,7 @@ ATTENTION_IMPLEMENTATION = "llmq_attention"  # no "sdpa" in it: transformers wou
 _KV_HOOK = "_llmq_kv_hook"
 
 
-def _sdpa_with_kv_hook(
+def _attention_with_kv_hook(
     module: nn.Module,
     query: Tensor,
     key: Tensor,
@@ -74,10 +74,16 @@ def _sdpa_with_kv_hook(
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def embedding_scale(embedding: nn.Module) -> float | None:
+    """The factor a family's embedding module multiplies its lookups by (Gemma's sqrt(hidden),
+    held as a float beside a buffer no checkpoint stores); None for a plain embedding."""
+    return getattr(embedding, "scalar_embed_scale", None)
+
+
 def register_attention() -> None:
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION_IMPLEMENTATION, _sdpa_with_kv_hook)
+    AttentionInterface.register(ATTENTION_IMPLEMENTATION, _attention_with_kv_hook)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -141,10 +147,7 @@ class LayerStream:
         self._rotary_by_layer_type = (
             "layer_type" in inspect.signature(self._rotary.forward).parameters
         )
-        # Gemma multiplies its embeddings by sqrt(hidden): the embedding module's own scale
-        self._embed_scale = getattr(
-            self._skeleton.get_submodule(self.layout.embed), "scalar_embed_scale", None
-        )
+        self._embed_scale = embedding_scale(self._skeleton.get_submodule(self.layout.embed))
         self._logit_softcap = getattr(self.config, "final_logit_softcapping", None)
 
     @property

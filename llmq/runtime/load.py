@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from llmq.calib.experts import unfuse_experts
-from llmq.calib.stream import resolve_device
+from llmq.calib.stream import embedding_scale, resolve_device
 from llmq.config import QuantArgs
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
@@ -102,7 +102,7 @@ def _compute_embedding_scale(model: nn.Module, device: torch.device) -> None:
     """Gemma's embedding scale (sqrt(hidden)) is a buffer no checkpoint stores: built on the
     meta device with the skeleton, it is set from the module's own float."""
     for module in model.modules():
-        scale = getattr(module, "scalar_embed_scale", None)
+        scale = embedding_scale(module)
         if scale is not None and module.embed_scale.is_meta:
             module.embed_scale = torch.tensor(scale, device=device)
 

@@ -166,12 +166,10 @@ class Run:
     env: dict[str, str]
 
 
-# torch's switch that lets cuBLAS run float32 matrix products on TF32 tensor cores: the row
-# that shows what llmq's float32 calibration would gain from them (it does not use them today).
-TF32 = {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}
-
-
 def runs(args: argparse.Namespace, calib: Path) -> list[Run]:
+    """llmq with its defaults (TF32 products, stage activations kept where they fit), the peer,
+    then llmq holding one copy of the activations (`--stage-activations recompute`) and llmq
+    in true float32 (`--no-tf32`)."""
     llmq = [
         sys.executable, "-m", "llmq.cli.main", "quantize", str(args.model),
         "--out", str(args.out / "out"), "--scheme", "w4a16", "--method", "gptq",
@@ -184,10 +182,12 @@ def runs(args: argparse.Namespace, calib: Path) -> list[Run]:
         "--model", str(args.model), "--out", str(args.out / "out"),
         "--scheme", "W4A16", "--method", "gptq", "--calib", str(calib), "--dtype", "auto",
     ]  # fmt: skip
-    found = [Run("llmq", llmq, {}), Run("llm-compressor", peer, {})]
-    if args.tf32_row:
-        found.append(Run("llmq-tf32", llmq, TF32))
-    return found
+    return [
+        Run("llmq", llmq, {}),
+        Run("llm-compressor", peer, {}),
+        Run("llmq-recompute", [*llmq, "--stage-activations", "recompute"], {}),
+        Run("llmq-fp32", [*llmq, "--no-tf32"], {}),
+    ]
 
 
 def main() -> None:
@@ -200,15 +200,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--timeout", type=float, default=240, help="seconds per tool")
     parser.add_argument("--peer-python", default=sys.executable)
-    parser.add_argument("--only", help="run only the row with this label")
-    parser.add_argument("--tf32-row", action="store_true", help="also llmq with TF32 matmuls")
+    parser.add_argument("--only", nargs="+", help="run only the rows with these labels")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     calib = args.out / "calib.safetensors"
     write_calibration(args.model, args.calib_text, args.samples, args.seq_len, calib)
     rows = []
     for run in runs(args, calib):
-        if args.only and run.label != args.only:
+        if args.only and run.label not in args.only:
             continue
         print(f"== {run.label}: {' '.join(run.cmd)} {run.env or ''}", flush=True)
         row = run_measured(run.label, run.cmd, args.out / f"{run.label}.log", args.timeout, run.env)

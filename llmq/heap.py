@@ -93,6 +93,9 @@ class ReusedBuffers:
             held = self._slots[slot] = like.new_empty(numel)
         return held[:numel].view(*shape)
 
+    def held_bytes(self) -> int:
+        return sum(held.numel() * held.element_size() for held in self._slots.values())
+
 
 def _can_serve(held: Tensor, numel: int, like: Tensor) -> bool:
     return held.numel() >= numel and (held.dtype, held.device) == (like.dtype, like.device)

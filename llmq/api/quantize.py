@@ -32,6 +32,8 @@ def quantize(
     reference: bool = True,
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
+    stage_activations: str = "auto",
+    tf32: bool = True,
     **values: Any,
 ) -> QuantizeResult:
     """Quantize MODEL (a folder or built-in name) into a compressed-tensors checkpoint at OUT.
@@ -46,11 +48,15 @@ def quantize(
     one is complete; `space_check=False` skips the refusal, before any work, of an output that
     will not fit. `reference`: record in llmq.json what the written files compute on a few
     prompts, for `verify`. `device`: where each layer runs (default: the GPU when there is one).
+    `stage_activations`: whether GPTQ's stages inside a layer keep their activations ("keep"),
+    recompute them to hold one copy ("recompute"), or keep them where they fit ("auto"). `tf32`:
+    the layers' matrix products in TF32 on a GPU (False: true float32).
     """
     options = options_of(QuantizeOptions, options, values)
     return _job(model, out, options, recipe or options.recipe(), progress, overwrite=overwrite,
                 resume=resume, resume_every_s=resume_every_s, space_check=space_check,
-                reference=reference, device=device)  # fmt: skip
+                reference=reference, device=device, stage_activations=stage_activations,
+                tf32=tf32)  # fmt: skip
 
 
 def prune(
@@ -65,6 +71,8 @@ def prune(
     reference: bool = True,
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
+    stage_activations: str = "auto",
+    tf32: bool = True,
     **values: Any,
 ) -> QuantizeResult:
     """Prune MODEL (a folder or built-in name) into a plain Hugging Face checkpoint at OUT: the
@@ -75,7 +83,8 @@ def prune(
     options = options_of(PruneOptions, options, values)
     return _job(model, out, options, options.recipe(), progress, overwrite=overwrite,
                 resume=resume, resume_every_s=resume_every_s, space_check=space_check,
-                reference=reference, device=device)  # fmt: skip
+                reference=reference, device=device, stage_activations=stage_activations,
+                tf32=tf32)  # fmt: skip
 
 
 def _job(

@@ -102,6 +102,26 @@ Device = Annotated[
         rich_help_panel=RUN,
     ),
 ]
+StageActivations = Annotated[
+    str,
+    typer.Option(
+        metavar="SETTING",
+        help="GPTQ's stages inside a layer: keep (each block's activations of all windows are "
+        "kept for the stages after it: about one forward pass a layer), recompute (hold only the "
+        "layer's input: less memory, about 1.5 passes more) or auto (keep where they fit in 80% "
+        "of the GPU's free memory; always on the CPU).",
+        rich_help_panel=RUN,
+    ),
+]
+Tf32 = Annotated[
+    bool,
+    typer.Option(
+        "--tf32/--no-tf32",
+        help="On a GPU, the layers' float32 matrix products in TF32 (about twice as fast on "
+        "Hopper; 10-bit mantissa inputs, float32 sums); --no-tf32 keeps true float32.",
+        rich_help_panel=RUN,
+    ),
+]
 Dtype = Annotated[
     str,
     typer.Option(

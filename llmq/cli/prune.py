@@ -40,6 +40,8 @@ from llmq.cli.options import (
     SpaceCheck,
     SparsityOption,
     SparsityProfile,
+    StageActivations,
+    Tf32,
     TrueSequential,
     defaults,
     explicit,
@@ -213,6 +215,8 @@ def prune(
     space_check: SpaceCheck = True,
     reference: Reference = True,
     device: Device = "auto",
+    stage_activations: StageActivations = "auto",
+    tf32: Tf32 = True,
     json_out: JsonFlag = False,
 ) -> None:
     """Prune MODEL and write a plain checkpoint.
@@ -243,7 +247,7 @@ def prune(
         with progress_bars(json_out=json_out) as progress, resume_hint_on_interrupt(out):
             result = api.prune(
                 model, out, options, resume=resume, resume_every_s=resume_every,
-                progress=progress, **run,
+                progress=progress, stage_activations=stage_activations, tf32=tf32, **run,
             )  # fmt: skip
     if json_out:
         print_json(result.to_dict())

@@ -37,6 +37,8 @@ from llmq.cli.options import (
     SpaceCheck,
     SparsityOption,
     SparsityProfile,
+    StageActivations,
+    Tf32,
     TrueSequential,
     defaults,
     fraction,
@@ -228,6 +230,8 @@ def quantize(
     space_check: SpaceCheck = True,
     reference: Reference = True,
     device: Device = "auto",
+    stage_activations: StageActivations = "auto",
+    tf32: Tf32 = True,
     json_out: JsonFlag = False,
 ) -> None:
     """Quantize MODEL into a compressed-tensors checkpoint.
@@ -247,6 +251,7 @@ def quantize(
                 model, out, options, overwrite=overwrite, resume=resume,
                 resume_every_s=resume_every, space_check=space_check, reference=reference,
                 progress=progress, device=device,
+                stage_activations=stage_activations, tf32=tf32,
             )  # fmt: skip
     if json_out:
         print_json(result.to_dict())

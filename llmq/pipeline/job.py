@@ -19,6 +19,8 @@ from llmq.pipeline.report import QuantizeResult
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.texts import text_inputs
 
+STAGE_ACTIVATIONS = ("auto", "keep", "recompute")
+
 
 @dataclass(frozen=True, slots=True)
 class JobInputs:
@@ -40,6 +42,8 @@ class JobRun:
     space_check: bool = True
     reference: bool = True
     device: str | None = None
+    stage_activations: str = "auto"  # a staged layer's: keep, recompute or auto (keeps_activations)
+    tf32: bool = True  # the layers' matrix products in TF32 on a GPU
 
 
 def run_job(
@@ -77,6 +81,11 @@ def run_job(
     from llmq.pipeline.state import keep_if_resumable
 
     loaders = check_required_loaders(recipe.weight_args, scheme_format(recipe.scheme), inputs.require_loaders)  # fmt: skip
+    if run.stage_activations not in STAGE_ACTIVATIONS:
+        raise InputError(
+            f"--stage-activations {run.stage_activations}: not a setting",
+            hint=", ".join(STAGE_ACTIVATIONS),
+        )
     if not run.resume_every_s >= 0:
         raise InputError(f"--resume-every {run.resume_every_s}: must be >= 0 seconds")
     read = [("model", ckpt.path), ("statistics file", inputs.calib_stats), *fallback_input(inputs.fallback)]  # fmt: skip
@@ -118,6 +127,6 @@ def run_job(
             ckpt, plan, recipe, out,
             calibration_ids=ids, calib_stats=stats, resume=run.resume, progress=progress,
             record=record, device=run.device, resume_every_s=run.resume_every_s,
-            reference=run.reference,
+            reference=run.reference, stage_activations=run.stage_activations, tf32=run.tf32,
             layer_sparsities=None if sparsities is None else sparsities["sparsity"],
         )  # fmt: skip

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from llmq.calib.collect import run_observed
 from llmq.calib.experts import take_routed_tokens
 from llmq.calib.hooks import InputQuantization
+from llmq.calib.precision import tensor_float32
 from llmq.calib.stats import CalibStats, InputStats
 from llmq.calib.stream import LayerStream, kv_hook
 from llmq.calib.walk import StreamedLayer
@@ -65,7 +66,7 @@ from llmq.pipeline.output import (
 from llmq.pipeline.plan import LinearPlan, Plan
 from llmq.pipeline.report import LayerReport, QuantizeResult, layer_report, written_sparsity
 from llmq.pipeline.scaling import ScaleReport, apply_awq, apply_smoothquant
-from llmq.pipeline.staged import StagedLayer, stages_in_layer
+from llmq.pipeline.staged import StagedLayer, keeps_activations, stages_in_layer
 from llmq.pipeline.state import RunState, load_state
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.quant.kvcache import KVQuantizer, KVRange
@@ -91,10 +92,14 @@ def run_quantization(
     resume_every_s: float = RESUME_EVERY_S,
     reference: bool = True,
     layer_sparsities: list[float] | None = None,
+    stage_activations: str = "auto",
+    tf32: bool = True,
 ) -> QuantizeResult:
     """Quantize (or prune) every decoder layer of `ckpt` as `plan` says and publish the
     checkpoint at `out`. `layer_sparsities`: a pruning method's share per layer (a sparsity
-    profile), instead of the recipe's everywhere."""
+    profile), instead of the recipe's everywhere. `stage_activations`: whether a staged layer keeps
+    its blocks' activations ("keep", "recompute" or "auto": `keeps_activations`). `tf32`: the
+    layers' matrix products in TF32 on a GPU (`tensor_float32`)."""
     started = time.perf_counter()
     staging = staging_path(out)
     fingerprint = {"recipe": recipe.model_dump(mode="json"), "source": ckpt.file_stamps()}
@@ -119,18 +124,19 @@ def run_quantization(
         label="pruning layers" if recipe.weight_args is None else "quantizing layers",
     )
     buffers = ReusedBuffers()  # captured and kept activations, layer after layer
-    for layer in walk:
-        layer_method = method
-        if layer_sparsities is not None:
-            sparsity = Sparsity(fraction=layer_sparsities[layer.index])
-            layer_method = replace(method, sparsity=sparsity)  # type: ignore[type-var]
-        report, output, tensors = _quantize_layer(
-            stream, layer, plan.layers[layer.index], recipe, layer_method, calib_stats, progress,
-            buffers,
-        )  # fmt: skip
-        layer.advance(output)
-        save_safetensors(staging / shards.name(layer.index + 1), tensors)
-        state.record(asdict(report), output)
+    with tensor_float32(tf32):
+        for layer in walk:
+            layer_method = method
+            if layer_sparsities is not None:
+                sparsity = Sparsity(fraction=layer_sparsities[layer.index])
+                layer_method = replace(method, sparsity=sparsity)  # type: ignore[type-var]
+            report, output, tensors = _quantize_layer(
+                stream, layer, plan.layers[layer.index], recipe, layer_method, calib_stats, progress,
+                buffers, stage_activations,
+            )  # fmt: skip
+            layer.advance(output)
+            save_safetensors(staging / shards.name(layer.index + 1), tensors)
+            state.record(asdict(report), output)
     del buffers
     if method.sparsity is not None:
         record.sparsity = written_sparsity(state.layers)
@@ -175,6 +181,7 @@ def _quantize_layer(
     calib_stats: CalibStats | None,
     progress: Progress,
     buffers: ReusedBuffers,
+    stage_activations: str,
 ) -> tuple[LayerReport, Tensor | None, dict[str, Tensor]]:
     """The layer quantized: its report, its output (the next layer's input) and its tensors."""
     index, prefix, hidden = layer.index, layer.prefix, layer.hidden
@@ -184,9 +191,11 @@ def _quantize_layer(
     with progress.stage(f"layer {index}", total=passes, transient=True) as step:
         if staged:
             assert hidden is not None
+            keep = keeps_activations(stage_activations, stream, layer.module, hidden, buffers)
             done = StagedLayer(
-                stream, layer.module, local, method, recipe, hidden, lambda: step(1), buffers
-            ).run()
+                stream, layer.module, local, method, recipe, hidden, lambda: step(1), buffers,
+                keep=keep,
+            ).run()  # fmt: skip
         else:
             done = _quantize_observed(
                 stream, layer.module, local, method, recipe, hidden, calib_stats, prefix,

@@ -37,12 +37,15 @@ class StagedLayer:
     group of linears that share an input is observed on the output of the groups before it,
     already quantized, then quantized. The layer's output is written over `hidden`.
 
-    It costs about one forward pass, against two for observe-then-propagate: each stage runs
-    the layer only up to its group, blocks already quantized answer from their kept outputs,
-    and the MLP's output projection runs once, in the last pass, on its kept inputs. The price
-    is memory: the attention's output and the MLP's intermediate activations of all samples
-    (2 + intermediate/hidden copies of the activations, with the layer's own input), held in
-    `buffers` from layer to layer.
+    With `keep`, it costs about one forward pass, against two for observe-then-propagate: each
+    stage runs the layer only up to its group, blocks already quantized answer from their kept
+    outputs, and the MLP's output projection runs once, in the last pass, on its kept inputs.
+    The price is memory: the attention's output and the MLP's intermediate activations of all
+    samples (2 + intermediate/hidden copies of the activations, with the layer's own input),
+    held in `buffers` from layer to layer. Without `keep`, each stage recomputes the blocks
+    before its group (about 1.5 forward passes more on a Llama layer) and only the layer's
+    input is held: the same result, for a GPU whose memory the kept activations would not fit
+    (`keeps_activations`).
     """
 
     def __init__(
@@ -55,8 +58,11 @@ class StagedLayer:
         hidden: Tensor,
         on_batch: Callable[[], Any],
         buffers: ReusedBuffers | None = None,
+        *,
+        keep: bool = True,
     ) -> None:
         self.stream, self.layer, self.local, self.method = stream, layer, local, method
+        self.keep = keep
         self.buffers = buffers or ReusedBuffers()
         self.fmt = scheme_format(recipe.scheme)
         self.hidden, self.on_batch = hidden, on_batch
@@ -74,6 +80,10 @@ class StagedLayer:
             )
         blocks = stream.layout_of(layer).blocks
         for position, (block, groups) in enumerate(blocks):
+            if not self.keep:  # later stages and the output pass recompute the block
+                for group in groups:
+                    self._quantize(group)
+                continue
             for group in groups[:-1]:
                 self._quantize(group)
             projection_input = self._quantize(groups[-1], capture=True)
@@ -126,6 +136,39 @@ def _kept_output(
     for rows in stream.batches(inputs):
         output[rows] = projection(inputs[rows])
     return lambda rows: output[rows]
+
+
+KEEP_SHARE_OF_FREE = 0.8  # the kept activations may take this much of a GPU's free memory
+
+
+def keeps_activations(
+    setting: str, stream: LayerStream, layer: nn.Module, hidden: Tensor, buffers: ReusedBuffers
+) -> bool:
+    """Whether a staged layer keeps its blocks' activations (`StagedLayer`'s `keep`): as
+    `setting` says ("keep", "recompute"), or "auto": on a CPU always (host memory holds the
+    model's layers far more often than it runs short), on a GPU when they fit in
+    `KEEP_SHARE_OF_FREE` of its free memory, counting what `buffers` hold from the layer before
+    as free."""
+    if setting != "auto":
+        return setting == "keep"
+    if hidden.device.type != "cuda":
+        return True
+    free, _total = torch.cuda.mem_get_info(hidden.device)
+    needed = kept_activation_bytes(stream, layer, hidden)
+    return needed <= KEEP_SHARE_OF_FREE * (free + buffers.held_bytes())
+
+
+def kept_activation_bytes(stream: LayerStream, layer: nn.Module, hidden: Tensor) -> int:
+    """What a staged layer keeps beyond its input: the output of each block but the last, and
+    the widest input of a block's output projection (captured, one at a time)."""
+    projections = [
+        layer.get_submodule(groups[-1][0]).weight
+        for _block, groups in stream.layout_of(layer).blocks
+    ]
+    kept_features = sum(weight.shape[0] for weight in projections[:-1])
+    captured_features = max(weight.shape[1] for weight in projections)
+    tokens = hidden.shape[0] * hidden.shape[1]
+    return tokens * (kept_features + captured_features) * hidden.element_size()
 
 
 def stages_in_layer(

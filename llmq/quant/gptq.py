@@ -14,6 +14,7 @@ be quantized as one stacked weight and their losses told apart.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -187,7 +188,9 @@ def _quantize_block(
     """
     residuals = torch.empty_like(block)
     codes = torch.empty(block.shape, dtype=torch.float64, device=block.device)
-    compiled = compiled_loop_applies(block, params.args.type == "int")
+    integer_codes = params.args.type == "int"
+    compiled = compiled_loop_applies(block, integer_codes)
+    on_gpu = None if mask is not None else _gpu_column_loop(block, integer_codes)
     segment = params.group if params.lazy else len(block)
     piece = segment if mask is None else math.gcd(segment, mask.span)
     pruned = None if mask is None else mask.pruned
@@ -204,7 +207,12 @@ def _quantize_block(
             mask.choose(first)
         at = first % segment
         scale, zero, dequant_scale = (None if t is None else t[at : at + piece] for t in qparams)
-        if compiled:
+        if on_gpu is not None:
+            on_gpu(
+                block, spread, first, scale, zero, dequant_scale,
+                int_range(params.args.num_bits), codes, residuals,
+            )  # fmt: skip
+        elif compiled:
             code_range = int_range(params.args.num_bits)
             quantize_columns(
                 block, spread, first, scale, zero, dequant_scale, code_range, codes, residuals,
@@ -217,6 +225,18 @@ def _quantize_block(
             )  # fmt: skip
     params.codes[:, order[start : start + len(block)]] = codes.T.to(params.codes.dtype)
     return residuals
+
+
+def _gpu_column_loop(block: Tensor, integer_codes: bool) -> Callable[..., None] | None:
+    """The Triton column loop (`llmq.kernels.gptq`) when it serves this block: on a GPU, where
+    the torch ops' per-column launches would bound the loop. Triton is imported only then."""
+    from llmq.kernels.support import triton_installed
+
+    if not block.is_cuda or not triton_installed():
+        return None
+    from llmq.kernels import gptq as kernel
+
+    return kernel.quantize_columns_gpu if kernel.gpu_loop_applies(block, integer_codes) else None
 
 
 def _quantize_columns(

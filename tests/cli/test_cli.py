@@ -78,6 +78,7 @@ def test_help_shows_bracketed_text(command: str, fragment: str) -> None:
         (["--scheme", "w8a8", "--smooth", "0.5", "--skip-layer-check"], "need calibration"),
         (["--scheme", "fp8-block", "--clip", "mse"], "block-scaled"),
         (["--resume-every", "-1"], "--resume-every -1.0: must be >= 0"),
+        (["--stage-activations", "host"], "--stage-activations host: not a setting"),
         (["--ignore", "re:("], "invalid regular expression"),
         # a typo, and a regex without the leading `.*` (`re:` matches from the name's start)
         (["--ignore", "down_porj"], "--ignore 'down_porj': matches none of this model's"),

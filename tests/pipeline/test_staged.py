@@ -202,3 +202,37 @@ def test_no_true_sequential_observes_the_float_layer_whole(
     )  # fmt: skip
     for position, group in enumerate(groups):  # layer 0's groups, all from the float layer
         torch.testing.assert_close(seen[position], observed[group[0]].hessian)
+
+
+def test_recomputed_stages_give_the_kept_stages_bits_and_hold_nothing(tiny_llama: Path) -> None:
+    """`keep=False` (--stage-activations recompute) reruns the blocks before each stage instead
+    of keeping their outputs: the same output and tensors, bit for bit, with no activations
+    held beyond the layer's input; `keep=True` holds exactly what `kept_activation_bytes`
+    (the auto setting's estimate) says."""
+    from llmq.heap import ReusedBuffers
+    from llmq.pipeline.staged import keeps_activations, kept_activation_bytes
+
+    ckpt = open_checkpoint(tiny_llama)
+    recipe = make_recipe(scheme="w4a16", method="gptq", group_size=32)
+    stream = LayerStream(ckpt, device="cpu", batch_size=2)
+    prefix = stream.layout.layer_prefix(0)
+    local = {lin.name[len(prefix) :]: lin for lin in plan_quantization(ckpt, recipe).layers[0]}
+    ids = torch.randint(
+        0, stream.config.vocab_size, (5, 32), generator=torch.Generator().manual_seed(0)
+    )
+    runs = {}
+    for keep in (True, False):
+        buffers, hidden, layer = ReusedBuffers(), stream.embed(ids), stream.load_layer(0)
+        done = StagedLayer(
+            stream, layer, local, get_method(recipe), recipe, hidden, lambda: None, buffers,
+            keep=keep,
+        ).run()  # fmt: skip
+        runs[keep] = (done, buffers.held_bytes())
+    (kept, kept_bytes), (recomputed, recomputed_bytes) = runs[True], runs[False]
+    assert torch.equal(recomputed.output, kept.output)
+    assert recomputed.tensors.keys() == kept.tensors.keys()
+    assert all(torch.equal(recomputed.tensors[k], kept.tensors[k]) for k in kept.tensors)
+    assert recomputed_bytes == 0
+    assert kept_bytes == kept_activation_bytes(stream, layer, stream.embed(ids)) > 0
+    assert keeps_activations("auto", stream, layer, hidden, ReusedBuffers())  # the CPU keeps
+    assert not keeps_activations("recompute", stream, layer, hidden, ReusedBuffers())

@@ -54,13 +54,17 @@ def run_gptq(
     monkeypatch: pytest.MonkeyPatch, loop: str, *args: Any, **kwargs: Any
 ) -> gptq.GPTQResult:
     """gptq_quantize_weight with the column loop named: "compiled" (checked to be the one that
-    ran) or "torch"."""
+    ran), "torch", or "triton" (the GPU kernel, here in Triton's interpreter)."""
     calls = []
     compiled = gptq.quantize_columns
     with monkeypatch.context() as patch:
         patch.setattr(gptq, "quantize_columns", lambda *a: calls.append(1) or compiled(*a))
         if loop == "torch":
             patch.setattr(gptq, "compiled_loop_applies", lambda *_: False)
+        if loop == "triton":
+            from llmq.kernels.gptq import quantize_columns_gpu
+
+            patch.setattr(gptq, "_gpu_column_loop", lambda *_: quantize_columns_gpu)
         result = gptq.gptq_quantize_weight(*args, **kwargs)
     assert bool(calls) == (loop == "compiled")
     return result

@@ -76,3 +76,31 @@ def test_clip_search_picks_the_same_ratios(
         got = rtn.clip_ratios(weight, args, hessian=hessian)
         assert calls
         assert torch.equal(got, expected), name
+
+
+
+@pytest.mark.parametrize(
+    ("args", "actorder"), [(INT4_G64, "static"), (INT4_G64_ASYM, "none")], ids=["static", "none"]
+)
+@pytest.mark.interpreter
+def test_gpu_kernel_gives_the_compiled_loops_bits(
+    monkeypatch: pytest.MonkeyPatch, args: QuantArgs, actorder: str
+) -> None:
+    """The Triton column loop (run here by Triton's interpreter; on a GPU in the benchmarks)
+    rounds every step as the compiled loop does, so GPTQ's codes, scales, zero points and
+    losses are bit-identical. "none" starts a group's range mid-block (group 64 in a block of
+    128): the kernel's loop starts at column 64 and still updates the block's later columns."""
+    pytest.importorskip("triton")
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 256, generator=generator)
+    x = torch.randn(512, 256, generator=generator) * torch.rand(256, generator=generator)
+    h = 2 * x.T @ x / len(x)
+    compiled, kernel = (
+        run_gptq(monkeypatch, loop, weight, h, args, actorder=actorder)
+        for loop in ("compiled", "triton")
+    )
+    for attribute in ("codes", "scale", "zero_point"):
+        expected, got = getattr(compiled.weight, attribute), getattr(kernel.weight, attribute)
+        assert (got is None) == (expected is None)
+        assert got is None or torch.equal(got, expected), attribute
+    assert torch.equal(kernel.row_loss, compiled.row_loss)

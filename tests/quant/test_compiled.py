@@ -78,7 +78,6 @@ def test_clip_search_picks_the_same_ratios(
         assert torch.equal(got, expected), name
 
 
-
 @pytest.mark.parametrize(
     ("args", "actorder"), [(INT4_G64, "static"), (INT4_G64_ASYM, "none")], ids=["static", "none"]
 )

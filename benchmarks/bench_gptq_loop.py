@@ -25,8 +25,8 @@ from unittest import mock
 import torch
 
 from llmq.config import QuantArgs
-from llmq.kernels.gptq import quantize_columns_gpu
 from llmq.quant import gptq
+from llmq.quant.gptq_triton import quantize_columns_gpu
 
 W4_G128 = QuantArgs(num_bits=4, strategy="group", group_size=128)
 

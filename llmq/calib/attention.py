@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 QUERY_BLOCK = 32
 """Queries per block: the products skipped grow as blocks shrink, the per-op overhead too."""
@@ -95,3 +95,38 @@ def causal_mask(query: Tensor, key: Tensor, window: int | None) -> Tensor:
         allowed &= position - key_position < window
     mask = torch.zeros(queries, keys, dtype=query.dtype, device=query.device)
     return mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
+
+
+def gpu_causal_applies(
+    module: nn.Module, query: Tensor, key: Tensor, mask: Tensor | None, softcap: float | None
+) -> bool:
+    """An unmasked, uncapped causal window of equal query and key length on a GPU: what
+    `gpu_causal_attention` serves."""
+    return (
+        query.is_cuda
+        and mask is None
+        and softcap is None
+        and query.shape[2] == key.shape[2]
+        and getattr(module, "is_causal", True)
+    )
+
+
+def gpu_causal_attention(
+    query: Tensor, key: Tensor, value: Tensor, scaling: float | None
+) -> Tensor:
+    """Causal SDPA with the keys and values repeated to the query's heads, output [batch, seq,
+    heads, dim] as transformers' attention functions return it.
+
+    transformers hands grouped-query attention to SDPA as `enable_gqa`, which the
+    memory-efficient kernel does not take, and float32 (llmq's calibration dtype) rules out the
+    flash kernel: SDPA falls back to its math kernel, which materializes every head's
+    [seq, seq] scores. On an H200 that was about 10 GB of transient memory for 4 windows of
+    2,048 tokens of a Llama-3-8B layer. Repeated keys and values (a quarter of the scores' size
+    there) let the memory-efficient kernel run."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, is_causal=True, scale=scaling
+    )
+    return output.transpose(1, 2).contiguous()

@@ -23,6 +23,8 @@ from llmq.calib.attention import (
     blocked_causal_applies,
     causal_attention,
     causal_mask,
+    gpu_causal_applies,
+    gpu_causal_attention,
     needs_explicit_mask,
 )
 from llmq.calib.experts import ExpertTokens, unfuse_experts
@@ -68,6 +70,8 @@ def _attention_with_kv_hook(
     softcap = kwargs.get("softcap")
     if attention_mask is None and needs_explicit_mask(query, key, kwargs):
         attention_mask = causal_mask(query, key, kwargs.get("sliding_window"))
+    if gpu_causal_applies(module, query, key, attention_mask, softcap):
+        return gpu_causal_attention(query, key, value, kwargs.get("scaling")), None
     if softcap is not None:  # Gemma 2 caps attention logits: SDPA cannot, its eager code does
         eager = sys.modules[type(module).__module__].eager_attention_forward
         return eager(module, query, key, value, attention_mask, **kwargs)

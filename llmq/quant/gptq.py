@@ -13,6 +13,7 @@ be quantized as one stacked weight and their losses told apart.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -228,13 +229,11 @@ def _quantize_block(
 
 
 def _gpu_column_loop(block: Tensor, integer_codes: bool) -> Callable[..., None] | None:
-    """The Triton column loop (`llmq.kernels.gptq`) when it serves this block: on a GPU, where
+    """The Triton column loop (`llmq.quant.gptq_triton`) when it serves this block: on a GPU, where
     the torch ops' per-column launches would bound the loop. Triton is imported only then."""
-    from llmq.kernels.support import triton_installed
-
-    if not block.is_cuda or not triton_installed():
+    if not block.is_cuda or importlib.util.find_spec("triton") is None:
         return None
-    from llmq.kernels import gptq as kernel
+    from llmq.quant import gptq_triton as kernel
 
     return kernel.quantize_columns_gpu if kernel.gpu_loop_applies(block, integer_codes) else None
 

@@ -27,6 +27,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "recipes": (*BASE, "llmq.texts", "llmq.config"),
     "io": BASE,
     "quant": (*BASE, "llmq.config"),
+    # GGUF's block layouts and grids: numpy and the gguf package alone, for now
+    "gguf": BASE,
     "pack": (*BASE, "llmq.config", "llmq.io", "llmq.quant"),
     # kernels read the packed layout and nothing else of llmq
     "kernels": (*BASE, "llmq.pack.layout"),

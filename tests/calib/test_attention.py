@@ -124,3 +124,22 @@ def test_dispatch_only_for_plain_causal_cpu_windows(change: dict, expected: bool
     kwargs = {"scaling": 0.3, "dropout": 0.0}
     kwargs.update({k: v for k, v in change.items() if k not in ("seq", "device", "keys", "mask")})
     assert blocked_causal_applies(_Attention(), query, key, change.get("mask"), kwargs) is expected
+
+
+@pytest.mark.parametrize("kv_heads", [2, 8], ids=["gqa", "mha"])
+def test_gpu_causal_attention_equals_transformers_sdpa(kv_heads: int) -> None:
+    """The GPU path (keys and values repeated to the query's heads, then causal SDPA) computes
+    what transformers' own SDPA attention computes, run here on CPU tensors."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from llmq.calib.attention import gpu_causal_applies, gpu_causal_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 8, 33, 16, generator=generator)
+    key, value = (torch.randn(2, kv_heads, 33, 16, generator=generator) for _ in range(2))
+    module = nn.Module()
+    module.num_key_value_groups, module.is_causal = 8 // kv_heads, True
+    expected, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.25)
+    got = gpu_causal_attention(query, key, value, 0.25)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert not gpu_causal_applies(module, query, key, None, None)  # CPU tensors: not served

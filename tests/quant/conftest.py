@@ -62,7 +62,7 @@ def run_gptq(
         if loop == "torch":
             patch.setattr(gptq, "compiled_loop_applies", lambda *_: False)
         if loop == "triton":
-            from llmq.kernels.gptq import quantize_columns_gpu
+            from llmq.quant.gptq_triton import quantize_columns_gpu
 
             patch.setattr(gptq, "_gpu_column_loop", lambda *_: quantize_columns_gpu)
         result = gptq.gptq_quantize_weight(*args, **kwargs)

@@ -22,8 +22,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from llmq.kernels.support import cdiv
-
 ROUND_MAGIC_F64 = tl.constexpr(6755399441055744.0)  # 1.5 * 2**52
 MAX_COLUMNS = 256  # the widest block one program holds in registers
 ROWS_PER_PROGRAM = 32
@@ -105,7 +103,7 @@ def quantize_columns_gpu(
     operands = [spread, scale, dequant_scale] + ([] if zero is None else [zero])
     spread, scale, dequant_scale, *rest = (t.contiguous() for t in operands)
     zero = rest[0] if rest else scale
-    _columns_kernel[(cdiv(rows, ROWS_PER_PROGRAM),)](
+    _columns_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
         block, spread, scale, zero, dequant_scale, codes, residuals,
         rows, columns, first, len(scale), float(low), float(high),
         HAS_ZERO=bool(rest), COLUMNS=triton.next_power_of_2(columns), TILE=ROWS_PER_PROGRAM,

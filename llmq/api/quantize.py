@@ -53,6 +53,11 @@ def quantize(
     the layers' matrix products in TF32 on a GPU (False: true float32).
     """
     options = options_of(QuantizeOptions, options, values)
+    if options.format == "gguf":
+        from llmq.api.gguf import quantize_gguf
+
+        return quantize_gguf(model, out, options.gguf_recipe(), overwrite=overwrite,
+                             progress=progress, device=device)  # fmt: skip
     return _job(model, out, options, recipe or options.recipe(), progress, overwrite=overwrite,
                 resume=resume, resume_every_s=resume_every_s, space_check=space_check,
                 reference=reference, device=device, stage_activations=stage_activations,

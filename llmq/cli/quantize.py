@@ -46,7 +46,7 @@ from llmq.cli.options import (
     given,
     names,
 )
-from llmq.cli.quantize_report import render
+from llmq.cli.quantize_report import render, render_gguf
 from llmq.config import RESUME_EVERY_S, QuantizeOptions, scheme_names
 
 Q = defaults(QuantizeOptions)
@@ -66,7 +66,8 @@ def quantize(
         typer.Option(
             "--out",
             "-o",
-            help="Output folder (compressed-tensors); must not exist unless --overwrite.",
+            help="Output folder (compressed-tensors), or file with --format gguf; must not exist "
+            "unless --overwrite.",
             rich_help_panel=OUTPUT,
         ),
     ],
@@ -218,6 +219,35 @@ def quantize(
     overwrite: Overwrite = False,
     resume: Resume = False,
     resume_every: ResumeEvery = RESUME_EVERY_S,
+    format: Annotated[
+        str,
+        typer.Option(
+            metavar="FORMAT",
+            help="compressed-tensors (a folder transformers and vLLM load) or gguf (one file for "
+            "llama.cpp; --scheme q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k, q8_0 or q4_0, default "
+            "q4_k_m).",
+            rich_help_panel=SCHEME,
+        ),
+    ] = Q["format"],
+    tensor_type: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="PATTERN=TYPE",
+            help="gguf: the type of the tensors whose GGUF names match the glob (repeat; the first "
+            "match wins), e.g. 'blk.*.ffn_down.weight=q6_k'.",
+            rich_help_panel=SCHEME,
+        ),
+    ] = None,
+    imatrix: Annotated[
+        str | None,
+        typer.Option(
+            metavar="FILE",
+            help="gguf: an importance-matrix file (llmq calibrate --imatrix, or llama.cpp's "
+            "llama-imatrix); none for a data-free file. Default: computed from the calibration "
+            "text.",
+            rich_help_panel=CALIBRATION,
+        ),
+    ] = None,
     require_loader: Annotated[
         list[str] | None,
         typer.Option(
@@ -244,7 +274,8 @@ def quantize(
     from llmq import api
 
     with cli_errors():
-        lists = {"ignore": tuple(ignore or ()), "require_loaders": tuple(names(require_loader))}
+        lists = {"ignore": tuple(ignore or ()), "require_loaders": tuple(names(require_loader)),
+                 "tensor_type": tuple(tensor_type or ())}  # fmt: skip
         options = from_flags(QuantizeOptions, {**given(QuantizeOptions, locals()), **lists})
         with progress_bars(json_out=json_out) as progress, resume_hint_on_interrupt(out):
             result = api.quantize(
@@ -255,5 +286,7 @@ def quantize(
             )  # fmt: skip
     if json_out:
         print_json(result.to_dict())
+    elif options.format == "gguf":
+        render_gguf(result)
     else:
         render(result)

@@ -157,3 +157,23 @@ def _worst_output(linears: list[Any]) -> str:
     if worst is None:
         return "-"
     return f"{_short(worst.name)} {worst.output_error:.4f} ({_number(worst.rtn_output_error)})"
+
+
+def render_gguf(result: Any) -> None:
+    """A GGUF export: the tensors per type, the worst tensors' error, size and time."""
+    table = Table(title=f"GGUF {result.scheme}: tensors per type")
+    table.add_column("type")
+    table.add_column("tensors", justify="right")
+    for name, count in sorted(result.types.items()):
+        table.add_row(name, str(count))
+    out_console.print(table)
+    worst = ", ".join(f"{t['name']} {t['relative_rmse']:.4f}" for t in result.worst_tensors[:3])
+    size = result.size_bytes
+    share = size["output"] / max(size["source"], 1)
+    for label, text in (
+        ("highest weight rel. RMSE:", worst or "-"),
+        ("importance matrix:", result.importance or "none (data-free)"),
+        ("size:", f"{size['output'] / 1e6:.1f} MB ({share:.1%} of the source)"),
+        ("wrote:", f"{result.out} in {result.seconds:.1f} s"),
+    ):
+        out_console.print(labelled(label, "bold", text), soft_wrap=True)

@@ -24,6 +24,7 @@ from llmq.config.recipe import (
     QUANTIZE_METHODS,
     AWQConfig,
     CalibConfig,
+    GGUFRecipe,
     GPTQConfig,
     Recipe,
     build,
@@ -122,8 +123,16 @@ class QuantizeOptions(LayerOptions):
     fallback: FilePath | None = None  # a fallback-scan report, or auto
     fallback_threshold: Fraction | None = None
     require_loaders: tuple[str, ...] = ()
+    format: Literal["compressed-tensors", "gguf"] = "compressed-tensors"
+    tensor_type: tuple[str, ...] = ()  # gguf: PATTERN=TYPE overrides
+    imatrix: FilePath | None = None  # gguf: an importance-matrix file, or "none" (data-free)
 
     def recipe(self) -> Recipe:
+        if self.format == "gguf":
+            raise InputError("--format gguf writes a GGUF file, not a compressed-tensors recipe")
+        stray = self._changed(GGUF_ONLY)
+        if stray:
+            raise InputError(f"--{stray[0].replace('_', '-')}: for --format gguf")
         methods = (*QUANTIZE_METHODS, *PRUNING_METHODS)
         if self.method not in methods:  # first: the other checks read the method
             raise InputError(f"unknown method {self.method!r}", hint=f"choose one of: {', '.join(sorted(methods))}")  # fmt: skip
@@ -138,6 +147,39 @@ class QuantizeOptions(LayerOptions):
         clip = get_scheme(self.scheme).clip_for(self.method) if self.clip is None else self.clip
         return _recipe(self, scheme=self.scheme, actorder=self.actorder, clip=clip)
 
+    def gguf_recipe(self) -> GGUFRecipe:
+        """The GGUF export these options ask for. Its own options, the calibration's and
+        `--skip-layer-check` (no importance matrix: data-free) apply; a compressed-tensors
+        option given with it is refused, not ignored."""
+        foreign = self._changed(set(type(self).model_fields) - GGUF_OPTIONS)
+        if foreign:
+            raise InputError(f"--{foreign[0].replace('_', '-')}: not an option of --format gguf")
+        if self.method != "rtn":
+            raise InputError(
+                f"--method {self.method}: GGUF export rounds to llama.cpp's grids with an "
+                "importance-weighted scale search; GPTQ on those grids is not in llmq yet",
+                hint="drop --method (rtn)",
+            )
+        data_free = self.skip_layer_check or self.imatrix == "none"
+        samples = self.num_samples or DEFAULT_CALIB_SAMPLES
+        calibration = None if data_free or self.imatrix else self.calibration(samples)
+        return build(
+            GGUFRecipe,
+            # compressed-tensors' default scheme stands for GGUF's
+            scheme=GGUFRecipe().scheme if self.scheme == default(QuantizeOptions, "scheme") else self.scheme,
+            tensor_types=self.tensor_type,
+            imatrix=None if self.imatrix == "none" else self.imatrix,
+            calibration=calibration,
+        )  # fmt: skip
+
+    def _changed(self, names: Any) -> list[str]:
+        """Which of `names` ask for something: other than their default, "none" or empty."""
+        fields = type(self).model_fields
+        unset = (None, "none", ())
+        return sorted(
+            name for name in names if getattr(self, name) not in (fields[name].default, *unset)
+        )
+
     @property
     def calibrated(self) -> bool:
         """Whether the recipe needs data: a calibrated method, or options that read activations."""
@@ -146,6 +188,13 @@ class QuantizeOptions(LayerOptions):
             or self.activations == "static"
             or any(option not in (None, "none") for option in (self.smooth, self.kv_cache))
         )
+
+
+GGUF_ONLY = ("tensor_type", "imatrix")
+GGUF_OPTIONS = {
+    "format", "scheme", "method", *GGUF_ONLY, "skip_layer_check",
+    *CalibrationOptions.model_fields,
+}  # fmt: skip
 
 
 class StructuredOptions(CalibrationOptions):

@@ -238,6 +238,18 @@ def with_group_size(args: QuantArgs, group_size: int | None) -> QuantArgs:
     return args.model_copy(update={"strategy": "group", "group_size": group_size})
 
 
+class GGUFRecipe(BaseModel):
+    """A GGUF export (`quantize --format gguf`): llama.cpp's file type, per-tensor type overrides
+    and where the importance matrix comes from (a file, the calibration text, or nowhere)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    scheme: str = "q4_k_m"
+    tensor_types: tuple[str, ...] = ()  # PATTERN=TYPE over GGUF tensor names, first match wins
+    imatrix: str | None = None  # an importance-matrix file (llmq's or llama.cpp's)
+    calibration: CalibConfig | None = None  # the imatrix from this text, when no file is given
+
+
 def build(model_cls: type[BaseModel], /, **fields: object) -> BaseModel:
     """Build a config, turning pydantic's validation errors into one-line InputErrors."""
     try:

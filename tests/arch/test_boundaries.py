@@ -27,8 +27,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "recipes": (*BASE, "llmq.texts", "llmq.config"),
     "io": BASE,
     "quant": (*BASE, "llmq.config"),
-    # GGUF's block layouts and grids: numpy and the gguf package alone, for now
-    "gguf": BASE,
+    # GGUF export: its block layouts and grids, the checkpoint, and a calibration pass for the
+    # importance matrix
+    "gguf": (*BASE, "llmq.config", "llmq.io", "llmq.calib"),
     "pack": (*BASE, "llmq.config", "llmq.io", "llmq.quant"),
     # kernels read the packed layout and nothing else of llmq
     "kernels": (*BASE, "llmq.pack.layout"),
@@ -108,6 +109,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "llmq.eval",
         "llmq.pipeline",
         "llmq.distillation",
+        "llmq.gguf",
     ),
     # clients of the API, as the CLI is
     "batch": (

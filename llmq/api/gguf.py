@@ -1,0 +1,58 @@
+"""`quantize --format gguf`: a checkpoint into one GGUF file for llama.cpp."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from llmq.api.common import _open
+from llmq.config import GGUFRecipe
+from llmq.errors import InputError
+from llmq.progress import NO_PROGRESS, Progress
+
+
+def quantize_gguf(
+    model: str | Path,
+    out: str | Path,
+    recipe: GGUFRecipe,
+    *,
+    overwrite: bool = False,
+    progress: Progress = NO_PROGRESS,
+    device: str | None = None,
+) -> Any:
+    """Write MODEL as the GGUF file OUT with `recipe`'s scheme, overrides and importance
+    matrix (read from `recipe.imatrix`, computed from `recipe.calibration`, or none). Returns a
+    `llmq.gguf.export.GGUFResult`. Everything is checked before the calibration pass."""
+    from llmq.gguf.export import check_gguf_output, export_gguf, plan_tensors
+    from llmq.gguf.imatrix import imatrix_from_calibration, read_imatrix
+    from llmq.gguf.mix import get_gguf_scheme, parse_tensor_types
+    from llmq.io.atomic import refuse_inputs
+
+    started = time.perf_counter()
+    out = Path(out)
+    scheme = get_gguf_scheme(recipe.scheme)
+    overrides = parse_tensor_types(recipe.tensor_types)
+    ckpt = _open(model, progress)
+    plan = plan_tensors(ckpt, scheme, overrides)  # an unmapped family or tensor: refused now
+    refuse_inputs(out, [("model", ckpt.path), ("imatrix", recipe.imatrix)])
+    check_gguf_output(out, overwrite=overwrite)
+    imatrix, source = None, None
+    if recipe.imatrix is not None:
+        imatrix, source = read_imatrix(Path(recipe.imatrix)), recipe.imatrix
+        if not set(imatrix.sums) & {tensor.name for tensor in plan}:
+            raise InputError(
+                f"--imatrix {recipe.imatrix}: names none of this model's tensors",
+                hint="an imatrix is made for one model: llmq calibrate --imatrix, or llama-imatrix",
+            )
+    elif recipe.calibration is not None:
+        cal = recipe.calibration
+        imatrix = imatrix_from_calibration(ckpt, cal, progress=progress, device=device)
+        source = f"{cal.num_samples} x {cal.seq_len} tokens of {cal.text}"
+    result = export_gguf(
+        ckpt, out, scheme, overrides=overrides,
+        importance=None if imatrix is None else imatrix.importance(), importance_source=source,
+        overwrite=overwrite, progress=progress,
+    )  # fmt: skip
+    result.seconds = time.perf_counter() - started  # the calibration pass included
+    return result

@@ -1,0 +1,215 @@
+"""Write a checkpoint as one GGUF file: each tensor read, encoded and written in turn, so memory
+stays near the largest tensor whatever the model's size.
+
+The file is written under a temporary name beside OUT and renamed when complete; an existing
+OUT is replaced only with `overwrite`, and only when llmq wrote it (its `general.quantized_by`
+says so): a user's own GGUF is never replaced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from llmq.errors import InputError
+from llmq.gguf.blocks import SPECS, codes_for, dequantized, pack
+from llmq.gguf.grids import choose_grid
+from llmq.gguf.mix import GGUFScheme, choose_type
+from llmq.gguf.model import (
+    TensorNames,
+    gguf_arch,
+    permute_rotary_rows,
+    write_hyperparameters,
+    write_tokenizer,
+)
+from llmq.io.atomic import claim_output, partial_file
+from llmq.io.checkpoint import Checkpoint
+from llmq.progress import NO_PROGRESS, Progress
+
+QUANTIZED_BY = "llmq"
+_FLOAT = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedTensor:
+    source: str  # the checkpoint's name
+    name: str  # the GGUF name
+    shape: tuple[int, ...]
+    qtype: gguf.GGMLQuantizationType
+    rotary_heads: int | None  # q/k rows to permute for the architecture's rotary layout
+
+    @property
+    def nbytes(self) -> int:
+        if self.qtype in _FLOAT:
+            return int(np.prod(self.shape)) * np.dtype(_FLOAT[self.qtype]).itemsize
+        spec = SPECS[self.qtype]
+        return self.shape[0] * self.shape[1] // spec.block_size * spec.type_size
+
+
+@dataclass(slots=True)
+class GGUFResult:
+    out: str
+    model: str
+    scheme: str
+    types: dict[str, int]  # tensors per GGUF type
+    importance: str | None  # where the importance matrix came from, if any
+    seconds: float
+    size_bytes: dict[str, int]
+    worst_tensors: list[dict[str, Any]] = field(default_factory=list)  # highest relative RMSE
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def export_gguf(
+    ckpt: Checkpoint,
+    out: Path,
+    scheme: GGUFScheme,
+    *,
+    overrides: tuple[tuple[str, gguf.GGMLQuantizationType], ...] = (),
+    importance: dict[str, np.ndarray] | None = None,
+    importance_source: str | None = None,
+    overwrite: bool = False,
+    progress: Progress = NO_PROGRESS,
+) -> GGUFResult:
+    """Encode `ckpt` into the GGUF file `out` with `scheme`'s mix (and `overrides`, first
+    match wins). `importance` maps a weight's GGUF name to the mean square of each of its
+    inputs over calibration text (llama.cpp's importance matrix, `Imatrix.importance`): the
+    scale search weighs each weight's error by it."""
+    started = time.perf_counter()
+    arch = gguf_arch(ckpt.config)
+    plan = plan_tensors(ckpt, scheme, overrides)
+    with claim_output(out, inputs=[("model", ckpt.path)]):
+        check_gguf_output(out, overwrite=overwrite)
+        with partial_file(out) as partial:
+            writer = gguf.GGUFWriter(partial, gguf.MODEL_ARCH_NAMES[arch.arch])
+            writer.add_name(ckpt.path.name)
+            writer.add_quantized_by(QUANTIZED_BY)
+            write_hyperparameters(writer, ckpt.model_config())
+            writer.add_file_type(scheme.file_type)
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            write_tokenizer(writer, ckpt.path, int(ckpt.config["vocab_size"]))
+            errors = _write_tensors(writer, ckpt, plan, importance or {}, progress)
+    worst = sorted(errors.items(), key=lambda item: -item[1])[:5]
+    return GGUFResult(
+        out=str(out),
+        model=str(ckpt.path),
+        scheme=scheme.name,
+        types=dict(Counter(t.qtype.name for t in plan)),
+        importance=importance_source,
+        seconds=time.perf_counter() - started,
+        size_bytes={"source": _weights_bytes(ckpt), "output": out.stat().st_size},
+        worst_tensors=[{"name": name, "relative_rmse": error} for name, error in worst],
+    )
+
+
+def plan_tensors(
+    ckpt: Checkpoint, scheme: GGUFScheme, overrides: tuple[tuple[str, Any], ...] = ()
+) -> list[PlannedTensor]:
+    """Every tensor of the checkpoint with its GGUF name and type, in the checkpoint's order."""
+    arch = gguf_arch(ckpt.config)
+    layers = ckpt.num_layers
+    names = TensorNames(arch, layers)
+    config = ckpt.config
+    heads = int(config["num_attention_heads"])
+    rotary = {"attn_q": heads, "attn_k": int(config.get("num_key_value_heads") or heads)}
+    output = "token_embd.weight" if ckpt.tied_embeddings else "output.weight"
+    plan = []
+    for source, info in ckpt.tensors.items():
+        if source.endswith("rotary_emb.inv_freq"):
+            continue
+        name = names.gguf_name(source)
+        shape = tuple(info.shape)
+        qtype = choose_type(
+            scheme, name, shape, layers, is_output=name == output, overrides=overrides
+        )
+        kind = name.split(".")[-2] if name.startswith("blk.") else ""
+        heads_here = rotary.get(kind) if arch.permute_rotary and name.endswith(".weight") else None
+        plan.append(PlannedTensor(source, name, shape, qtype, heads_here))
+    return plan
+
+
+def _write_tensors(
+    writer: gguf.GGUFWriter,
+    ckpt: Checkpoint,
+    plan: list[PlannedTensor],
+    importance: dict[str, np.ndarray],
+    progress: Progress,
+) -> dict[str, float]:
+    """Declare every tensor, write the header, then encode and write them one at a time.
+    Returns each quantized tensor's relative RMSE."""
+    for tensor in plan:
+        dtype = _FLOAT.get(tensor.qtype, np.uint8)
+        shape = tensor.shape if tensor.qtype in _FLOAT else _byte_shape(tensor)
+        raw = None if tensor.qtype in _FLOAT else tensor.qtype
+        writer.add_tensor_info(tensor.name, shape, np.dtype(dtype), tensor.nbytes, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    errors = {}
+    with progress.stage("encoding and writing tensors", total=len(plan)) as step:
+        for tensor in plan:
+            weight = ckpt.read(tensor.source).float().numpy()
+            ckpt.close()
+            if tensor.rotary_heads is not None:
+                weight = permute_rotary_rows(weight, tensor.rotary_heads)
+            data, error = encode(tensor, weight, importance.get(tensor.name))
+            if error is not None:
+                errors[tensor.name] = error
+            writer.write_tensor_data(data)
+            step(1)
+    writer.close()
+    return errors
+
+
+def encode(
+    tensor: PlannedTensor, weight: np.ndarray, importance: np.ndarray | None
+) -> tuple[np.ndarray, float | None]:
+    """The tensor's bytes as its type stores them, and (quantized types) the relative RMSE of
+    what a reader decodes."""
+    if tensor.qtype in _FLOAT:
+        return np.ascontiguousarray(weight.astype(_FLOAT[tensor.qtype])), None
+    grid = choose_grid(tensor.qtype, weight, importance)
+    codes = codes_for(grid, weight)
+    decoded = dequantized(grid, codes)
+    norm = float(np.linalg.norm(weight))
+    error = float(np.linalg.norm(decoded - weight)) / norm if norm > 0 else 0.0
+    return pack(grid, codes), error
+
+
+def _byte_shape(tensor: PlannedTensor) -> tuple[int, ...]:
+    spec = SPECS[tensor.qtype]
+    return (tensor.shape[0], tensor.shape[1] // spec.block_size * spec.type_size)
+
+
+def _weights_bytes(ckpt: Checkpoint) -> int:
+    return sum(path.stat().st_size for path in ckpt.path.glob("*.safetensors"))
+
+
+def check_gguf_output(out: Path, *, overwrite: bool) -> None:
+    """Refuse an existing OUT without `overwrite`, and with it any file llmq did not write."""
+    if not out.exists():
+        return
+    if out.is_dir():
+        raise InputError(f"{out}: a folder", hint="a GGUF output is one file: name it NAME.gguf")
+    if not overwrite:
+        raise InputError(f"{out}: already exists", hint="choose another --out or pass --overwrite")
+    if not written_by_llmq(out):
+        raise InputError(
+            f"{out}: not a GGUF file llmq wrote, so --overwrite will not replace it",
+            hint="choose another --out, or remove that file yourself",
+        )
+
+
+def written_by_llmq(path: Path) -> bool:
+    try:
+        field_ = gguf.GGUFReader(path).get_field(gguf.Keys.General.QUANTIZED_BY)
+    except (OSError, ValueError):
+        return False
+    return field_ is not None and field_.contents() == QUANTIZED_BY

@@ -1,0 +1,112 @@
+"""The importance matrix: per input channel of each linear, the mean square of its input over
+calibration text — llama.cpp's `llama-imatrix` statistic, computed by llmq's own calibration, and
+read and written in llama.cpp's file format so that either tool can use the other's.
+
+The file is a GGUF with `general.type = "imatrix"`: for each weight, by its GGUF name,
+`<name>.in_sum2` (the sums of squares, float32 [channels, 1]) and `<name>.counts` (the tokens
+summed, float32 [1, 1]); `imatrix.datasets`, `imatrix.chunk_count` and `imatrix.chunk_size`
+say what it was computed on. A reader divides the sums by the counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from llmq.config import CalibConfig
+from llmq.errors import InputError
+from llmq.gguf.model import TensorNames, gguf_arch
+from llmq.io.atomic import partial_file
+from llmq.io.checkpoint import Checkpoint
+from llmq.progress import NO_PROGRESS, Progress
+
+
+@dataclass(slots=True)
+class Imatrix:
+    """Sums of squared inputs and token counts, by GGUF weight name."""
+
+    sums: dict[str, np.ndarray]
+    counts: dict[str, float]
+    arch: str = ""  # the model's GGUF architecture, when known
+    datasets: tuple[str, ...] = ()
+    chunk_count: int = 0
+    chunk_size: int = 0
+
+    def importance(self) -> dict[str, np.ndarray]:
+        """Each weight's mean squared input per channel (what the scale search weighs by)."""
+        return {
+            name: (total / max(self.counts[name], 1.0)).astype(np.float32)
+            for name, total in self.sums.items()
+        }
+
+
+def imatrix_from_calibration(
+    ckpt: Checkpoint,
+    calibration: CalibConfig,
+    *,
+    progress: Progress = NO_PROGRESS,
+    device: str | None = None,
+) -> Imatrix:
+    """The float model's linear inputs over the calibration windows, layer by layer (llmq's
+    calibration pass, sums of squares only)."""
+    from llmq.calib.collect import collect_stats
+    from llmq.calib.windows import model_windows
+
+    arch = gguf_arch(ckpt.config)
+    names = TensorNames(arch, ckpt.num_layers)
+    windows = model_windows(ckpt.path, calibration, progress)
+    stats = collect_stats(ckpt, windows.input_ids, norms=True, progress=progress, device=device)
+    sums, counts = {}, {}
+    for linear, observed in stats.inputs.items():
+        assert observed.sq_sum is not None
+        name = names.gguf_name(f"{linear}.weight")
+        sums[name] = observed.sq_sum.double().cpu().numpy()
+        counts[name] = float(observed.num_tokens)
+    return Imatrix(
+        sums, counts, gguf.MODEL_ARCH_NAMES[arch.arch], datasets=(calibration.text,),
+        chunk_count=calibration.num_samples, chunk_size=calibration.seq_len,
+    )  # fmt: skip
+
+
+def save_imatrix(path: Path, imatrix: Imatrix) -> None:
+    """Write `imatrix` in llama.cpp's format (the file `llama-quantize --imatrix` reads)."""
+    with partial_file(path) as partial:
+        writer = gguf.GGUFWriter(partial, arch=imatrix.arch or "unknown")
+        writer.add_type(gguf.GGUFType.IMATRIX)
+        writer.add_array(gguf.Keys.IMatrix.DATASETS, list(imatrix.datasets))
+        writer.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, imatrix.chunk_count)
+        writer.add_uint32(gguf.Keys.IMatrix.CHUNK_SIZE, imatrix.chunk_size)
+        for name in sorted(imatrix.sums):
+            writer.add_tensor(f"{name}.in_sum2", imatrix.sums[name].astype(np.float32)[None, :])
+            writer.add_tensor(f"{name}.counts", np.array([[imatrix.counts[name]]], np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+
+def read_imatrix(path: Path) -> Imatrix:
+    """An imatrix file written by llmq or by llama.cpp's `llama-imatrix` (GGUF format)."""
+    try:
+        reader = gguf.GGUFReader(path)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: not a readable GGUF imatrix file ({exc})") from None
+    kind = reader.get_field(gguf.Keys.General.TYPE)
+    if kind is None or kind.contents() != gguf.GGUFType.IMATRIX:
+        raise InputError(f"{path}: a GGUF file, but not an imatrix (general.type)")
+    tensors = {tensor.name: np.asarray(tensor.data, dtype=np.float64) for tensor in reader.tensors}
+    sums, counts = {}, {}
+    for key, data in tensors.items():
+        if key.endswith(".in_sum2"):
+            name = key.removesuffix(".in_sum2")
+            count = tensors.get(f"{name}.counts")
+            if count is None:
+                raise InputError(f"{path}: {name} has sums but no counts")
+            if count.size != 1:
+                raise InputError(f"{path}: {name} is per expert; llmq reads dense imatrices")
+            sums[name], counts[name] = data.reshape(-1), float(count.reshape(-1)[0])
+    datasets = reader.get_field(gguf.Keys.IMatrix.DATASETS)
+    return Imatrix(sums, counts, datasets=() if datasets is None else tuple(datasets.contents()))

@@ -1,0 +1,148 @@
+"""Which GGUF type each tensor gets: a scheme's mix, as llama.cpp's quantizer chooses it, and
+the user's `--tensor-type PATTERN=TYPE` overrides.
+
+llama.cpp names its file types after their main type and a size: `_S` keeps the main type
+almost everywhere, `_M` spends more bits where the error costs most. The rules here are the
+ones its `llama-quantize` applies to dense decoders (docs/gguf.md lists them):
+
+- the output projection (the tied embedding when there is none) at Q6_K under any K-quant
+  scheme, Q8_0 under q8_0;
+- q4_k_m and q5_k_m: attn_v and ffn_down at Q6_K in the first and last eighth of the layers and
+  every third layer in between (`_more_bits`);
+- q4_k_s: attn_v at Q5_K in the first four layers, ffn_down at Q5_K in the first eighth;
+- norms and other 1-D tensors stay F32;
+- a K-quant needs rows of whole 256-weight super-blocks: a tensor whose rows are not falls back
+  to the nearest 32-block type (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), and to F16 when its
+  rows are not whole 32-blocks either.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+
+from gguf import GGMLQuantizationType, LlamaFileType
+
+from llmq.errors import InputError
+from llmq.gguf.blocks import SPECS
+
+_Q = GGMLQuantizationType
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFScheme:
+    """A llama.cpp file type: its main tensor type and how it raises some tensors."""
+
+    name: str
+    main: GGMLQuantizationType
+    file_type: LlamaFileType
+    more_bits: GGMLQuantizationType | None = None  # attn_v / ffn_down in `_more_bits` layers
+    early_bits: GGMLQuantizationType | None = None  # q4_k_s's raised early layers
+
+
+SCHEMES = {
+    scheme.name: scheme
+    for scheme in (
+        GGUFScheme("q4_k_m", _Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_M, more_bits=_Q.Q6_K),
+        GGUFScheme("q4_k_s", _Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_S, early_bits=_Q.Q5_K),
+        GGUFScheme("q5_k_m", _Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_M, more_bits=_Q.Q6_K),
+        GGUFScheme("q5_k_s", _Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_S),
+        GGUFScheme("q6_k", _Q.Q6_K, LlamaFileType.MOSTLY_Q6_K),
+        GGUFScheme("q8_0", _Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+        GGUFScheme("q4_0", _Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    )
+}
+K_FALLBACK = {_Q.Q4_K: _Q.Q5_0, _Q.Q5_K: _Q.Q5_1, _Q.Q6_K: _Q.Q8_0}
+FLOAT_TYPES = {"f32": _Q.F32, "f16": _Q.F16}
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+def get_gguf_scheme(name: str) -> GGUFScheme:
+    try:
+        return SCHEMES[name.lower()]
+    except KeyError:
+        raise InputError(
+            f"--scheme {name}: not a GGUF scheme", hint=f"choose one of {', '.join(SCHEMES)}"
+        ) from None
+
+
+def parse_tensor_types(rules: tuple[str, ...]) -> tuple[tuple[str, GGMLQuantizationType], ...]:
+    """`PATTERN=TYPE` rules (a glob over GGUF tensor names, e.g. "blk.*.ffn_down.weight=q6_k"),
+    in the order given: the first that matches a tensor wins."""
+    parsed = []
+    for rule in rules:
+        pattern, sep, type_name = rule.partition("=")
+        if not sep or not pattern:
+            raise InputError(f"--tensor-type {rule!r}: expected PATTERN=TYPE")
+        parsed.append((pattern, tensor_type(type_name)))
+    return tuple(parsed)
+
+
+def tensor_type(name: str) -> GGMLQuantizationType:
+    """A GGUF type llmq writes, by name (q4_k, Q6_K, f16, ...)."""
+    key = name.strip().lower()
+    if key in FLOAT_TYPES:
+        return FLOAT_TYPES[key]
+    for qtype in SPECS:
+        if qtype.name.lower() == key:
+            return qtype
+    known = ", ".join([*FLOAT_TYPES, *(q.name.lower() for q in SPECS)])
+    raise InputError(f"GGUF type {name!r}: not one llmq writes", hint=f"choose one of {known}")
+
+
+def choose_type(
+    scheme: GGUFScheme,
+    name: str,
+    shape: tuple[int, ...],
+    num_layers: int,
+    *,
+    is_output: bool,
+    overrides: tuple[tuple[str, GGMLQuantizationType], ...] = (),
+) -> GGMLQuantizationType:
+    """The type of GGUF tensor `name` [rows, cols] (gguf's names) under `scheme`."""
+    if len(shape) < 2:
+        return _Q.F32
+    wanted = next((t for pattern, t in overrides if fnmatch.fnmatchcase(name, pattern)), None)
+    if wanted is None:
+        wanted = _scheme_type(scheme, name, num_layers, is_output=is_output)
+    return fitting_type(wanted, shape[-1])
+
+
+def _scheme_type(
+    scheme: GGUFScheme, name: str, num_layers: int, *, is_output: bool
+) -> GGMLQuantizationType:
+    if is_output:
+        return _Q.Q8_0 if scheme.main == _Q.Q8_0 else _Q.Q6_K if scheme.main in K_FALLBACK else scheme.main  # fmt: skip
+    layer = _LAYER.match(name)
+    if layer is None:
+        return scheme.main
+    index = int(layer.group(1))
+    raised = ".attn_v." in name or ".ffn_down." in name
+    if raised and scheme.more_bits is not None and _more_bits(index, num_layers):
+        return scheme.more_bits
+    if scheme.early_bits is not None:
+        if ".attn_v." in name and index < 4:
+            return scheme.early_bits
+        if ".ffn_down." in name and index < num_layers // 8:
+            return scheme.early_bits
+    return scheme.main
+
+
+def _more_bits(index: int, num_layers: int) -> bool:
+    """llama.cpp's layers that `_M` schemes raise: the first and last eighth, and every third
+    layer in between."""
+    eighth = num_layers // 8
+    return index < eighth or index >= 7 * num_layers // 8 or (index - eighth) % 3 == 2
+
+
+def fitting_type(wanted: GGMLQuantizationType, cols: int) -> GGMLQuantizationType:
+    """`wanted`, or what llama.cpp falls back to when a row is not whole blocks of it."""
+    if wanted in FLOAT_TYPES.values():
+        return wanted
+    if cols % SPECS[wanted].block_size == 0:
+        return wanted
+    fallback = K_FALLBACK.get(wanted)
+    if fallback is not None and cols % SPECS[fallback].block_size == 0:
+        return fallback
+    return _Q.F16

@@ -1,0 +1,229 @@
+"""GGUF export end to end: what transformers' GGUF reader (which dequantizes with the gguf
+package) loads from llmq's file is the model llmq meant to write; the per-tensor types follow
+llama.cpp's mixes; importance matrices round-trip; bad input is one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+
+import llmq
+from llmq.errors import InputError
+from llmq.gguf.export import plan_tensors, written_by_llmq
+from llmq.gguf.imatrix import Imatrix, read_imatrix, save_imatrix
+from llmq.gguf.mix import get_gguf_scheme
+from llmq.gguf.model import permute_rotary_rows
+from llmq.io.checkpoint import open_checkpoint
+from tests.conftest import assert_bad_input, make_tiny
+
+
+def _tiny(tmp_path: Path, default_model: Path, model_type: str, **fields: object) -> Path:
+    """A tiny random model of `model_type` with 256-wide rows (whole K-quant super-blocks)."""
+    extra = {"head_dim": 128} if model_type == "qwen3" else {}  # transformers' Qwen3 GGUF reads 128
+    return make_tiny(
+        tmp_path / model_type, default_model, model_type=model_type, hidden=256, heads=4,
+        kv_heads=2, **{**extra, **fields},
+    )  # fmt: skip
+
+
+def _reference_weights(path: Path, heads: int, kv_heads: int, llama: bool) -> dict[str, Tensor]:
+    """Each tensor of the GGUF file dequantized by the gguf package's own code, q/k rows put
+    back in Hugging Face's order for the llama architecture; by GGUF name."""
+    weights = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        values = values.reshape([int(n) for n in reversed(tensor.shape)])
+        if llama and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            group = heads if "attn_q" in tensor.name else kv_heads
+            values = _unpermute(values, group)
+        weights[tensor.name] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    return weights
+
+
+def _unpermute(values: np.ndarray, heads: int) -> np.ndarray:
+    half = values.shape[0] // heads // 2
+    return values.reshape(heads, half, 2, -1).swapaxes(1, 2).reshape(values.shape)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "scheme", "bound"),
+    [("llama", "q8_0", 0.01), ("llama", "q4_k_m", 0.12), ("qwen3", "q6_k", 0.04)],
+)
+@pytest.mark.integration
+def test_transformers_loads_the_model_llmq_meant(
+    tmp_path: Path, default_model: Path, model_type: str, scheme: str, bound: float
+) -> None:
+    """transformers' GGUF loader gives the logits of the float model with every weight replaced
+    by its reference-dequantized value (names, q/k order and hyperparameters all right), each
+    weight within the type's error, and the same token ids from the file's tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = _tiny(tmp_path, default_model, model_type)
+    out = tmp_path / f"{model_type}-{scheme}.gguf"
+    result = llmq.quantize(source, out, format="gguf", scheme=scheme, imatrix="none")
+    assert out.is_file() and written_by_llmq(out) and result.importance is None
+
+    float_model = AutoModelForCausalLM.from_pretrained(source).eval()
+    config = float_model.config
+    ckpt = open_checkpoint(source)
+    names = {t.source: t.name for t in plan_tensors(ckpt, get_gguf_scheme(scheme))}
+    reference = _reference_weights(
+        out, config.num_attention_heads, config.num_key_value_heads, model_type == "llama"
+    )
+    state = float_model.state_dict()
+    for source_name, gguf_name in names.items():
+        original, decoded = state[source_name], reference[gguf_name]
+        if original.dim() == 2:
+            error = float((decoded - original).norm() / original.norm())
+            assert error < bound, (gguf_name, error)
+        state[source_name] = decoded
+    float_model.load_state_dict(state)
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = float_model(ids).logits, loaded(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+    text = "def quantize(model):\n    return 'GGUF' + \" files\"  # 42"
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)
+    assert tokenizer(text)["input_ids"] == AutoTokenizer.from_pretrained(source)(text)["input_ids"]
+
+
+@pytest.mark.integration
+def test_mixes_raise_attn_v_and_ffn_down_where_llama_cpp_does(
+    tmp_path: Path, default_model: Path
+) -> None:
+    """q4_k_m on 8 layers: attn_v and ffn_down at Q6_K in layers 0, 3, 6 and 7 (the first and
+    last eighth, every third between), the tied output at Q6_K; q4_k_s raises attn_v in the
+    first four layers and ffn_down in the first eighth to Q5_K; rows of 192 (not whole
+    256-blocks) fall back to Q5_0, norms stay F32."""
+    ckpt = open_checkpoint(_tiny(tmp_path, default_model, "llama", layers=8))
+    types = {t.name: t.qtype.name for t in plan_tensors(ckpt, get_gguf_scheme("q4_k_m"))}
+    raised = {i for i in range(8) if types[f"blk.{i}.attn_v.weight"] == "Q6_K"}
+    assert raised == {i for i in range(8) if types[f"blk.{i}.ffn_down.weight"] == "Q6_K"}
+    assert raised == {0, 3, 6, 7}
+    assert types["token_embd.weight"] == "Q6_K" and types["blk.0.attn_norm.weight"] == "F32"
+    assert types["blk.1.attn_q.weight"] == types["blk.1.ffn_up.weight"] == "Q4_K"
+    small = {t.name: t.qtype.name for t in plan_tensors(ckpt, get_gguf_scheme("q4_k_s"))}
+    assert {i for i in range(8) if small[f"blk.{i}.attn_v.weight"] == "Q5_K"} == {0, 1, 2, 3}
+    assert {i for i in range(8) if small[f"blk.{i}.ffn_down.weight"] == "Q5_K"} == {0}
+    narrow = open_checkpoint(make_tiny(tmp_path / "narrow", default_model, hidden=192))
+    fallback = {t.name: t.qtype.name for t in plan_tensors(narrow, get_gguf_scheme("q4_k_m"))}
+    assert fallback["blk.0.attn_q.weight"] == "Q5_0"  # 192 inputs: no whole super-block
+    assert fallback["blk.1.ffn_down.weight"] == "Q6_K"  # 512 inputs: the last layer raised
+
+
+def test_permuted_rows_interleave_each_heads_halves() -> None:
+    """Row h·d + 2i + j of the permuted weight is row h·d + j·d/2 + i of the original."""
+    heads, d = 3, 8
+    weight = np.arange(heads * d * 2, dtype=np.float32).reshape(heads * d, 2)
+    permuted = permute_rotary_rows(weight, heads)
+    for h in range(heads):
+        for i in range(d // 2):
+            for j in range(2):
+                assert np.array_equal(permuted[h * d + 2 * i + j], weight[h * d + j * d // 2 + i])
+
+
+def test_imatrix_files_round_trip(tmp_path: Path) -> None:
+    sums = {"blk.0.attn_q.weight": np.array([1.0, 4.0, 9.0]), "output.weight": np.ones(5)}
+    written = Imatrix(sums, {"blk.0.attn_q.weight": 2.0, "output.weight": 5.0}, "llama", ("t",))
+    save_imatrix(tmp_path / "m.imatrix", written)
+    read = read_imatrix(tmp_path / "m.imatrix")
+    assert read.counts == written.counts and read.datasets == ("t",)
+    importance = read.importance()
+    np.testing.assert_array_equal(importance["blk.0.attn_q.weight"], [0.5, 2.0, 4.5])
+    np.testing.assert_array_equal(importance["output.weight"], np.full(5, 0.2, np.float32))
+
+
+@pytest.mark.integration
+def test_importance_from_calibration_weighs_the_export(tmp_path: Path, default_model: Path) -> None:
+    """The calibration's imatrix names every linear by its GGUF name, with one positive value
+    per input channel, and a file made from it steers the export as computing it does."""
+    source = _tiny(tmp_path, default_model, "llama")
+    imatrix_file = tmp_path / "tiny.imatrix"
+    made = llmq.quantize(source, tmp_path / "a.gguf", format="gguf", num_samples=2, seq_len=32)
+    from llmq.config import CalibConfig
+    from llmq.gguf.imatrix import imatrix_from_calibration
+
+    calibration = CalibConfig(num_samples=2, seq_len=32)
+    imatrix = imatrix_from_calibration(open_checkpoint(source), calibration)
+    assert sorted(imatrix.sums) == sorted(
+        f"blk.{i}.{kind}.weight" for i in range(2)
+        for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    )  # fmt: skip
+    assert all((values > 0).all() for values in imatrix.sums.values())
+    assert set(imatrix.counts.values()) == {64.0}  # 2 windows of 32 tokens
+    save_imatrix(imatrix_file, imatrix)
+    again = llmq.quantize(source, tmp_path / "b.gguf", format="gguf", imatrix=str(imatrix_file))
+    assert made.importance is not None and again.importance == str(imatrix_file)
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--scheme", "q3_k_xl"], "--scheme q3_k_xl: not a GGUF scheme"),
+        (["--method", "gptq"], "--method gptq: GGUF export"),
+        (["--group-size", "64"], "--group-size: not an option of --format gguf"),
+        (["--tensor-type", "blk.*"], "expected PATTERN=TYPE"),
+        (["--tensor-type", "blk.*=q9_k"], "'q9_k': not one llmq writes"),
+    ],
+)
+def test_bad_gguf_options_exit_2(
+    tmp_path: Path, tiny_llama: Path, extra: list[str], fragment: str
+) -> None:
+    from tests.cli.test_cli import run
+
+    result = run("quantize", str(tiny_llama), "--out", str(tmp_path / "m.gguf"), "--format", "gguf", "--imatrix", "none", *extra)  # fmt: skip
+    assert_bad_input(result, fragment)
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_file_llmq_did_not_write_is_never_replaced(tmp_path: Path, tiny_llama: Path) -> None:
+    from tests.cli.test_cli import run
+
+    users = tmp_path / "mine.gguf"
+    users.write_bytes(b"a user's own file")
+    result = run("quantize", str(tiny_llama), "--out", str(users), "--format", "gguf", "--imatrix", "none", "--overwrite")  # fmt: skip
+    assert_bad_input(result, "not a GGUF file llmq wrote")
+    assert users.read_bytes() == b"a user's own file"
+
+
+def test_a_family_without_a_gguf_mapping_is_one_line(tmp_path: Path, default_model: Path) -> None:
+    phi3 = make_tiny(tmp_path / "phi3", default_model, model_type="phi3", hidden=256, heads=4)
+    with pytest.raises(InputError, match="model_type 'phi3': no GGUF mapping"):
+        llmq.quantize(phi3, tmp_path / "p.gguf", format="gguf", imatrix="none")
+
+
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2 = {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")}}
+
+
+@pytest.mark.parametrize(
+    ("pre_tokenizer", "name"),
+    [
+        ({"type": "ByteLevel", "use_regex": True}, "gpt-2"),
+        ({"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}}, "llama-bpe"),
+        ({"type": "Sequence", "pretokenizers": [QWEN2, {"type": "ByteLevel"}]}, "qwen2"),
+    ],
+)
+def test_the_pre_tokenizer_is_named_from_its_split(pre_tokenizer: dict, name: str) -> None:
+    from llmq.gguf.model import pre_tokenizer_name
+
+    assert pre_tokenizer_name({"pre_tokenizer": pre_tokenizer}) == name
+
+
+def test_an_unknown_split_is_refused_not_guessed() -> None:
+    from llmq.gguf.model import pre_tokenizer_name
+
+    with pytest.raises(InputError, match="regex llmq does not know"):
+        pre_tokenizer_name({"pre_tokenizer": {"type": "Split", "pattern": {"Regex": r"\w+"}}})

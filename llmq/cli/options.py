@@ -106,10 +106,8 @@ StageActivations = Annotated[
     str,
     typer.Option(
         metavar="SETTING",
-        help="GPTQ's stages inside a layer: keep (each block's activations of all windows are "
-        "kept for the stages after it: about one forward pass a layer), recompute (hold only the "
-        "layer's input: less memory, about 1.5 passes more) or auto (keep where they fit in 80% "
-        "of the GPU's free memory; always on the CPU).",
+        help="GPTQ's stages in a layer: keep their activations (fast), recompute them (less "
+        "memory) or auto (keep where they fit in 80% of free GPU memory).",
         rich_help_panel=RUN,
     ),
 ]
@@ -117,8 +115,7 @@ Tf32 = Annotated[
     bool,
     typer.Option(
         "--tf32/--no-tf32",
-        help="On a GPU, the layers' float32 matrix products in TF32 (about twice as fast on "
-        "Hopper; 10-bit mantissa inputs, float32 sums); --no-tf32 keeps true float32.",
+        help="On a GPU, float32 products in TF32 (about 2x faster); --no-tf32: true float32.",
         rich_help_panel=RUN,
     ),
 ]

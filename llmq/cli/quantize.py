@@ -223,9 +223,8 @@ def quantize(
         str,
         typer.Option(
             metavar="FORMAT",
-            help="compressed-tensors (a folder transformers and vLLM load) or gguf (one file for "
-            "llama.cpp; --scheme q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k, q8_0 or q4_0, default "
-            "q4_k_m).",
+            help="compressed-tensors (a folder for transformers, vLLM) or gguf (a file for "
+            "llama.cpp: --scheme q4_k_m (default), q4_k_s, q5_k_m, q5_k_s, q6_k, q8_0, q4_0).",
             rich_help_panel=SCHEME,
         ),
     ] = Q["format"],
@@ -233,8 +232,7 @@ def quantize(
         list[str] | None,
         typer.Option(
             metavar="PATTERN=TYPE",
-            help="gguf: the type of the tensors whose GGUF names match the glob (repeat; the first "
-            "match wins), e.g. 'blk.*.ffn_down.weight=q6_k'.",
+            help="gguf: TYPE for the tensors the glob matches (repeat; first match wins).",
             rich_help_panel=SCHEME,
         ),
     ] = None,
@@ -242,9 +240,7 @@ def quantize(
         str | None,
         typer.Option(
             metavar="FILE",
-            help="gguf: an importance-matrix file (llmq calibrate --imatrix, or llama.cpp's "
-            "llama-imatrix); none for a data-free file. Default: computed from the calibration "
-            "text.",
+            help="gguf: an importance-matrix file, or none; default: from the calibration text.",
             rich_help_panel=CALIBRATION,
         ),
     ] = None,

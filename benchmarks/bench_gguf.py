@@ -12,7 +12,7 @@ default text, decoded and written out; llama-imatrix reads it as 128 consecutive
 llmq samples 128 windows of 512 from it.
 
     python benchmarks/bench_gguf.py [--model smollm2-135m] [--schemes q4_k_m q5_k_m q6_k]
-        [--chunks 40] [--out benchmarks/out/gguf]
+        [--chunks 20] [--out benchmarks/out/gguf]
 
 Needs llama.cpp built by benchmarks/peers/setup_llamacpp.sh (a peer, never a dependency).
 """
@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 LLAMACPP = HERE / ".venvs" / "llamacpp" / "llama.cpp"
 BIN = LLAMACPP / "build" / "bin"
 CONVERTER_PYTHON = HERE / ".venvs" / "llamacpp" / "venv" / "bin" / "python"
-HELD_OUT = ("news", "shakespeare", "pydoc")
+HELD_OUT = ("news", "shakespeare")  # held-out splits: news articles; Hamlet
 
 
 def run(cmd: list[str], log: Path) -> float:
@@ -54,8 +54,11 @@ def write_texts(model: Path, out: Path, samples: int, seq_len: int) -> tuple[Pat
     windows = calibration_windows(
         tokenizer, DEFAULT_CALIBRATION_TEXT, num_samples=samples, seq_len=seq_len, seed=0
     )
+    from transformers import AutoTokenizer
+
+    decoder = AutoTokenizer.from_pretrained(model)
     calib = out / "calibration.txt"
-    calib.write_text("".join(tokenizer.decode(row) for row in windows.input_ids.tolist()))
+    calib.write_text("".join(decoder.decode(row) for row in windows.input_ids.tolist()))
     held = {}
     for name in HELD_OUT:
         held[name] = out / f"heldout-{name}.txt"
@@ -86,7 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--schemes", nargs="+", default=["q4_k_m", "q5_k_m", "q6_k"])
-    parser.add_argument("--chunks", type=int, default=40, help="512-token chunks per text")
+    parser.add_argument("--chunks", type=int, default=20, help="512-token chunks per text")
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--out", type=Path, default=HERE / "out" / "gguf")
     args = parser.parse_args()

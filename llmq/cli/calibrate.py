@@ -66,6 +66,15 @@ def calibrate(
             rich_help_panel=CALIBRATION,
         ),
     ] = False,
+    imatrix: Annotated[
+        bool,
+        typer.Option(
+            "--imatrix",
+            help="Write llama.cpp's importance matrix instead (mean squared inputs; OUT.imatrix), "
+            "for quantize --format gguf --imatrix and llama-quantize --imatrix.",
+            rich_help_panel=CALIBRATION,
+        ),
+    ] = False,
     overwrite: Annotated[
         bool,
         typer.Option(
@@ -89,7 +98,8 @@ def calibrate(
     with cli_errors(), progress_bars(json_out=json_out) as progress:
         result = api.calibrate(
             model, out, calib_text=calib_text, num_samples=num_samples, seq_len=seq_len,
-            seed=seed, hessian=hessian, overwrite=overwrite, space_check=space_check,
+            seed=seed, hessian=hessian, imatrix=imatrix, overwrite=overwrite,
+            space_check=space_check,
             progress=progress, device=device,
         )  # fmt: skip
     if json_out:

@@ -16,6 +16,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from llmq.calib.stats import CalibStats
 from llmq.config import CalibConfig
 from llmq.errors import InputError
 from llmq.gguf.model import TensorNames, gguf_arch
@@ -55,10 +56,16 @@ def imatrix_from_calibration(
     from llmq.calib.collect import collect_stats
     from llmq.calib.windows import model_windows
 
-    arch = gguf_arch(ckpt.config)
-    names = TensorNames(arch, ckpt.num_layers)
     windows = model_windows(ckpt.path, calibration, progress)
     stats = collect_stats(ckpt, windows.input_ids, norms=True, progress=progress, device=device)
+    return imatrix_from_stats(ckpt, stats, calibration)
+
+
+def imatrix_from_stats(ckpt: Checkpoint, stats: CalibStats, calibration: CalibConfig) -> Imatrix:
+    """The imatrix of statistics collected with sums of squares (`collect_stats(norms=True)`),
+    under the GGUF names of `ckpt`'s weights."""
+    arch = gguf_arch(ckpt.config)
+    names = TensorNames(arch, ckpt.num_layers)
     sums, counts = {}, {}
     for linear, observed in stats.inputs.items():
         assert observed.sq_sum is not None
@@ -86,6 +93,23 @@ def save_imatrix(path: Path, imatrix: Imatrix) -> None:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+
+
+def check_imatrix_output(path: Path, *, overwrite: bool) -> None:
+    """Refuse an existing file without `overwrite`, and even with it any file but an imatrix."""
+    if not path.exists():
+        return
+    if not overwrite:
+        raise InputError(f"{path}: already exists", hint="choose another path or pass --overwrite")
+    try:
+        kind = gguf.GGUFReader(path).get_field(gguf.Keys.General.TYPE)
+    except (OSError, ValueError):
+        kind = None
+    if kind is None or kind.contents() != gguf.GGUFType.IMATRIX:
+        raise InputError(
+            f"{path}: not an imatrix file, so --overwrite will not replace it",
+            hint="choose another path",
+        )
 
 
 def read_imatrix(path: Path) -> Imatrix:

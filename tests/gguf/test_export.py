@@ -143,26 +143,26 @@ def test_imatrix_files_round_trip(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_importance_from_calibration_weighs_the_export(tmp_path: Path, default_model: Path) -> None:
-    """The calibration's imatrix names every linear by its GGUF name, with one positive value
-    per input channel, and a file made from it steers the export as computing it does."""
+    """`calibrate --imatrix` names every linear by its GGUF name, with one positive value per
+    input channel, and exporting with that file gives the bytes of computing it in the export."""
     source = _tiny(tmp_path, default_model, "llama")
     imatrix_file = tmp_path / "tiny.imatrix"
     made = llmq.quantize(source, tmp_path / "a.gguf", format="gguf", num_samples=2, seq_len=32)
-    from llmq.config import CalibConfig
-    from llmq.gguf.imatrix import imatrix_from_calibration
-
-    calibration = CalibConfig(num_samples=2, seq_len=32)
-    imatrix = imatrix_from_calibration(open_checkpoint(source), calibration)
+    written = llmq.calibrate(source, imatrix_file, imatrix=True, num_samples=2, seq_len=32)
+    imatrix = read_imatrix(imatrix_file)
+    assert written.linears == len(imatrix.sums) == 14
     assert sorted(imatrix.sums) == sorted(
         f"blk.{i}.{kind}.weight" for i in range(2)
         for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     )  # fmt: skip
     assert all((values > 0).all() for values in imatrix.sums.values())
     assert set(imatrix.counts.values()) == {64.0}  # 2 windows of 32 tokens
-    save_imatrix(imatrix_file, imatrix)
     again = llmq.quantize(source, tmp_path / "b.gguf", format="gguf", imatrix=str(imatrix_file))
     assert made.importance is not None and again.importance == str(imatrix_file)
     assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+    plain = llmq.quantize(source, tmp_path / "c.gguf", format="gguf", imatrix="none")
+    assert plain.importance is None
+    assert (tmp_path / "c.gguf").read_bytes() != (tmp_path / "a.gguf").read_bytes()
 
 
 @pytest.mark.parametrize(

@@ -206,15 +206,9 @@ class CalibStats:
 def check_stats_output(path: Path, *, overwrite: bool) -> None:
     """Refuse an existing file without `overwrite`, and even with it any file but an llmq
     statistics file: --overwrite never replaces a file llmq did not write."""
-    if not path.exists():
-        return
-    if not overwrite:
-        raise InputError(f"{path}: already exists", hint="choose another path or pass --overwrite")
-    if not _is_stats_file(path):
-        raise InputError(
-            f"{path}: not an llmq statistics file, so --overwrite will not replace it",
-            hint="choose another path",
-        )
+    from llmq.io.atomic import check_output_file
+
+    check_output_file(path, overwrite=overwrite, ours=_is_stats_file, kind="a statistics file")
 
 
 def _is_stats_file(path: Path) -> bool:

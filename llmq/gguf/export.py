@@ -17,7 +17,6 @@ from typing import Any
 import gguf
 import numpy as np
 
-from llmq.errors import InputError
 from llmq.gguf.blocks import SPECS, codes_for, dequantized, pack
 from llmq.gguf.grids import choose_grid
 from llmq.gguf.mix import GGUFScheme, choose_type
@@ -28,7 +27,7 @@ from llmq.gguf.model import (
     write_hyperparameters,
     write_tokenizer,
 )
-from llmq.io.atomic import claim_output, partial_file
+from llmq.io.atomic import check_output_file, claim_output, partial_file
 from llmq.io.checkpoint import Checkpoint
 from llmq.progress import NO_PROGRESS, Progress
 
@@ -194,17 +193,7 @@ def _weights_bytes(ckpt: Checkpoint) -> int:
 
 def check_gguf_output(out: Path, *, overwrite: bool) -> None:
     """Refuse an existing OUT without `overwrite`, and with it any file llmq did not write."""
-    if not out.exists():
-        return
-    if out.is_dir():
-        raise InputError(f"{out}: a folder", hint="a GGUF output is one file: name it NAME.gguf")
-    if not overwrite:
-        raise InputError(f"{out}: already exists", hint="choose another --out or pass --overwrite")
-    if not written_by_llmq(out):
-        raise InputError(
-            f"{out}: not a GGUF file llmq wrote, so --overwrite will not replace it",
-            hint="choose another --out, or remove that file yourself",
-        )
+    check_output_file(out, overwrite=overwrite, ours=written_by_llmq, kind="a GGUF file")
 
 
 def written_by_llmq(path: Path) -> bool:

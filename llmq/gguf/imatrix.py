@@ -20,7 +20,7 @@ from llmq.calib.stats import CalibStats
 from llmq.config import CalibConfig
 from llmq.errors import InputError
 from llmq.gguf.model import TensorNames, gguf_arch
-from llmq.io.atomic import partial_file
+from llmq.io.atomic import check_output_file, partial_file
 from llmq.io.checkpoint import Checkpoint
 from llmq.progress import NO_PROGRESS, Progress
 
@@ -97,19 +97,15 @@ def save_imatrix(path: Path, imatrix: Imatrix) -> None:
 
 def check_imatrix_output(path: Path, *, overwrite: bool) -> None:
     """Refuse an existing file without `overwrite`, and even with it any file but an imatrix."""
-    if not path.exists():
-        return
-    if not overwrite:
-        raise InputError(f"{path}: already exists", hint="choose another path or pass --overwrite")
+    check_output_file(path, overwrite=overwrite, ours=_is_imatrix, kind="an imatrix file")
+
+
+def _is_imatrix(path: Path) -> bool:
     try:
         kind = gguf.GGUFReader(path).get_field(gguf.Keys.General.TYPE)
     except (OSError, ValueError):
-        kind = None
-    if kind is None or kind.contents() != gguf.GGUFType.IMATRIX:
-        raise InputError(
-            f"{path}: not an imatrix file, so --overwrite will not replace it",
-            hint="choose another path",
-        )
+        return False
+    return kind is not None and kind.contents() == gguf.GGUFType.IMATRIX
 
 
 def read_imatrix(path: Path) -> Imatrix:

@@ -210,6 +210,25 @@ def check_output_dir(out: Path, *, overwrite: bool) -> None:
         )
 
 
+def check_output_file(
+    path: Path, *, overwrite: bool, ours: Callable[[Path], bool], kind: str
+) -> None:
+    """Refuse an existing file without `overwrite`, and even with it any file that `ours` does
+    not recognise as one llmq wrote (`kind` names what that is): --overwrite never replaces a
+    user's file."""
+    if not path.exists():
+        return
+    if path.is_dir():
+        raise InputError(f"{path}: a folder", hint=f"name a file for the {kind}")
+    if not overwrite:
+        raise InputError(f"{path}: already exists", hint="choose another path or pass --overwrite")
+    if not ours(path):
+        raise InputError(
+            f"{path}: not {kind} llmq wrote, so --overwrite will not replace it",
+            hint="choose another path, or remove that file yourself",
+        )
+
+
 def is_llmq_output(folder: Path) -> bool:
     """Whether llmq wrote `folder`: a checkpoint whose llmq.json names the llmq version that
     wrote it, or an `llmq run` output with its llmq-run.json."""

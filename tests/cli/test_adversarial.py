@@ -112,7 +112,7 @@ def test_calibrate_and_scan_never_write_into_their_inputs(tmp_path: Path, tiny_l
     other = tmp_path / "other.safetensors"
     shutil.copy(model / "model.safetensors", other)
     line = refused(["calibrate", str(model), "--out", str(other), "--overwrite", "--calib-text", str(text)], [other, text])  # fmt: skip
-    assert "not an llmq statistics file" in line
+    assert "not a statistics file llmq wrote" in line
 
 
 def test_run_and_distill_refuse_outputs_over_their_inputs(tmp_path: Path, tiny_llama: Path) -> None:

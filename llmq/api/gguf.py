@@ -22,10 +22,16 @@ def quantize_gguf(
     device: str | None = None,
 ) -> Any:
     """Write MODEL as the GGUF file OUT with `recipe`'s scheme, overrides and importance
-    matrix (read from `recipe.imatrix`, computed from `recipe.calibration`, or none). Returns a
+    matrix (read from `recipe.imatrix`, computed from `recipe.calibration`, or none) and, for
+    `method` gptq, the calibration's Hessians for GPTQ's error feedback. Returns a
     `llmq.gguf.export.GGUFResult`. Everything is checked before the calibration pass."""
     from llmq.gguf.export import check_gguf_output, export_gguf, plan_tensors
-    from llmq.gguf.imatrix import imatrix_from_calibration, read_imatrix
+    from llmq.gguf.imatrix import (
+        calibration_stats,
+        hessians_by_name,
+        imatrix_from_stats,
+        read_imatrix,
+    )
     from llmq.gguf.mix import get_gguf_scheme, parse_tensor_types
     from llmq.io.atomic import refuse_inputs
 
@@ -37,7 +43,7 @@ def quantize_gguf(
     plan = plan_tensors(ckpt, scheme, overrides)  # an unmapped family or tensor: refused now
     refuse_inputs(out, [("model", ckpt.path), ("imatrix", recipe.imatrix)])
     check_gguf_output(out, overwrite=overwrite)
-    imatrix, source = None, None
+    imatrix, source, hessians = None, None, None
     if recipe.imatrix is not None:
         imatrix, source = read_imatrix(Path(recipe.imatrix)), recipe.imatrix
         if not set(imatrix.sums) & {tensor.name for tensor in plan}:
@@ -47,12 +53,15 @@ def quantize_gguf(
             )
     elif recipe.calibration is not None:
         cal = recipe.calibration
-        imatrix = imatrix_from_calibration(ckpt, cal, progress=progress, device=device)
+        gptq = recipe.method == "gptq"
+        stats = calibration_stats(ckpt, cal, hessian=gptq, progress=progress, device=device)
+        imatrix = imatrix_from_stats(ckpt, stats, cal)
+        hessians = hessians_by_name(ckpt, stats) if gptq else None
         source = f"{cal.num_samples} x {cal.seq_len} tokens of {cal.text}"
     result = export_gguf(
         ckpt, out, scheme, overrides=overrides,
         importance=None if imatrix is None else imatrix.importance(), importance_source=source,
-        overwrite=overwrite, progress=progress,
+        hessians=hessians, overwrite=overwrite, progress=progress,
     )  # fmt: skip
     result.seconds = time.perf_counter() - started  # the calibration pass included
     return result

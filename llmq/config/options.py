@@ -154,19 +154,21 @@ class QuantizeOptions(LayerOptions):
         foreign = self._changed(set(type(self).model_fields) - GGUF_OPTIONS)
         if foreign:
             raise InputError(f"--{foreign[0].replace('_', '-')}: not an option of --format gguf")
-        if self.method != "rtn":
-            raise InputError(
-                f"--method {self.method}: GGUF export rounds to llama.cpp's grids with an "
-                "importance-weighted scale search; GPTQ on those grids is not in llmq yet",
-                hint="drop --method (rtn)",
-            )
+        if self.method not in ("rtn", "gptq"):
+            raise InputError(f"--method {self.method}: GGUF export takes rtn or gptq")
         data_free = self.skip_layer_check or self.imatrix == "none"
+        if self.method == "gptq" and (data_free or self.imatrix):
+            raise InputError(
+                "--method gptq: its Hessians come from the calibration pass, not an imatrix",
+                hint="drop --imatrix / --skip-layer-check",
+            )
         samples = self.num_samples or DEFAULT_CALIB_SAMPLES
         calibration = None if data_free or self.imatrix else self.calibration(samples)
         return build(
             GGUFRecipe,
             # compressed-tensors' default scheme stands for GGUF's
             scheme=GGUFRecipe().scheme if self.scheme == default(QuantizeOptions, "scheme") else self.scheme,
+            method=self.method,
             tensor_types=self.tensor_type,
             imatrix=None if self.imatrix == "none" else self.imatrix,
             calibration=calibration,

@@ -245,6 +245,9 @@ class GGUFRecipe(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     scheme: str = "q4_k_m"
+    # rtn: each weight's nearest code on the searched grid; gptq: codes with GPTQ's error
+    # feedback on that grid (needs the calibration pass's Hessians)
+    method: Literal["rtn", "gptq"] = "rtn"
     tensor_types: tuple[str, ...] = ()  # PATTERN=TYPE over GGUF tensor names, first match wins
     imatrix: str | None = None  # an importance-matrix file (llmq's or llama.cpp's)
     calibration: CalibConfig | None = None  # the imatrix from this text, when no file is given

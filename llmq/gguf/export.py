@@ -16,8 +16,10 @@ from typing import Any
 
 import gguf
 import numpy as np
+from torch import Tensor
 
 from llmq.gguf.blocks import SPECS, codes_for, dequantized, pack
+from llmq.gguf.gptq import gptq_codes
 from llmq.gguf.grids import choose_grid
 from llmq.gguf.mix import GGUFScheme, choose_type
 from llmq.gguf.model import (
@@ -74,13 +76,15 @@ def export_gguf(
     overrides: tuple[tuple[str, gguf.GGMLQuantizationType], ...] = (),
     importance: dict[str, np.ndarray] | None = None,
     importance_source: str | None = None,
+    hessians: dict[str, Tensor] | None = None,
     overwrite: bool = False,
     progress: Progress = NO_PROGRESS,
 ) -> GGUFResult:
     """Encode `ckpt` into the GGUF file `out` with `scheme`'s mix (and `overrides`, first
     match wins). `importance` maps a weight's GGUF name to the mean square of each of its
     inputs over calibration text (llama.cpp's importance matrix, `Imatrix.importance`): the
-    scale search weighs each weight's error by it."""
+    scale search weighs each weight's error by it. `hessians` (by GGUF name): codes chosen
+    with GPTQ's error feedback on the searched grid (`gptq_codes`) instead of the nearest."""
     started = time.perf_counter()
     arch = gguf_arch(ckpt.config)
     plan = plan_tensors(ckpt, scheme, overrides)
@@ -94,7 +98,7 @@ def export_gguf(
             writer.add_file_type(scheme.file_type)
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
             write_tokenizer(writer, ckpt.path, int(ckpt.config["vocab_size"]))
-            errors = _write_tensors(writer, ckpt, plan, importance or {}, progress)
+            errors = _write_tensors(writer, ckpt, plan, importance or {}, hessians or {}, progress)
     worst = sorted(errors.items(), key=lambda item: -item[1])[:5]
     return GGUFResult(
         out=str(out),
@@ -139,6 +143,7 @@ def _write_tensors(
     ckpt: Checkpoint,
     plan: list[PlannedTensor],
     importance: dict[str, np.ndarray],
+    hessians: dict[str, Tensor],
     progress: Progress,
 ) -> dict[str, float]:
     """Declare every tensor, write the header, then encode and write them one at a time.
@@ -158,7 +163,9 @@ def _write_tensors(
             ckpt.close()
             if tensor.rotary_heads is not None:
                 weight = permute_rotary_rows(weight, tensor.rotary_heads)
-            data, error = encode(tensor, weight, importance.get(tensor.name))
+            data, error = encode(
+                tensor, weight, importance.get(tensor.name), hessians.get(tensor.name)
+            )
             if error is not None:
                 errors[tensor.name] = error
             writer.write_tensor_data(data)
@@ -168,14 +175,17 @@ def _write_tensors(
 
 
 def encode(
-    tensor: PlannedTensor, weight: np.ndarray, importance: np.ndarray | None
+    tensor: PlannedTensor,
+    weight: np.ndarray,
+    importance: np.ndarray | None,
+    hessian: Tensor | None = None,
 ) -> tuple[np.ndarray, float | None]:
     """The tensor's bytes as its type stores them, and (quantized types) the relative RMSE of
     what a reader decodes."""
     if tensor.qtype in _FLOAT:
         return np.ascontiguousarray(weight.astype(_FLOAT[tensor.qtype])), None
     grid = choose_grid(tensor.qtype, weight, importance)
-    codes = codes_for(grid, weight)
+    codes = codes_for(grid, weight) if hessian is None else gptq_codes(grid, weight, hessian)
     decoded = dequantized(grid, codes)
     norm = float(np.linalg.norm(weight))
     error = float(np.linalg.norm(decoded - weight)) / norm if norm > 0 else 0.0

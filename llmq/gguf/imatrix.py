@@ -15,6 +15,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from torch import Tensor
 
 from llmq.calib.stats import CalibStats
 from llmq.config import CalibConfig
@@ -53,12 +54,38 @@ def imatrix_from_calibration(
 ) -> Imatrix:
     """The float model's linear inputs over the calibration windows, layer by layer (llmq's
     calibration pass, sums of squares only)."""
+    stats = calibration_stats(ckpt, calibration, progress=progress, device=device)
+    return imatrix_from_stats(ckpt, stats, calibration)
+
+
+def calibration_stats(
+    ckpt: Checkpoint,
+    calibration: CalibConfig,
+    *,
+    hessian: bool = False,
+    progress: Progress = NO_PROGRESS,
+    device: str | None = None,
+) -> CalibStats:
+    """Sums of squares (and with `hessian` the Hessians) of every linear's inputs in the
+    float model over the calibration windows: one pass, layer by layer. The Hessians of all
+    layers are held at once (about 1 GB a layer at Llama-3-8B's widths)."""
     from llmq.calib.collect import collect_stats
     from llmq.calib.windows import model_windows
 
     windows = model_windows(ckpt.path, calibration, progress)
-    stats = collect_stats(ckpt, windows.input_ids, norms=True, progress=progress, device=device)
-    return imatrix_from_stats(ckpt, stats, calibration)
+    return collect_stats(
+        ckpt, windows.input_ids, norms=True, hessian=hessian, progress=progress, device=device
+    )
+
+
+def hessians_by_name(ckpt: Checkpoint, stats: CalibStats) -> dict[str, Tensor]:
+    """Each linear's input Hessian (2·XᵀX / tokens) under its weight's GGUF name."""
+    names = TensorNames(gguf_arch(ckpt.config), ckpt.num_layers)
+    return {
+        names.gguf_name(f"{linear}.weight"): observed.hessian.cpu()
+        for linear, observed in stats.inputs.items()
+        if observed.hessian is not None
+    }
 
 
 def imatrix_from_stats(ckpt: Checkpoint, stats: CalibStats, calibration: CalibConfig) -> Imatrix:

@@ -107,7 +107,7 @@ def gptq_quantize_weight(
         else torch.arange(cols, device=w.device)
     )
     w, h = w[:, order], h[order][:, order]
-    hinv, used_frac = _inverse_hessian_factor(h, dampening_frac)
+    hinv, used_frac = inverse_hessian_factor(h, dampening_frac)
     row_loss = torch.zeros(rows, dtype=work, device=w.device)
     block_size = _aligned_block(block_size, args, sparsity)
     for start in range(0, cols, block_size):
@@ -282,7 +282,7 @@ def _aligned_block(
     return max(unit, block_size - block_size % unit)
 
 
-def _inverse_hessian_factor(h: Tensor, dampening_frac: float) -> tuple[Tensor, float]:
+def inverse_hessian_factor(h: Tensor, dampening_frac: float) -> tuple[Tensor, float]:
     """Upper Cholesky factor of (H + λ·mean(diag H)·I)⁻¹, raising λ step by step until H + λI
     is positive definite. Returns the factor and the λ used. Damps `h` in place: at most three
     [in, in] matrices live at once (H, its factor, the inverse), which matters for a 70B

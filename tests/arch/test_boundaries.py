@@ -29,7 +29,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "quant": (*BASE, "llmq.config"),
     # GGUF export: its block layouts and grids, the checkpoint, and a calibration pass for the
     # importance matrix
-    "gguf": (*BASE, "llmq.config", "llmq.io", "llmq.calib"),
+    "gguf": (*BASE, "llmq.config", "llmq.io", "llmq.quant", "llmq.calib"),
     "pack": (*BASE, "llmq.config", "llmq.io", "llmq.quant"),
     # kernels read the packed layout and nothing else of llmq
     "kernels": (*BASE, "llmq.pack.layout"),

@@ -50,13 +50,23 @@ def _unpermute(values: np.ndarray, heads: int) -> np.ndarray:
     return values.reshape(heads, half, 2, -1).swapaxes(1, 2).reshape(values.shape)
 
 
+DATA_FREE = {"imatrix": "none"}
+GPTQ = {"method": "gptq", "num_samples": 4, "seq_len": 32}
+
+
 @pytest.mark.parametrize(
-    ("model_type", "scheme", "bound"),
-    [("llama", "q8_0", 0.01), ("llama", "q4_k_m", 0.12), ("qwen3", "q6_k", 0.04)],
+    ("model_type", "scheme", "options", "bound"),
+    [
+        ("llama", "q8_0", DATA_FREE, 0.01),
+        ("llama", "q4_k_m", DATA_FREE, 0.12),
+        ("llama", "q4_k_m", GPTQ, 0.15),  # GPTQ trades weight error for output error
+        ("qwen3", "q6_k", DATA_FREE, 0.04),
+    ],
+    ids=["llama-q8_0", "llama-q4_k_m", "llama-q4_k_m-gptq", "qwen3-q6_k"],
 )
 @pytest.mark.integration
 def test_transformers_loads_the_model_llmq_meant(
-    tmp_path: Path, default_model: Path, model_type: str, scheme: str, bound: float
+    tmp_path: Path, default_model: Path, model_type: str, scheme: str, options: dict, bound: float
 ) -> None:
     """transformers' GGUF loader gives the logits of the float model with every weight replaced
     by its reference-dequantized value (names, q/k order and hyperparameters all right), each
@@ -65,8 +75,9 @@ def test_transformers_loads_the_model_llmq_meant(
 
     source = _tiny(tmp_path, default_model, model_type)
     out = tmp_path / f"{model_type}-{scheme}.gguf"
-    result = llmq.quantize(source, out, format="gguf", scheme=scheme, imatrix="none")
-    assert out.is_file() and written_by_llmq(out) and result.importance is None
+    result = llmq.quantize(source, out, format="gguf", scheme=scheme, **options)
+    assert out.is_file() and written_by_llmq(out)
+    assert (result.importance is None) == (options is DATA_FREE)
 
     float_model = AutoModelForCausalLM.from_pretrained(source).eval()
     config = float_model.config
@@ -169,7 +180,8 @@ def test_importance_from_calibration_weighs_the_export(tmp_path: Path, default_m
     ("extra", "fragment"),
     [
         (["--scheme", "q3_k_xl"], "--scheme q3_k_xl: not a GGUF scheme"),
-        (["--method", "gptq"], "--method gptq: GGUF export"),
+        (["--method", "awq"], "--method awq: GGUF export takes rtn or gptq"),
+        (["--method", "gptq"], "--method gptq: its Hessians come from the calibration pass"),
         (["--group-size", "64"], "--group-size: not an option of --format gguf"),
         (["--tensor-type", "blk.*"], "expected PATTERN=TYPE"),
         (["--tensor-type", "blk.*=q9_k"], "'q9_k': not one llmq writes"),

@@ -2,11 +2,15 @@
 by llama.cpp's `llama-perplexity` (perplexity, and KL divergence from the float GGUF) on held-out
 text, in one run.
 
-Rows per scheme (Q4_K_M, Q5_K_M, Q6_K by default):
-- llama.cpp: `llama-quantize` from the float GGUF its converter writes, without and with an
-  importance matrix from `llama-imatrix`;
-- llmq: `llmq quantize --format gguf` from the safetensors, without (`--imatrix none`) and with
-  its own importance matrix, computed once from the same calibration text and reused.
+Rows per scheme (Q4_K_M, Q5_K_M, Q6_K by default), `--variants` picks some:
+- llama.cpp-plain / llama.cpp-imatrix: `llama-quantize` from the float GGUF its converter
+  writes, without and with an importance matrix from `llama-imatrix`;
+- llmq-plain / llmq-imatrix: `llmq quantize --format gguf` from the safetensors, without
+  (`--imatrix none`) and with its own importance matrix, computed once and reused;
+- llmq-gptq: `--method gptq`, GPTQ's error feedback on the searched grid, from a calibration
+  pass over the same text (its Hessians and imatrix).
+Setup steps whose results exist in --out (the float GGUF, the perplexity bases, the imatrices)
+are reused; report.json gathers rows across runs.
 Both imatrices read the same text: llmq's 128 x 512-token calibration windows (seed 0) of the
 default text, decoded and written out; llama-imatrix reads it as 128 consecutive 512-token chunks,
 llmq samples 128 windows of 512 from it.
@@ -31,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 LLAMACPP = HERE / ".venvs" / "llamacpp" / "llama.cpp"
 BIN = LLAMACPP / "build" / "bin"
 CONVERTER_PYTHON = HERE / ".venvs" / "llamacpp" / "venv" / "bin" / "python"
+VARIANTS = ("llama.cpp-plain", "llama.cpp-imatrix", "llmq-plain", "llmq-imatrix", "llmq-gptq")
 HELD_OUT = ("news", "shakespeare")  # held-out splits: news articles; Hamlet
 
 
@@ -41,6 +46,18 @@ def run(cmd: list[str], log: Path) -> float:
         done = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, check=False)
     if done.returncode != 0:
         sys.exit(f"failed ({done.returncode}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
+    return time.perf_counter() - started
+
+
+def once(report: dict, step: str, result: Path, work) -> None:
+    """Run a setup step unless its result is there from an earlier run; record its seconds."""
+    if not result.exists():
+        report["seconds"][step] = round(work(), 1)
+
+
+def timed(work) -> float:
+    started = time.perf_counter()
+    work()
     return time.perf_counter() - started
 
 
@@ -91,6 +108,7 @@ def main() -> None:
     parser.add_argument("--schemes", nargs="+", default=["q4_k_m", "q5_k_m", "q6_k"])
     parser.add_argument("--chunks", type=int, default=20, help="512-token chunks per text")
     parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--out", type=Path, default=HERE / "out" / "gguf")
     args = parser.parse_args()
     if not (BIN / "llama-quantize").exists():
@@ -104,49 +122,53 @@ def main() -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     calib, held = write_texts(model, out, args.samples, 512)
+    report_path = out / "report.json"
+    report: dict = json.loads(report_path.read_text()) if report_path.exists() else {
+        "model": args.model, "chunks": args.chunks, "rows": [], "seconds": {}, "float": {}}  # fmt: skip
     f32 = out / "f32.gguf"
     converter = [str(CONVERTER_PYTHON), str(LLAMACPP / "convert_hf_to_gguf.py"), str(model),
                  "--outtype", "f32", "--outfile", str(f32)]  # fmt: skip
-    report: dict = {"model": args.model, "chunks": args.chunks, "rows": [], "seconds": {}}
-    report["seconds"]["convert_f32"] = run(converter, out / "convert.log")
-    bases, report["float"] = {}, {}
+    once(report, "convert_f32", f32, lambda: run(converter, out / "convert.log"))
+    bases = {}
     for name, text in held.items():
         bases[name], log = out / f"base-{name}.kld", out / f"base-{name}.log"
-        run([str(BIN / "llama-perplexity"), "-m", str(f32), "-f", str(text), "-c", "512",
+        once(report, f"base_{name}", bases[name], lambda text=text, name=name, log=log: run(
+            [str(BIN / "llama-perplexity"), "-m", str(f32), "-f", str(text), "-c", "512",
              "--chunks", str(args.chunks), "-t", "2", "--kl-divergence-base", str(bases[name])],
-            log)  # fmt: skip
+            log))  # fmt: skip
         found = re.search(r"Final estimate: PPL = ([\d.]+)", log.read_text())
         report["float"][name] = float(found.group(1)) if found else None
-    peer_imatrix = out / "llamacpp.imatrix"
-    report["seconds"]["llama_imatrix"] = run(
+    peer_imatrix, llmq_imatrix = out / "llamacpp.imatrix", out / "llmq.imatrix"
+    once(report, "llama_imatrix", peer_imatrix, lambda: run(
         [str(BIN / "llama-imatrix"), "-m", str(f32), "-f", str(calib), "-c", "512",
          "--chunks", str(args.samples), "-t", "2", "-o", str(peer_imatrix)],
-        out / "llama-imatrix.log",
-    )  # fmt: skip
-    llmq_imatrix = out / "llmq.imatrix"
-    started = time.perf_counter()
+        out / "llama-imatrix.log"))  # fmt: skip
     calibration = CalibConfig(text=str(calib), num_samples=args.samples, seq_len=512)
-    save_imatrix(llmq_imatrix, imatrix_from_calibration(open_checkpoint(model), calibration))
-    report["seconds"]["llmq_imatrix"] = time.perf_counter() - started
+    once(report, "llmq_imatrix", llmq_imatrix, lambda: timed(lambda: save_imatrix(
+        llmq_imatrix, imatrix_from_calibration(open_checkpoint(model), calibration))))  # fmt: skip
+    calib_options = ["--calib-text", str(calib), "--num-samples", str(args.samples),
+                     "--seq-len", "512"]  # fmt: skip
     for scheme in args.schemes:
-        for tool, imatrix in (("llama.cpp", None), ("llama.cpp", peer_imatrix),
-                              ("llmq", None), ("llmq", llmq_imatrix)):  # fmt: skip
-            label = f"{tool}-{scheme}-{'imatrix' if imatrix else 'plain'}"
+        for variant in args.variants:
+            label = f"{variant}-{scheme}"
             path = out / f"{label}.gguf"
-            if tool == "llama.cpp":
-                cmd = [str(BIN / "llama-quantize"), *(["--imatrix", str(imatrix)] if imatrix else []),
-                       str(f32), str(path), scheme.upper(), "2"]  # fmt: skip
+            if variant.startswith("llama.cpp"):
+                imatrix = ["--imatrix", str(peer_imatrix)] if variant.endswith("imatrix") else []
+                cmd = [str(BIN / "llama-quantize"), *imatrix, str(f32), str(path), scheme.upper(), "2"]  # fmt: skip
             else:
+                how = {"llmq-plain": ["--imatrix", "none"],
+                       "llmq-imatrix": ["--imatrix", str(llmq_imatrix)],
+                       "llmq-gptq": ["--method", "gptq", *calib_options]}[variant]  # fmt: skip
                 cmd = [sys.executable, "-m", "llmq", "quantize", str(model), "--out", str(path),
-                       "--format", "gguf", "--scheme", scheme, "--imatrix",
-                       str(imatrix) if imatrix else "none", "--overwrite"]  # fmt: skip
+                       "--format", "gguf", "--scheme", scheme, *how, "--overwrite"]  # fmt: skip
             seconds = run(cmd, out / f"{label}.log")
-            row = {"tool": tool, "scheme": scheme, "imatrix": imatrix is not None,
-                   "bytes": path.stat().st_size, "seconds": round(seconds, 1),
+            row = {"variant": variant, "scheme": scheme, "bytes": path.stat().st_size,
+                   "seconds": round(seconds, 1),
                    "scores": score(path, held, bases, args.chunks, out / f"{label}-ppl.log")}  # fmt: skip
             print(json.dumps(row), flush=True)
+            report["rows"] = [r for r in report["rows"] if (r.get("variant"), r["scheme"]) != (variant, scheme)]  # fmt: skip
             report["rows"].append(row)
-    (out / "report.json").write_text(json.dumps(report, indent=2))
+            report_path.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

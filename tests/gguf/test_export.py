@@ -239,3 +239,14 @@ def test_an_unknown_split_is_refused_not_guessed() -> None:
 
     with pytest.raises(InputError, match="regex llmq does not know"):
         pre_tokenizer_name({"pre_tokenizer": {"type": "Split", "pattern": {"Regex": r"\w+"}}})
+
+
+def test_an_output_that_cannot_be_written_is_one_line(tmp_path: Path, tiny_llama: Path) -> None:
+    from tests.cli.test_cli import run
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = run("quantize", str(tiny_llama), "--out", str(blocker / "m.gguf"), "--format", "gguf", "--imatrix", "none")  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and "error:" in result.output
+    assert blocker.read_text() == "not a folder"

@@ -26,6 +26,7 @@ from llmq.gguf.model import (
     TensorNames,
     gguf_arch,
     permute_rotary_rows,
+    read_field,
     write_hyperparameters,
     write_tokenizer,
 )
@@ -207,8 +208,4 @@ def check_gguf_output(out: Path, *, overwrite: bool) -> None:
 
 
 def written_by_llmq(path: Path) -> bool:
-    try:
-        field_ = gguf.GGUFReader(path).get_field(gguf.Keys.General.QUANTIZED_BY)
-    except (OSError, ValueError):
-        return False
-    return field_ is not None and field_.contents() == QUANTIZED_BY
+    return read_field(path, gguf.Keys.General.QUANTIZED_BY) == QUANTIZED_BY

@@ -20,7 +20,7 @@ from torch import Tensor
 from llmq.calib.stats import CalibStats
 from llmq.config import CalibConfig
 from llmq.errors import InputError
-from llmq.gguf.model import TensorNames, gguf_arch
+from llmq.gguf.model import TensorNames, gguf_arch, read_field
 from llmq.io.atomic import check_output_file, partial_file
 from llmq.io.checkpoint import Checkpoint
 from llmq.progress import NO_PROGRESS, Progress
@@ -128,11 +128,7 @@ def check_imatrix_output(path: Path, *, overwrite: bool) -> None:
 
 
 def _is_imatrix(path: Path) -> bool:
-    try:
-        kind = gguf.GGUFReader(path).get_field(gguf.Keys.General.TYPE)
-    except (OSError, ValueError):
-        return False
-    return kind is not None and kind.contents() == gguf.GGUFType.IMATRIX
+    return read_field(path, gguf.Keys.General.TYPE) == gguf.GGUFType.IMATRIX
 
 
 def read_imatrix(path: Path) -> Imatrix:

@@ -77,6 +77,15 @@ class TensorNames:
         return name
 
 
+def read_field(path: Path, key: str) -> Any:
+    """A metadata value of a GGUF file; None when the file is no readable GGUF or lacks it."""
+    try:
+        field = gguf.GGUFReader(path).get_field(key)
+    except (OSError, ValueError):
+        return None
+    return None if field is None else field.contents()
+
+
 def permute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     """Rows of q_proj (`heads` query heads) or k_proj (key heads) reordered so that each head's
     two rotary halves interleave: row h·d + 2i + j takes row h·d + j·d/2 + i."""

@@ -250,3 +250,36 @@ def test_an_output_that_cannot_be_written_is_one_line(tmp_path: Path, tiny_llama
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and "error:" in result.output
     assert blocker.read_text() == "not a folder"
+
+
+def test_bad_imatrix_files_and_formats_exit_2_and_stay_unchanged(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    """--imatrix: a missing file, a file that is no GGUF, an imatrix of another model;
+    --format: an unknown one; calibrate --imatrix: a name that is no imatrix file. Each is one
+    error line, exit 2, nothing written, the inputs as they were."""
+    from tests.cli.test_cli import run
+
+    out = tmp_path / "m.gguf"
+    text = tmp_path / "notes.txt"
+    text.write_text("not an imatrix")
+    other = tmp_path / "other.imatrix"
+    save_imatrix(
+        other, Imatrix({"blk.99.attn_q.weight": np.ones(3)}, {"blk.99.attn_q.weight": 1.0})
+    )
+    other_bytes = other.read_bytes()
+    cases = [
+        (["--imatrix", str(tmp_path / "absent.imatrix")], "absent.imatrix"),
+        (["--imatrix", str(text)], "not a readable GGUF imatrix file"),
+        (["--imatrix", str(other)], "names none of this model's tensors"),
+        (["--format", "onnx"], "format"),
+    ]
+    for extra, fragment in cases:
+        args = ["quantize", str(tiny_llama), "--out", str(out)]
+        args += extra if extra[0] == "--format" else ["--format", "gguf", *extra]
+        assert_bad_input(run(*args), fragment)
+        assert not out.exists()
+    assert text.read_text() == "not an imatrix" and other.read_bytes() == other_bytes
+    result = run("calibrate", str(tiny_llama), "--out", str(text), "--imatrix")
+    assert_bad_input(result, "an imatrix is a GGUF file")
+    assert text.read_text() == "not an imatrix"

@@ -7,9 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 from llmq.api.common import _open, options_of
 from llmq.config import RESUME_EVERY_S, PruneOptions, QuantizeOptions, Recipe
+from llmq.io.checkpoint import checkpoint_folder
+from llmq.models import resolve_model
 from llmq.progress import NO_PROGRESS, Progress
 
 if TYPE_CHECKING:
+    from llmq.pipeline.job import JobInputs, JobRun
     from llmq.pipeline.report import QuantizeResult
 
 
@@ -34,6 +37,7 @@ def quantize(
     device: str | None = None,
     stage_activations: str = "auto",
     tf32: bool = True,
+    model_free: bool | None = None,
     **values: Any,
 ) -> QuantizeResult:
     """Quantize MODEL (a folder or built-in name) into a compressed-tensors checkpoint at OUT.
@@ -50,7 +54,9 @@ def quantize(
     prompts, for `verify`. `device`: where each layer runs (default: the GPU when there is one).
     `stage_activations`: whether GPTQ's stages inside a layer keep their activations ("keep"),
     recompute them to hold one copy ("recompute"), or keep them where they fit ("auto"). `tf32`:
-    the layers' matrix products in TF32 on a GPU (False: true float32).
+    the layers' matrix products in TF32 on a GPU (False: true float32). `model_free`: convert
+    tensor by tensor without building the model (llmq.pipeline.model_free): by default (None)
+    when the recipe needs no data; True or False forces it.
     """
     options = options_of(QuantizeOptions, options, values)
     if options.format == "gguf":
@@ -58,10 +64,18 @@ def quantize(
 
         return quantize_gguf(model, out, options.gguf_recipe(), overwrite=overwrite,
                              progress=progress, device=device)  # fmt: skip
-    return _job(model, out, options, recipe or options.recipe(), progress, overwrite=overwrite,
-                resume=resume, resume_every_s=resume_every_s, space_check=space_check,
-                reference=reference, device=device, stage_activations=stage_activations,
-                tf32=tf32)  # fmt: skip
+    from llmq.pipeline.job import JobRun
+    from llmq.pipeline.model_free import converts_model_free, run_model_free
+
+    recipe = recipe or options.recipe()
+    inputs = _inputs(options)
+    run = JobRun(overwrite=overwrite, resume=resume, resume_every_s=resume_every_s,
+                 space_check=space_check, reference=reference, device=device,
+                 stage_activations=stage_activations, tf32=tf32)  # fmt: skip
+    if converts_model_free(recipe, inputs, model_free):
+        folder = checkpoint_folder(resolve_model(model, progress=progress))
+        return run_model_free(folder, Path(out), recipe, source=str(model), inputs=inputs, run=run, progress=progress)  # fmt: skip
+    return _job(model, out, recipe, inputs, run, progress)
 
 
 def prune(
@@ -86,28 +100,36 @@ def prune(
     with `sparsity` (the share of each row's weights removed) or `pattern` ("2:4"), and the
     layer pipeline's calibration and ignore options; the rest as in `quantize`."""
     options = options_of(PruneOptions, options, values)
-    return _job(model, out, options, options.recipe(), progress, overwrite=overwrite,
-                resume=resume, resume_every_s=resume_every_s, space_check=space_check,
-                reference=reference, device=device, stage_activations=stage_activations,
-                tf32=tf32)  # fmt: skip
+    from llmq.pipeline.job import JobRun
+
+    run = JobRun(overwrite=overwrite, resume=resume, resume_every_s=resume_every_s,
+                 space_check=space_check, reference=reference, device=device,
+                 stage_activations=stage_activations, tf32=tf32)  # fmt: skip
+    return _job(model, out, options.recipe(), _inputs(options), run, progress)
+
+
+def _inputs(options: QuantizeOptions | PruneOptions) -> JobInputs:
+    """What the job reads besides the model (a pruning job: only statistics)."""
+    from llmq.pipeline.job import JobInputs
+
+    if not isinstance(options, QuantizeOptions):
+        return JobInputs(calib_stats=options.calib_stats)
+    return JobInputs(
+        calib_stats=options.calib_stats, fallback=options.fallback,
+        fallback_threshold=options.fallback_threshold,
+        require_loaders=tuple(options.require_loaders),
+    )  # fmt: skip
 
 
 def _job(
     model: str | Path,
     out: str | Path,
-    options: QuantizeOptions | PruneOptions,
     recipe: Recipe,
+    inputs: JobInputs,
+    run: JobRun,
     progress: Progress,
-    **run: Any,
 ) -> QuantizeResult:
-    from llmq.pipeline.job import JobInputs, JobRun, run_job
+    from llmq.pipeline.job import run_job
 
-    quantizing = isinstance(options, QuantizeOptions)
-    inputs = JobInputs(
-        calib_stats=options.calib_stats,
-        fallback=options.fallback if quantizing else None,
-        fallback_threshold=options.fallback_threshold if quantizing else None,
-        require_loaders=tuple(options.require_loaders) if quantizing else (),
-    )  # fmt: skip
     ckpt = _open(model, progress)
-    return run_job(ckpt, Path(out), recipe, source=str(model), inputs=inputs, run=JobRun(**run), progress=progress)  # fmt: skip
+    return run_job(ckpt, Path(out), recipe, source=str(model), inputs=inputs, run=run, progress=progress)  # fmt: skip

@@ -127,7 +127,7 @@ def prune_structured(
             },
             calibration=calibration,
         )
-        shards = ShardNames(len(plan.layers))
+        shards = ShardNames.per_layer(len(plan.layers))
         try:
             write_structured(ckpt, plan, staging, shards.name, progress=progress)
             with progress.stage("writing config, index and the reference for `llmq verify`"):

@@ -244,6 +244,25 @@ def quantize(
             rich_help_panel=CALIBRATION,
         ),
     ] = None,
+    targets: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="PATTERN",
+            help="Model-free: the modules quantized (repeat; as --ignore); default: the "
+            "family's linears, or every 2-D weight but embeddings, norms, routers, lm_head.",
+            rich_help_panel=SCHEME,
+        ),
+    ] = None,
+    model_free: Annotated[
+        bool | None,
+        typer.Option(
+            "--model-free/--no-model-free",
+            help="Convert tensor by tensor without building the model (default: whenever the "
+            "recipe needs no data; no per-layer output check).",
+            show_default=False,
+            rich_help_panel=SCHEME,
+        ),
+    ] = None,
     require_loader: Annotated[
         list[str] | None,
         typer.Option(
@@ -271,14 +290,14 @@ def quantize(
 
     with cli_errors():
         lists = {"ignore": tuple(ignore or ()), "require_loaders": tuple(names(require_loader)),
-                 "tensor_type": tuple(tensor_type or ())}  # fmt: skip
+                 "tensor_type": tuple(tensor_type or ()), "targets": tuple(targets or ())}  # fmt: skip
         options = from_flags(QuantizeOptions, {**given(QuantizeOptions, locals()), **lists})
         with progress_bars(json_out=json_out) as progress, resume_hint_on_interrupt(out):
             result = api.quantize(
                 model, out, options, overwrite=overwrite, resume=resume,
                 resume_every_s=resume_every, space_check=space_check, reference=reference,
                 progress=progress, device=device,
-                stage_activations=stage_activations, tf32=tf32,
+                stage_activations=stage_activations, tf32=tf32, model_free=model_free,
             )  # fmt: skip
     if json_out:
         print_json(result.to_dict())

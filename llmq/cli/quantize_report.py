@@ -12,6 +12,27 @@ from llmq.cli.console import counted, labelled, out_console
 
 
 def render(result: Any) -> None:
+    if result.model_free:
+        _print_model_free(result)
+    else:
+        _print_layer_table(result)
+    _print_notes(result)
+
+
+def _print_model_free(result: Any) -> None:
+    done = result.model_free
+    source = result.size_bytes["source"]
+    out_console.print(
+        f"{result.scheme} ({result.method}) converted model-free: "
+        f"{counted(done['quantized'], 'linear')} quantized ({done['targets']}), "
+        f"{counted(done['shards'], 'shard')} on {counted(done['workers'], 'thread')}, "
+        f"{source / 1e9 / max(done['seconds'], 1e-9):.2f} GB/s of source; no per-layer output "
+        "check (--no-model-free runs the layer pipeline, which measures it)",
+        soft_wrap=True,
+    )
+
+
+def _print_layer_table(result: Any) -> None:
     compare = any(layer.rtn_output_rel_rmse is not None for layer in result.layers)
     baseline = "magnitude" if result.scheme == "DENSE" else "RTN"  # pruning alone, quantizing
     pruning_only = result.scheme == "DENSE"
@@ -39,6 +60,10 @@ def render(result: Any) -> None:
             cells.append(f"{zeros / max(sum(linear.numel for linear in layer.linears), 1):.1%}")
         table.add_row(*cells, f"{layer.seconds:.1f}")
     out_console.print(table)
+
+
+def _print_notes(result: Any) -> None:
+    """Warnings, adjustments and what was kept, written and where."""
     for layer in result.layers:
         for linear in layer.linears:
             if linear.warning:
@@ -66,7 +91,8 @@ def render(result: Any) -> None:
             + ", ".join(kept)
         )
     if result.resumed_layers:
-        out_console.print(f"resumed after {counted(result.resumed_layers, 'finished layer')}")
+        unit = "finished shard" if result.model_free else "finished layer"
+        out_console.print(f"resumed after {counted(result.resumed_layers, unit)}")
     _print_sparsity(result)
     if result.scheme != "DENSE":  # a pruned checkpoint is plain: every loader but llmq's reads it
         _print_loaders(result)

@@ -123,6 +123,7 @@ class QuantizeOptions(LayerOptions):
     fallback: FilePath | None = None  # a fallback-scan report, or auto
     fallback_threshold: Fraction | None = None
     require_loaders: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ()  # model-free conversion: the weights quantized
     format: Literal["compressed-tensors", "gguf"] = "compressed-tensors"
     tensor_type: tuple[str, ...] = ()  # gguf: PATTERN=TYPE overrides
     imatrix: FilePath | None = None  # gguf: an importance-matrix file, or "none" (data-free)
@@ -241,6 +242,7 @@ def _recipe(options: LayerOptions, *, scheme: str, actorder: str, clip: str) -> 
             "activations": q.activations,
             "observer": q.observer,
             "kv_cache": None if q.kv_cache in (None, "none") else q.kv_cache,
+            "targets": q.targets,
         }
     return build(
         Recipe,

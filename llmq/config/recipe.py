@@ -98,6 +98,9 @@ class Recipe(BaseModel):
     # ratios, or by the layers' shares of the pruning error (llmq.pruning.profile), both
     # measured on the dense model first
     sparsity_profile: Literal["uniform", "owl", "scan"] = "uniform"
+    # Model-free conversion: the module patterns quantized (`--ignore`'s syntax); empty: the
+    # family layout's decoder linears, or every linear-looking 2-D weight of an unknown family
+    targets: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:

@@ -79,7 +79,7 @@ def write_student(
     config, tokenizer and llmq.json."""
     from llmq.pipeline.output import ShardNames, finish_checkpoint
 
-    shards = ShardNames(source.num_layers)
+    shards = ShardNames.per_layer(source.num_layers)
     layers = source.layout.layers + "."
     groups: list[list[str]] = [[] for _ in range(shards.total)]
     for name in source.tensors:

@@ -144,11 +144,7 @@ class Checkpoint:
     def file_stamps(self) -> dict[str, Any]:
         """Where the checkpoint is and the size and mtime of every shard: what resume states and
         cached results are keyed on, so that changed weights never reuse them."""
-        shards = sorted({info.shard for info in self.tensors.values()})
-        return {
-            "path": str(self.path.resolve()),
-            "shards": {s.name: [s.stat().st_size, s.stat().st_mtime_ns] for s in shards},
-        }
+        return file_stamps(self.path, self.tensors)
 
     def names_with_prefix(self, prefix: str) -> Iterator[str]:
         return (name for name in self.tensors if name.startswith(prefix))
@@ -159,22 +155,21 @@ class Checkpoint:
         self._handles.clear()
 
 
+def file_stamps(folder: Path, tensors: dict[str, TensorInfo]) -> dict[str, Any]:
+    """Where a checkpoint is, and the size and mtime of each shard holding `tensors`."""
+    shards = sorted({info.shard for info in tensors.values()})
+    return {
+        "path": str(folder.resolve()),
+        "shards": {s.name: [s.stat().st_size, s.stat().st_mtime_ns] for s in shards},
+    }
+
+
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Validate a checkpoint folder and index its tensors; reads headers only."""
-    folder = Path(path)
-    if not folder.exists():
-        raise InputError(f"{folder}: no such folder")
-    if not folder.is_dir():
-        raise InputError(
-            f"{folder}: not a folder", hint="MODEL is a Hugging Face checkpoint folder"
-        )
-    config = _read_config(folder)
+    folder = checkpoint_folder(path)
+    config = read_config(folder)
     layout = layout_for_config(config)
-    tensors: dict[str, TensorInfo] = {}
-    for shard in _shard_files(folder):
-        for name, entry in read_safetensors_header(shard).items():
-            tensors[name] = TensorInfo(shard=shard, dtype=entry.dtype, shape=entry.shape)
-    _check_index_matches(folder, tensors)
+    tensors = stored_tensors(folder)
     if layout.discovered:  # module names found in transformers' tree must be the file's names
         stored = {name.rpartition(".")[0] for name in tensors}  # weight, weight_packed, ...
         missing = [name for name in layout.linear_names(0) if name not in stored]
@@ -187,7 +182,30 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(path=folder, config=config, layout=layout, tensors=tensors)
 
 
-def _read_config(folder: Path) -> dict[str, Any]:
+def checkpoint_folder(path: str | Path) -> Path:
+    """`path` as a checkpoint folder: InputError when it is missing or a file."""
+    folder = Path(path)
+    if not folder.exists():
+        raise InputError(f"{folder}: no such folder")
+    if not folder.is_dir():
+        raise InputError(
+            f"{folder}: not a folder", hint="MODEL is a Hugging Face checkpoint folder"
+        )
+    return folder
+
+
+def stored_tensors(folder: Path) -> dict[str, TensorInfo]:
+    """Every tensor of the folder's shards (those its index names, or all .safetensors), from
+    the checked headers; the index must agree with them."""
+    tensors: dict[str, TensorInfo] = {}
+    for shard in _shard_files(folder):
+        for name, entry in read_safetensors_header(shard).items():
+            tensors[name] = TensorInfo(shard=shard, dtype=entry.dtype, shape=entry.shape)
+    _check_index_matches(folder, tensors)
+    return tensors
+
+
+def read_config(folder: Path) -> dict[str, Any]:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise InputError(

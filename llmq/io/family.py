@@ -13,6 +13,7 @@ tests/pipeline/test_quantize.py's reload test take every entry of the table.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -183,6 +184,20 @@ FAMILY_LAYOUT: dict[str, DecoderLayout] = {
     "phi3": _PHI3,
     "deepseek_v3": _DEEPSEEK_V3,
 }
+
+
+# The last name part of a 2-D weight's module that is not a linear to quantize, in a family
+# llmq cannot lay out: embeddings, the LM head (and a classifier's score), norms, and routers
+# (a mixture's gate, a shared expert's gate). `gate_proj` and the like are linears.
+_NOT_A_LINEAR = re.compile(
+    r"embed\w*|wte|wpe|tok_embeddings|lm_head|output|score|\w*norm\w*|ln_\w*|\w*router\w*|(\w+_)?gate"
+)
+
+
+def is_linear_weight(module: str) -> bool:
+    """Whether a 2-D weight of `module` (e.g. `model.layers.0.mlp.up_proj`) is a linear
+    model-free conversion quantizes when no layout names the linears."""
+    return _NOT_A_LINEAR.fullmatch(module.rpartition(".")[2]) is None
 
 
 def layout_for_config(config: dict[str, Any]) -> DecoderLayout:

@@ -38,6 +38,7 @@ class OutputRecord:
     fallback: Section | None = None  # the tensors kept at higher precision, and why
     sparsity_profile: Section | None = None  # per-layer sparsities (owl, ...)
     sparsity: Section | None = None  # the share of zeros written
+    model_free: Section | None = None  # converted without the model: which rule chose the linears
     distillation: Section | None = None  # the training config and its summary
     reference: Section | None = None  # log-probabilities `llmq verify` compares with
     files: dict[str, str] | None = None  # each file's hash, for `llmq verify`

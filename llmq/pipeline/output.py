@@ -40,10 +40,16 @@ def non_layer_tensors(ckpt: Checkpoint) -> dict[str, Tensor]:
 
 
 class ShardNames:
-    """Shard 0 holds embeddings, final norm and lm_head; shard i + 1 holds decoder layer i."""
+    """The names of a checkpoint's `total` shards. The layer pipeline writes one shard per
+    decoder layer plus one (`per_layer`): shard 0 holds embeddings, final norm and lm_head,
+    shard i + 1 decoder layer i."""
 
-    def __init__(self, num_layers: int) -> None:
-        self.total = num_layers + 1
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+    @classmethod
+    def per_layer(cls, num_layers: int) -> ShardNames:
+        return cls(num_layers + 1)
 
     def name(self, shard: int) -> str:
         return f"model-{shard + 1:05d}-of-{self.total:05d}.safetensors"

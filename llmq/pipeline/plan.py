@@ -8,15 +8,16 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from llmq.config import QuantArgs, Recipe, fit_group_size, group_width
 from llmq.errors import InputError
 from llmq.io.atomic import folder_size
-from llmq.io.checkpoint import Checkpoint, side_files, torch_dtype
+from llmq.io.checkpoint import Checkpoint, TensorInfo, side_files, torch_dtype
 from llmq.io.layout import EXPERT
 from llmq.pipeline.state import resume_point_bytes
 
-_FLOAT_DTYPES = ("F32", "F16", "BF16")
+FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,28 +68,46 @@ def matches_any(patterns: tuple[str, ...], name: str) -> bool:
 
 
 def plan_quantization(ckpt: Checkpoint, recipe: Recipe) -> Plan:
-    if ckpt.quantization_config:
+    """The plan of the layer pipeline: the family layout's linears, layer by layer."""
+    refuse_quantized(ckpt.path, ckpt.config)
+    layers = [ckpt.layout.linear_names(index) for index in range(ckpt.num_layers)]
+    return plan_linears(ckpt.path, ckpt.tensors, layers, recipe, lm_head=ckpt.layout.lm_head)
+
+
+def refuse_quantized(folder: Path, config: dict[str, Any]) -> None:
+    quantized = config.get("quantization_config")
+    if quantized:
         raise InputError(
-            f"{ckpt.path}: already quantized ({ckpt.quantization_config.get('format')})",
+            f"{folder}: already quantized ({quantized.get('format')})",
             hint="quantize the original float checkpoint",
         )
-    layout = ckpt.layout
-    _check_ignore_patterns(recipe.ignore, [layout.lm_head, *ckpt.decoder_linears])
-    layers: list[list[LinearPlan]] = []
-    ignored = [layout.lm_head]
+
+
+def plan_linears(
+    folder: Path,
+    tensors: dict[str, TensorInfo],
+    layers: list[list[str]],
+    recipe: Recipe,
+    *,
+    lm_head: str,
+) -> Plan:
+    """Each linear of `layers` (module names, per layer) with its arguments, less those
+    `--ignore` keeps (and the LM head, always kept); `tensors`: the checkpoint's, at `folder`."""
+    _check_ignore_patterns(recipe.ignore, [lm_head, *(name for layer in layers for name in layer)])
+    planned_layers: list[list[LinearPlan]] = []
+    ignored = [lm_head]
     adjustments: list[GroupSizeAdjustment] = []
-    for index in range(ckpt.num_layers):
+    for names in layers:
         planned = []
-        for name in layout.linear_names(index):
+        for name in names:
             if matches_any(recipe.ignore, name):
                 ignored.append(name)
                 continue
-            linear = _plan_linear(ckpt, name, recipe, adjustments)
-            planned.append(linear)
-        layers.append(planned)
+            planned.append(_plan_linear(folder, tensors, name, recipe, adjustments))
+        planned_layers.append(planned)
     if recipe.strict_group_size and adjustments:
         _refuse_non_dividing(adjustments)
-    return Plan(layers=layers, ignored=ignored, adjustments=adjustments)
+    return Plan(layers=planned_layers, ignored=ignored, adjustments=adjustments)
 
 
 def _check_ignore_patterns(patterns: tuple[str, ...], linears: list[str]) -> None:
@@ -111,18 +130,20 @@ def _check_ignore_patterns(patterns: tuple[str, ...], linears: list[str]) -> Non
 
 
 def _plan_linear(
-    ckpt: Checkpoint, name: str, recipe: Recipe, adjustments: list[GroupSizeAdjustment]
+    folder: Path,
+    tensors: dict[str, TensorInfo],
+    name: str,
+    recipe: Recipe,
+    adjustments: list[GroupSizeAdjustment],
 ) -> LinearPlan:
     key = f"{name}.weight"
-    if not ckpt.has(key):
+    info = tensors.get(key)
+    if info is None:
+        raise InputError(f"{folder}: tensor {key!r} is missing", hint="the checkpoint is incomplete")  # fmt: skip
+    if info.dtype not in FLOAT_DTYPES or len(info.shape) != 2:
         raise InputError(
-            f"{ckpt.path}: tensor {key!r} is missing", hint="the checkpoint is incomplete"
-        )
-    info = ckpt.tensors[key]
-    if info.dtype not in _FLOAT_DTYPES or len(info.shape) != 2:
-        raise InputError(
-            f"{ckpt.path}: {key} is {info.dtype}{list(info.shape)}; expected a 2-D float weight "
-            f"({', '.join(_FLOAT_DTYPES)})"
+            f"{folder}: {key} is {info.dtype}{list(info.shape)}; expected a 2-D float weight "
+            f"({', '.join(FLOAT_DTYPES)})"
         )
     out_features, in_features = info.shape
     pattern = recipe.nm_pattern
@@ -202,7 +223,7 @@ _ENTRY_BYTES = 256  # a tensor's header entry in its shard and its line in the i
 def disk_needed(ckpt: Checkpoint, plan: Plan, recipe: Recipe, resumed: Path | None) -> int:
     """Disk a quantization run needs: the output, its resume points, less what the partial
     output being resumed (`resumed`, its staging folder) already holds."""
-    needed = output_bytes(ckpt, plan)
+    needed = output_bytes(ckpt.path, ckpt.tensors, plan)
     if recipe.calibration is not None:
         cal = recipe.calibration
         needed += resume_point_bytes(cal.num_samples, cal.seq_len, ckpt.config["hidden_size"])
@@ -211,21 +232,21 @@ def disk_needed(ckpt: Checkpoint, plan: Plan, recipe: Recipe, resumed: Path | No
     return max(needed, 0)
 
 
-def output_bytes(ckpt: Checkpoint, plan: Plan) -> int:
+def output_bytes(folder: Path, tensors: dict[str, TensorInfo], plan: Plan) -> int:
     """An upper estimate of the checkpoint a plan writes (for the space check before any work):
     packed codes, scales and zero points for the planned linears, every other tensor as it is
     stored, headers, config and the side files."""
     planned = {f"{linear.name}.weight": linear for linear in plan.linears}
     # config.json with its quantization_config; per stored tensor (up to five for a quantized
     # weight), its safetensors header and index entries
-    total = 64 * 1024 + len(ckpt.tensors) * 5 * _ENTRY_BYTES
-    for name, info in ckpt.tensors.items():
+    total = 64 * 1024 + len(tensors) * 5 * _ENTRY_BYTES
+    for name, info in tensors.items():
         linear = planned.get(name)
         if linear is not None and linear.args is not None:
             total += _quantized_bytes(linear.args, linear.out_features, linear.in_features)
         else:
             total += math.prod(info.shape) * torch_dtype(info.dtype).itemsize
-    return total + sum(path.stat().st_size for path in side_files(ckpt.path))
+    return total + sum(path.stat().st_size for path in side_files(folder))
 
 
 def _quantized_bytes(args: QuantArgs, rows: int, columns: int) -> int:

@@ -114,7 +114,7 @@ def run_quantization(
     method = get_method(recipe)
     tokens = recipe.calibration.moe_calibration if recipe.calibration else "all"
     stream = LayerStream(ckpt, device=device, expert_tokens=tokens)
-    shards = ShardNames(ckpt.num_layers)
+    shards = ShardNames.per_layer(ckpt.num_layers)
     if resumed == 0:
         save_safetensors(staging / shards.name(0), non_layer_tensors(ckpt))
     walk = stream.walk(

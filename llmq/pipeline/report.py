@@ -63,6 +63,8 @@ class QuantizeResult:
     size_bytes: dict[str, int] = field(default_factory=dict)
     # pruning methods: the share of zeros written, overall and per linear (`written_sparsity`)
     sparsity: dict[str, float] | None = None
+    # converted model-free (llmq.pipeline.model_free): the targets' rule, tensors, shards, threads
+    model_free: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -482,7 +482,8 @@ def test_the_plan_knows_the_output_size(tmp_path: Path, tiny_llama: Path, scheme
     recipe = llmq.make_recipe(scheme=scheme, skip_layer_check=True)
     (tiny_llama / "pytorch_model.bin").write_bytes(b"\0" * 2**20)  # a second copy, never copied
     try:
-        estimate = output_bytes(open_checkpoint(tiny_llama), plan_quantization(open_checkpoint(tiny_llama), recipe))  # fmt: skip
+        ckpt = open_checkpoint(tiny_llama)
+        estimate = output_bytes(ckpt.path, ckpt.tensors, plan_quantization(ckpt, recipe))  # fmt: skip
     finally:
         (tiny_llama / "pytorch_model.bin").unlink()
     out = tmp_path / "out"

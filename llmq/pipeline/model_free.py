@@ -1,0 +1,357 @@
+"""Model-free conversion: a data-free recipe applied tensor by tensor to the safetensors files,
+without building the model in transformers.
+
+A recipe needs no model when nothing it computes reads an activation: round to nearest, with
+dynamic or no activation quantization, no KV cache, no pruning. Then each linear's weight is
+quantized alone, exactly as the layer pipeline quantizes it (read, made float32 as the layer
+stream does, the same method call, the same packing), so every tensor written is byte-identical
+to the model path's, and the config's `quantization_config` too. What differs is only how the
+work is cut: output shards of at most SHARD_BYTES, converted by a pool of threads (torch
+releases the GIL in its kernels), each holding one shard's output and one float32 weight.
+
+Which tensors are quantized: the family layout's decoder linears when llmq knows the family
+(the model path's own plan), else every 2-D floating-point weight that `is_linear_weight`
+accepts; `--targets` patterns choose instead. The LM head and `--ignore` stay as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmq.config import Recipe
+from llmq.errors import InputError, UnsupportedModelError
+from llmq.io.atomic import (
+    check_free_space,
+    check_output_dir,
+    claim_output,
+    folder_size,
+    publish,
+    refuse_inputs,
+    save_safetensors,
+    staging_path,
+)
+from llmq.io.checkpoint import (
+    TensorInfo,
+    file_stamps,
+    mapped_safetensors,
+    read_config,
+    read_safetensors_header,
+    stored_tensors,
+    torch_dtype,
+)
+from llmq.io.family import is_linear_weight, layout_for_config
+from llmq.io.record import OutputRecord
+from llmq.pack.format import PackFormat, compress, quantization_config, scheme_format
+from llmq.pack.loaders import check_required_loaders
+from llmq.pipeline.job import JobInputs, JobRun
+from llmq.pipeline.linears import check_finite
+from llmq.pipeline.output import ShardNames, finish_checkpoint, weights_size
+from llmq.pipeline.plan import (
+    FLOAT_DTYPES,
+    LinearPlan,
+    Plan,
+    config_groups,
+    matches_any,
+    output_bytes,
+    plan_linears,
+    refuse_quantized,
+)
+from llmq.pipeline.report import QuantizeResult
+from llmq.pipeline.state import RunState, keep_if_resumable, load_state
+from llmq.progress import NO_PROGRESS, Progress
+from llmq.quant.methods import Method, get_method
+
+log = logging.getLogger(__name__)
+
+# An output shard's size at most (the last tensor may pass it; a larger tensor is a shard of its
+# own): what one thread holds before the shard is written.
+SHARD_BYTES = 1 << 30
+
+
+def model_free_refusal(recipe: Recipe, inputs: JobInputs) -> str | None:
+    """Why converting with `recipe` needs the model and its activations (None: it does not)."""
+    if recipe.weight_args is None or recipe.sparsity is not None or recipe.pattern is not None:
+        return f"--method {recipe.method} prunes on the layers' activations"
+    if recipe.method != "rtn":
+        return f"--method {recipe.method} calibrates on the layers' activations"
+    if recipe.needs_calibration:
+        return "static activation scales, --smooth and --kv-cache are calibrated on activations"
+    if recipe.clip == "output":
+        return "--clip output weighs errors by the layers' activations"
+    if inputs.fallback is not None or inputs.calib_stats is not None:
+        return "--fallback and --calib-stats are read against the model's layers"
+    return None
+
+
+def converts_model_free(recipe: Recipe, inputs: JobInputs, model_free: bool | None) -> bool:
+    """Whether the run converts model-free: by default when the recipe allows it; `model_free`
+    True or False forces it (True is refused, in one line, for a recipe that needs data)."""
+    refusal = model_free_refusal(recipe, inputs)
+    if model_free and refusal:
+        raise InputError(f"--model-free: {refusal}", hint="drop --model-free")
+    if recipe.targets and (model_free is False or refusal):
+        raise InputError(
+            "--targets chooses tensors for model-free conversion; "
+            + ("--no-model-free was given" if model_free is False else refusal),
+            hint="the model path quantizes the family's linears: use --ignore to keep some",
+        )
+    return refusal is None if model_free is None else model_free
+
+
+@dataclass(slots=True)
+class ModelFreePlan:
+    plan: Plan
+    tensors: dict[str, TensorInfo]
+    shards: list[list[str]]  # the stored tensors of each output shard, in order
+    targets: str  # which rule chose the linears, for the record and the report
+    family_known: bool  # whether llmq can build the layers (for the `verify` reference)
+
+
+def plan_model_free(folder: Path, recipe: Recipe) -> ModelFreePlan:
+    """The linears to quantize and the output shards, from config.json and the headers."""
+    config = read_config(folder)
+    refuse_quantized(folder, config)
+    tensors = stored_tensors(folder)
+    layout, layers = None, None
+    if not recipe.targets:
+        try:
+            layout = layout_for_config(config)
+        except (UnsupportedModelError, InputError):
+            layout = None  # a family llmq cannot lay out: every linear-looking weight
+    if layout is not None:
+        layers = [layout.linear_names(i) for i in range(int(config["num_hidden_layers"]))]
+        rule = f"the {config.get('model_type')} layout's decoder linears"
+    else:
+        layers = [_chosen_linears(tensors, recipe.targets)]
+        rule = ("--targets " + " ".join(recipe.targets)) if recipe.targets else "every 2-D linear weight"  # fmt: skip
+    lm_head = layout.lm_head if layout is not None else "lm_head"
+    plan = plan_linears(folder, tensors, layers, recipe, lm_head=lm_head)
+    planned = {f"{linear.name}.weight": linear for linear in plan.linears}
+    return ModelFreePlan(plan, tensors, _output_shards(tensors, planned), rule, layout is not None)
+
+
+def _chosen_linears(tensors: dict[str, TensorInfo], patterns: tuple[str, ...]) -> list[str]:
+    """Module names of the 2-D float weights the patterns match (every linear-looking one
+    without patterns); a pattern that matches none of them is refused."""
+    candidates = [
+        name.removesuffix(".weight")
+        for name, info in tensors.items()
+        if name.endswith(".weight") and len(info.shape) == 2 and info.dtype in FLOAT_DTYPES
+    ]
+    if not patterns:
+        return [name for name in candidates if is_linear_weight(name)]
+    for pattern in patterns:
+        if not any(matches_any((pattern,), name) for name in candidates):
+            raise InputError(
+                f"--targets {pattern!r}: matches none of the checkpoint's 2-D weights",
+                hint="a plain pattern is a module name or the part after a dot, a `re:` one a "
+                f"regular expression from the start; names look like {candidates[-1]!r}"
+                if candidates else "the checkpoint stores no 2-D floating-point weight",
+            )  # fmt: skip
+    return [name for name in candidates if matches_any(patterns, name)]
+
+
+def _output_shards(
+    tensors: dict[str, TensorInfo], planned: dict[str, LinearPlan]
+) -> list[list[str]]:
+    """The stored tensors cut into output shards of about SHARD_BYTES, in the source's order
+    (shard by shard, then by name), so that a thread reads mostly one source file."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(tensors, key=lambda n: (tensors[n].shard.name, n)):
+        info = tensors[name]
+        linear = planned.get(name)
+        nbytes = _stored_bytes(info) if linear is None else _packed_bytes(linear)
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _stored_bytes(info: TensorInfo) -> int:
+    return torch_dtype(info.dtype).itemsize * math.prod(info.shape)
+
+
+def _packed_bytes(linear: LinearPlan) -> int:
+    assert linear.args is not None
+    return max(1, linear.out_features * linear.in_features * linear.args.num_bits // 8)
+
+
+def run_model_free(
+    folder: Path,
+    out: Path,
+    recipe: Recipe,
+    *,
+    source: str,
+    inputs: JobInputs,
+    run: JobRun,
+    workers: int | None = None,
+    progress: Progress = NO_PROGRESS,
+) -> QuantizeResult:
+    """Convert the checkpoint at `folder` into a compressed-tensors one at `out`, model-free.
+    Everything is validated before any work; `run` says how it writes (overwrite, resume, the
+    space check, the `verify` reference); `workers`: threads (default: one per core, up to 8)."""
+    started = time.perf_counter()
+    loaders = check_required_loaders(recipe.weight_args, scheme_format(recipe.scheme), inputs.require_loaders)  # fmt: skip
+    refuse_inputs(out, [("model", folder)])
+    work = plan_model_free(folder, recipe)
+    recipe = recipe.model_copy(update={"calibration": None})  # no window is read
+    staging = staging_path(out)
+    kept = partial(keep_if_resumable, staging, "rerun the same command with --resume to continue")
+    with claim_output(out, inputs=[("model", folder)], kept=kept):
+        check_output_dir(out, overwrite=run.overwrite)
+        state = _state(staging, recipe, work, folder, run)
+        done = {entry["shard"] for entry in state.layers}
+        if run.space_check:
+            check_free_space(
+                out, output_bytes(folder, work.tensors, work.plan) - folder_size(staging)
+            )
+        names = ShardNames(len(work.shards))
+        convert_started = time.perf_counter()
+        count = _convert(work, recipe, staging, names, done, state, workers, progress)
+        seconds = time.perf_counter() - convert_started
+        config = {**read_config(folder), "quantization_config": _config(work.plan, recipe)}
+        record = OutputRecord(
+            source_model=source, recipe=recipe.model_dump(mode="json"), loaders=loaders,
+            model_free={"targets": work.targets, "quantized": len(work.plan.linears),
+                        "shards": len(work.shards), "workers": count,
+                        "seconds": round(seconds, 3)},
+        )  # fmt: skip
+        with progress.stage("writing config, index and the reference for `llmq verify`"):
+            finish_checkpoint(
+                folder, staging, names, config, record, run.device,
+                reference=run.reference and work.family_known,
+            )  # fmt: skip
+        publish(staging, out)
+    return QuantizeResult(
+        out_dir=out, model=str(folder), scheme=recipe.scheme.name, method=recipe.method,
+        layers=[], ignored=work.plan.ignored,
+        group_size_adjustments=[asdict(a) for a in work.plan.adjustments],
+        calibration=None, loaders=loaders or {}, resumed_layers=len(done),
+        seconds=time.perf_counter() - started,
+        size_bytes={"source": weights_size(folder), "output": weights_size(out)},
+        model_free=record.model_free,
+    )  # fmt: skip
+
+
+def _state(
+    staging: Path, recipe: Recipe, work: ModelFreePlan, folder: Path, run: JobRun
+) -> RunState:
+    """The resume state: the shards finished by an interrupted run with the same fingerprint
+    (with --resume), else a fresh staging folder."""
+    fingerprint = {
+        "recipe": recipe.model_dump(mode="json"),
+        "source": file_stamps(folder, work.tensors),
+        "model_free_shards": len(work.shards),
+    }
+    state = load_state(staging, fingerprint, 0.0) if run.resume else None
+    if state is None:
+        if run.resume:
+            log.warning("%s: no interrupted run to resume; starting from the first shard", staging)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        state = RunState(staging, fingerprint, every_s=0.0)
+    return state
+
+
+def _config(plan: Plan, recipe: Recipe) -> dict[str, Any]:
+    return quantization_config(
+        config_groups(plan), ignore=plan.ignored, fmt=scheme_format(recipe.scheme)
+    )
+
+
+def _convert(
+    work: ModelFreePlan,
+    recipe: Recipe,
+    staging: Path,
+    names: ShardNames,
+    done: set[str],
+    state: RunState,
+    workers: int | None,
+    progress: Progress,
+) -> int:
+    """Write every output shard not already `done`: each shard's weights quantized by a pool of
+    threads, the shard written by another thread while the pool goes on with the next (at most
+    two shards held). Returns the pool's threads."""
+    todo = [i for i in range(len(work.shards)) if names.name(i) not in done]
+    count = max(1, workers or min(os.cpu_count() or 1, 8))
+    planned = {f"{linear.name}.weight": linear for linear in work.plan.linears}
+    method, fmt = get_method(recipe), scheme_format(recipe.scheme)
+    quantize = partial(_quantized, method, fmt)
+    total = sum(len(work.shards[i]) for i in todo)
+    with (
+        progress.stage("converting model-free", total=total) as step,
+        ThreadPoolExecutor(count) as pool,
+        ThreadPoolExecutor(1) as writer,
+    ):
+        writing: tuple[int, Future[None]] | None = None
+        for index in todo:
+            tensors = _shard_tensors(work, planned, index, pool, quantize)
+            if writing is not None:
+                _written(*writing, state, names)
+            path = staging / names.name(index)
+            writing = index, writer.submit(save_safetensors, path, tensors)
+            step(len(work.shards[index]))
+        if writing is not None:
+            _written(*writing, state, names)
+    return count
+
+
+def _written(index: int, saving: Future[None], state: RunState, names: ShardNames) -> None:
+    """Wait for shard `index` to be written, then list it as finished (for --resume)."""
+    saving.result()
+    state.record({"shard": names.name(index)}, None)
+
+
+def _shard_tensors(
+    work: ModelFreePlan,
+    planned: dict[str, LinearPlan],
+    index: int,
+    pool: ThreadPoolExecutor,
+    quantize: Callable[[LinearPlan, torch.Tensor], dict[str, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """Output shard `index`: its planned weights quantized on the pool, every other tensor as
+    stored (a view of its file's mapping, which stays mapped until the shard is written)."""
+    tensors: dict[str, torch.Tensor] = {}
+    jobs: list[Future[dict[str, torch.Tensor]]] = []
+    by_file: dict[Path, list[str]] = {}
+    for name in work.shards[index]:
+        by_file.setdefault(work.tensors[name].shard, []).append(name)
+    for path, members in by_file.items():
+        entries = read_safetensors_header(path)
+        with mapped_safetensors(path) as read:
+            for name in members:
+                linear = planned.get(name)
+                if linear is None:
+                    tensors[name] = read(entries[name])
+                else:
+                    jobs.append(pool.submit(quantize, linear, read(entries[name])))
+            for job in jobs:  # before the mapping is released
+                tensors.update(job.result())
+            jobs.clear()
+    return tensors
+
+
+def _quantized(
+    method: Method, fmt: PackFormat, linear: LinearPlan, stored: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """One weight's on-disk tensors, as the layer pipeline computes them: made float32 as the
+    layer stream materializes it, then the same method call and packing."""
+    weight = stored.to(torch.float32)
+    check_finite(weight, f"the weights of {linear.name}")
+    result = method.quantize_weight(weight, linear.args, None, scale_dtype=torch_dtype(linear.dtype))  # fmt: skip
+    return {f"{linear.name}.{suffix}": tensor for suffix, tensor in compress(result.weight, fmt).items()}  # fmt: skip

@@ -72,7 +72,7 @@ def quantize(
     run = JobRun(overwrite=overwrite, resume=resume, resume_every_s=resume_every_s,
                  space_check=space_check, reference=reference, device=device,
                  stage_activations=stage_activations, tf32=tf32)  # fmt: skip
-    if converts_model_free(recipe, inputs, model_free):
+    if converts_model_free(recipe, inputs, model_free, options.calibration_given()):
         folder = checkpoint_folder(resolve_model(model, progress=progress))
         return run_model_free(folder, Path(out), recipe, source=str(model), inputs=inputs, run=run, progress=progress)  # fmt: skip
     return _job(model, out, recipe, inputs, run, progress)

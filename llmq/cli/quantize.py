@@ -248,8 +248,7 @@ def quantize(
         list[str] | None,
         typer.Option(
             metavar="PATTERN",
-            help="Model-free: the modules quantized (repeat; as --ignore); default: the "
-            "family's linears, or every 2-D weight but embeddings, norms, routers, lm_head.",
+            help="Model-free: the modules to quantize (repeat; as --ignore); default: the linears.",
             rich_help_panel=SCHEME,
         ),
     ] = None,
@@ -257,8 +256,7 @@ def quantize(
         bool | None,
         typer.Option(
             "--model-free/--no-model-free",
-            help="Convert tensor by tensor without building the model (default: whenever the "
-            "recipe needs no data; no per-layer output check).",
+            help="Convert without building the model (default when the recipe reads no data).",
             show_default=False,
             rich_help_panel=SCHEME,
         ),
@@ -283,7 +281,7 @@ def quantize(
 
     transformers and vLLM load the result. One decoder layer at a time is loaded, quantized,
     checked against its float output and written, so memory stays near one layer whatever the
-    model size. See docs/quantize.md for the schemes, methods and every option.
+    model size; data-free recipes convert model-free, tensor by tensor. See docs/quantize.md.
     """
     quiet_libraries()
     from llmq import api

@@ -175,6 +175,10 @@ class QuantizeOptions(LayerOptions):
             calibration=calibration,
         )  # fmt: skip
 
+    def calibration_given(self) -> list[str]:
+        """The calibration options given (other than their defaults): a request for data."""
+        return self._changed(CalibrationOptions.model_fields)
+
     def _changed(self, names: Any) -> list[str]:
         """Which of `names` ask for something: other than their default, "none" or empty."""
         fields = type(self).model_fields

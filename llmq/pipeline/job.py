@@ -45,6 +45,15 @@ class JobRun:
     stage_activations: str = "auto"  # a staged layer's: keep, recompute or auto (keeps_activations)
     tf32: bool = True  # the layers' matrix products in TF32 on a GPU
 
+    def __post_init__(self) -> None:
+        if self.stage_activations not in STAGE_ACTIVATIONS:
+            raise InputError(
+                f"--stage-activations {self.stage_activations}: not a setting",
+                hint=", ".join(STAGE_ACTIVATIONS),
+            )
+        if not self.resume_every_s >= 0:
+            raise InputError(f"--resume-every {self.resume_every_s}: must be >= 0 seconds")
+
 
 def run_job(
     ckpt: Checkpoint,
@@ -81,13 +90,6 @@ def run_job(
     from llmq.pipeline.state import keep_if_resumable
 
     loaders = check_required_loaders(recipe.weight_args, scheme_format(recipe.scheme), inputs.require_loaders)  # fmt: skip
-    if run.stage_activations not in STAGE_ACTIVATIONS:
-        raise InputError(
-            f"--stage-activations {run.stage_activations}: not a setting",
-            hint=", ".join(STAGE_ACTIVATIONS),
-        )
-    if not run.resume_every_s >= 0:
-        raise InputError(f"--resume-every {run.resume_every_s}: must be >= 0 seconds")
     read = [("model", ckpt.path), ("statistics file", inputs.calib_stats), *fallback_input(inputs.fallback)]  # fmt: skip
     if recipe.calibration is not None:
         read += text_inputs(recipe.calibration.text, "calibration text")

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from llmq.calib.stream import resolve_device
 from llmq.config import Recipe
 from llmq.errors import InputError, UnsupportedModelError
 from llmq.io.atomic import (
@@ -95,19 +96,28 @@ def model_free_refusal(recipe: Recipe, inputs: JobInputs) -> str | None:
     return None
 
 
-def converts_model_free(recipe: Recipe, inputs: JobInputs, model_free: bool | None) -> bool:
-    """Whether the run converts model-free: by default when the recipe allows it; `model_free`
-    True or False forces it (True is refused, in one line, for a recipe that needs data)."""
-    refusal = model_free_refusal(recipe, inputs)
-    if model_free and refusal:
-        raise InputError(f"--model-free: {refusal}", hint="drop --model-free")
-    if recipe.targets and (model_free is False or refusal):
+def converts_model_free(
+    recipe: Recipe, inputs: JobInputs, model_free: bool | None, calibration: list[str]
+) -> bool:
+    """Whether the run converts model-free: by default when the recipe allows it and no
+    calibration option was given (`calibration`: their names; they ask for the layer pipeline's
+    per-layer check); `model_free` True or False forces it. Forcing it for a recipe that needs
+    data, or with calibration options it would not read, is refused in one line."""
+    if recipe.targets and model_free is False:
         raise InputError(
-            "--targets chooses tensors for model-free conversion; "
-            + ("--no-model-free was given" if model_free is False else refusal),
+            "--targets chooses the tensors of model-free conversion: drop --no-model-free",
             hint="the model path quantizes the family's linears: use --ignore to keep some",
         )
-    return refusal is None if model_free is None else model_free
+    forced = "--model-free" if model_free else "--targets (model-free)" if recipe.targets else None
+    refusal = model_free_refusal(recipe, inputs)
+    if forced and refusal:
+        raise InputError(f"{forced}: {refusal}", hint="drop --model-free and --targets")
+    if forced and calibration:
+        option = "--" + calibration[0].replace("_", "-")
+        raise InputError(f"{option}: model-free conversion reads no calibration text", hint=f"drop {option}, or {forced.split()[0]}")  # fmt: skip
+    if model_free is None and not forced:
+        return refusal is None and not calibration
+    return bool(forced)
 
 
 @dataclass(slots=True)
@@ -207,8 +217,10 @@ def run_model_free(
     space check, the `verify` reference); `workers`: threads (default: one per core, up to 8)."""
     started = time.perf_counter()
     loaders = check_required_loaders(recipe.weight_args, scheme_format(recipe.scheme), inputs.require_loaders)  # fmt: skip
-    refuse_inputs(out, [("model", folder)])
     work = plan_model_free(folder, recipe)
+    refuse_inputs(out, [("model", folder)])
+    if run.reference:
+        resolve_device(run.device)  # the reference pass's: a bad one fails before any work
     recipe = recipe.model_copy(update={"calibration": None})  # no window is read
     staging = staging_path(out)
     kept = partial(keep_if_resumable, staging, "rerun the same command with --resume to continue")

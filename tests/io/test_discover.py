@@ -102,5 +102,7 @@ def test_what_cannot_be_found_is_refused_in_one_line(
         UnsupportedModelError, match=missing.replace("(", r"\(").replace(")", r"\)")
     ):
         open_checkpoint(model)
-    result = CliRunner().invoke(app, ["quantize", str(model), "--out", str(tmp_path / "out")])
+    result = CliRunner().invoke(
+        app, ["quantize", str(model), "--out", str(tmp_path / "out"), "--no-model-free"]
+    )
     assert_bad_input(result, missing)

@@ -3,7 +3,7 @@ GPU benchmarks quantize and time end to end where the real model cannot travel (
 the shapes, not on the weight values).
 
     python benchmarks/random_model.py OUT [--arch smollm2-135m|llama3-8b] [--layers N]
-        [--tokenizer DIR] [--device cuda]
+        [--tokenizer DIR] [--max-shard-size 2GB] [--device cuda]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument(
         "--tokenizer", type=Path, help="copy this folder's tokenizer files (calibration needs one)"
     )
+    parser.add_argument("--max-shard-size", help="e.g. 2GB: several shards, as the hub's are")
     parser.add_argument(
         "--device",
         default="cpu",
@@ -51,7 +52,7 @@ def main() -> None:
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(args.device):
         model = LlamaForCausalLM(LlamaConfig(**fields))
-    model.save_pretrained(args.out)
+    model.save_pretrained(args.out, **({"max_shard_size": args.max_shard_size} if args.max_shard_size else {}))  # fmt: skip
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if args.tokenizer and (args.tokenizer / name).is_file():
             shutil.copy(args.tokenizer / name, Path(args.out) / name)

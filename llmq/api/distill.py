@@ -46,7 +46,7 @@ def distill(
     `resume=True` continues from it to the result an uninterrupted run gives. `evaluate`:
     perplexity of teacher, student and result under `llmq eval`'s default protocol in the
     report."""
-    from llmq.distillation.parallel import launched
+    from llmq.processes import launched
 
     run = {"config": config, "max_tokens": max_tokens, "checkpoint_every": checkpoint_every,
            "resume_every_s": resume_every_s, "resume": resume, "overwrite": overwrite,

@@ -40,8 +40,8 @@ def distill_iterative(
     from llmq.api.chain import run
     from llmq.api.common import _open
     from llmq.api.train import check_models, check_run, distill_config, distill_inputs
-    from llmq.distillation.parallel import launched
     from llmq.io.atomic import add_to_record, check_output_dir, claim_output, publish, staging_path
+    from llmq.processes import launched
     from llmq.recipes.iterative import rounds_recipe
 
     teacher, student = _open(teacher, progress), _open(student, progress)

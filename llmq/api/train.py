@@ -73,7 +73,7 @@ def train(
     import torch
 
     from llmq.calib.stream import resolve_device
-    from llmq.distillation.parallel import join_processes, leave_processes, process_device
+    from llmq.processes import join_processes, leave_processes, process_device
 
     teacher_ckpt, student_ckpt = _open(teacher, progress), _open(student, progress)
     check_models(teacher_ckpt, student_ckpt)

@@ -10,11 +10,12 @@ from typing import Any
 from torch import Tensor, nn
 
 from llmq.calib.hooks import input_hooks
-from llmq.calib.stats import CalibStats, InputStats
+from llmq.calib.stats import CalibStats, InputStats, reduce_stats
 from llmq.calib.stream import BlockOutput, LayerStream
 from llmq.heap import ReusedBuffers
 from llmq.io.checkpoint import Checkpoint
 from llmq.io.layout import DecoderLayout
+from llmq.processes import SINGLE_PROCESS, Processes
 from llmq.progress import NO_PROGRESS, Progress
 
 
@@ -57,14 +58,11 @@ class _Observer:
             )  # fmt: skip
         self.observed[name].update(x)
 
-    def stats(self) -> dict[str, InputStats]:
+    def stats(self, processes: Processes = SINGLE_PROCESS) -> dict[str, InputStats]:
         """The statistics of each linear that saw input (an expert no token was routed to saw
-        none)."""
-        return {
-            name: self.observed[owner]
-            for name, owner in self.owners.items()
-            if owner in self.observed
-        }
+        none), over all `processes`' windows."""
+        observed = reduce_stats(self.observed, processes)
+        return {name: observed[owner] for name, owner in self.owners.items() if owner in observed}
 
 
 def run_observed(
@@ -88,7 +86,7 @@ def run_observed(
     )
     with input_hooks(layer, names, observer):
         output = stream.run_layer(layer, hidden, on_batch=on_batch, keep=keep, in_place=in_place)
-    return output, observer.stats()
+    return output, observer.stats(stream.processes)
 
 
 def observe_until(
@@ -120,7 +118,7 @@ def observe_until(
         input_hooks(layer, [until], captured) if captured is not None else nullcontext(),
     ):
         stream.run_until(layer, hidden, until, replace=replace, on_batch=on_batch)
-    return observer.stats(), None if captured is None else captured.tensor
+    return observer.stats(stream.processes), None if captured is None else captured.tensor
 
 
 class _Captured:

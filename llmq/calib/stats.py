@@ -19,6 +19,7 @@ from llmq.quant.primitives import ACCUM_DTYPE
 
 if TYPE_CHECKING:
     from llmq.io.checkpoint import Checkpoint
+    from llmq.processes import Processes
 
 STATS_FORMAT = "llmq-calib-stats/1"
 SAMPLE_STRIDE = 32  # keep every 32nd token of each batch as a sample row...
@@ -100,6 +101,60 @@ class InputStats:
         if self.abs_sum is None:
             raise ValueError("these statistics were collected for a Hessian alone")
         return self.abs_sum / max(self.num_tokens, 1)
+
+
+def reduce_stats(observed: dict[str, InputStats], processes: Processes) -> dict[str, InputStats]:
+    """The statistics of all processes' windows, in every process (`observed`: this process's,
+    by owning linear). A linear one process saw no input for (an expert its tokens never
+    reached) takes part with empty statistics; one no process saw stays absent. The Hessian is
+    the token-weighted mean of the processes', reduced in float64; the samples are all
+    processes' rows, in rank order."""
+    if not processes.distributed:
+        return observed
+    shapes = {name: _shape(stats) for name, stats in observed.items()}
+    everyone: dict[str, tuple[int, bool, bool, bool, bool]] = {}
+    for seen in processes.gather(shapes):
+        everyone.update(seen)
+    tensors = (t for s in observed.values() for t in (s.hessian, s.absmax, s.sq_sum) if t is not None)  # fmt: skip
+    device = next((t.device for t in tensors), torch.device("cpu"))  # NCCL reduces GPU tensors
+    reduced = {}
+    for name in sorted(everyone):  # the same order in every process: the collectives pair up
+        features, hessian, samples, magnitudes, norms = everyone[name]
+        stats = observed.get(name) or InputStats.empty(
+            features, hessian=hessian, device=device, samples=samples, magnitudes=magnitudes,
+            norms=norms,
+        )  # fmt: skip
+        reduced[name] = _reduced(stats, processes, device)
+    return reduced
+
+
+def _shape(stats: InputStats) -> tuple[int, bool, bool, bool, bool]:
+    """What an empty stand-in for `stats` needs: in_features and which fields it holds."""
+    present = next(t for t in (stats.hessian, stats.absmax, stats.sq_sum, stats.samples) if t is not None)  # fmt: skip
+    return (
+        present.shape[-1], stats.hessian is not None, stats.samples is not None,
+        stats.absmax is not None, stats.sq_sum is not None,
+    )  # fmt: skip
+
+
+def _reduced(stats: InputStats, processes: Processes, device: torch.device) -> InputStats:
+    counts = torch.tensor([float(stats.num_tokens)], dtype=torch.float64, device=device)
+    processes.reduce(counts)
+    tokens = int(counts.item())
+    hessian = stats.hessian
+    if hessian is not None:
+        weighted = hessian.to(torch.float64) * stats.num_tokens
+        processes.reduce(weighted)
+        hessian = (weighted / max(tokens, 1)).to(hessian.dtype)
+    for field_name, op in (("absmax", "max"), ("abs_sum", "sum"), ("sq_sum", "sum")):
+        value = getattr(stats, field_name)
+        if value is not None:
+            processes.reduce(value, op)
+    samples = stats.samples
+    if samples is not None:
+        rows = processes.gather(samples.cpu())
+        samples = torch.cat(rows)[:SAMPLE_ROWS].to(samples.device)
+    return InputStats(stats.absmax, stats.abs_sum, tokens, hessian, samples, stats.sq_sum)
 
 
 def add_gram(target: Tensor, rows: Tensor, *, beta: float, alpha: float, leaf: int = 192) -> None:

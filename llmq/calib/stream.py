@@ -33,6 +33,7 @@ from llmq.calib.walk import H, LayerWalk
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
 from llmq.io.layout import DecoderLayout
+from llmq.processes import SINGLE_PROCESS, Processes
 from llmq.progress import NO_PROGRESS, Progress
 
 StateLoader = Callable[[Checkpoint, str], dict[str, Tensor]]
@@ -123,10 +124,13 @@ class LayerStream:
         state_loader: StateLoader = read_plain_state,
         batch_size: int = 4,
         expert_tokens: ExpertTokens = "all",
+        processes: Processes = SINGLE_PROCESS,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.ckpt = ckpt
+        # the processes that share the calibration windows: statistics are reduced over them
+        self.processes = processes
         # which linears share an input: an expert's alone when it sees only its routed tokens
         self.layout = ckpt.layout if expert_tokens == "all" else ckpt.layout.expert_groups_split()
         # each materialized layer's index and own layout (a mixture of experts may have dense

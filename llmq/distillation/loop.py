@@ -22,9 +22,9 @@ from llmq.config import DistillConfig
 from llmq.distillation.data import BatchOrder
 from llmq.distillation.loss import distillation_loss
 from llmq.distillation.masks import mask_gradients, mask_weights
-from llmq.distillation.parallel import Processes
 from llmq.distillation.schedule import learning_rate
 from llmq.distillation.state import TrainState
+from llmq.processes import Processes
 from llmq.progress import Progress
 
 

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from llmq.distillation.parallel import SINGLE_PROCESS, Processes
 from llmq.errors import InputError
 from llmq.io.atomic import save_safetensors, write_json, write_text
+from llmq.processes import SINGLE_PROCESS, Processes
 
 STATE_DIR = ".distill"
 _POINTER = "latest"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from llmq.pack.format import PackFormat, compress
 from llmq.pipeline.plan import LinearPlan
 from llmq.pipeline.report import LinearReport
 from llmq.pipeline.scaling import ScaleReport
+from llmq.processes import SINGLE_PROCESS, Processes, attempt
 from llmq.quant.awq import output_error
 from llmq.quant.kvcache import KVQuantizer
 from llmq.quant.masks import Sparsity, magnitude_scores, pruned_mask
@@ -54,15 +56,26 @@ def quantize_linears(
     method: Method,
     fmt: PackFormat,
     rtn_errors: dict[str, float | None],
+    processes: Processes = SINGLE_PROCESS,
 ) -> tuple[dict[str, Tensor], list[LinearReport]]:
     """Quantize each linear, put its dequantized weight back for the quantized pass, and return
-    its on-disk tensors (names relative to the layer)."""
+    its on-disk tensors (names relative to the layer). The stacks are solved by `processes` in
+    turn (their statistics are the same in each), and every process takes every result."""
     tensors: dict[str, Tensor] = {}
     reports = []
     results = {}
-    for names in _stacks(local, stats):
+    stacks = _stacks(local, stats)
+
+    def solve(names: list[str]) -> list[MethodResult]:
         weights = [layer.get_submodule(name).weight.data for name in names]
-        parts = _quantize_stack(method, weights, [local[name] for name in names], stats[names[0]])
+        return _quantize_stack(method, weights, [local[name] for name in names], stats[names[0]])
+
+    # each process solves its share of the stacks, then all share every result
+    world, rank = processes.world_size, processes.rank
+    solved = {i: attempt(partial(solve, names)) for i, names in enumerate(stacks) if i % world == rank}  # fmt: skip
+    device = next(layer.parameters()).device
+    for i, names in enumerate(stacks):
+        parts = processes.shared(solved.get(i), i % world, device)
         results.update(zip(names, parts, strict=True))
     for name, linear in local.items():
         module = layer.get_submodule(name)

@@ -121,7 +121,9 @@ class StagedLayer:
             # the whole layer being held through every stage
             baseline = rtn_weights(self.layer, part, self.method.sparsity)
             errors = rtn_linear_errors(self.layer, baseline, stats)
-        tensors, reports = quantize_linears(self.layer, part, stats, self.method, self.fmt, errors)
+        tensors, reports = quantize_linears(
+            self.layer, part, stats, self.method, self.fmt, errors, self.stream.processes
+        )
         self.done.tensors.update(tensors)
         self.done.linears.extend(reports)
         return captured

@@ -21,6 +21,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "progress": (),
     "packaged": BASE,
     "heap": BASE,
+    # torchrun's processes: data-parallel calibration and training
+    "processes": BASE,
     "texts": (*BASE, "llmq.packaged"),
     "models": (*BASE, "llmq.packaged"),
     "config": (*BASE, "llmq.texts"),
@@ -35,6 +37,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "kernels": (*BASE, "llmq.pack.layout"),
     "calib": (
         *BASE,
+        "llmq.processes",
         "llmq.texts",
         "llmq.models",
         "llmq.heap",
@@ -67,6 +70,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     ),
     "pipeline": (
         *BASE,
+        "llmq.processes",
         "llmq",
         "llmq.texts",
         "llmq.heap",
@@ -82,6 +86,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # training never runs the public API: QAT's export is a pipeline job
     "distillation": (
         *BASE,
+        "llmq.processes",
         "llmq",
         "llmq.texts",
         "llmq.config",
@@ -94,6 +99,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     ),
     "api": (
         *BASE,
+        "llmq.processes",
         "llmq",
         "llmq.texts",
         "llmq.models",
@@ -123,6 +129,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     ),
     "cli": (
         *BASE,
+        "llmq.processes",
         "llmq",
         "llmq.texts",
         "llmq.config",

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmq.api.common import _open, options_of
 from llmq.config import RESUME_EVERY_S, PruneOptions, QuantizeOptions, Recipe
+from llmq.errors import InputError
 from llmq.io.checkpoint import checkpoint_folder
 from llmq.models import resolve_model
 from llmq.progress import NO_PROGRESS, Progress
@@ -62,6 +66,8 @@ def quantize(
     if options.format == "gguf":
         from llmq.api.gguf import quantize_gguf
 
+        _one_process("--format gguf")
+
         return quantize_gguf(model, out, options.gguf_recipe(), overwrite=overwrite,
                              progress=progress, device=device)  # fmt: skip
     from llmq.pipeline.job import JobRun
@@ -73,6 +79,7 @@ def quantize(
                  space_check=space_check, reference=reference, device=device,
                  stage_activations=stage_activations, tf32=tf32)  # fmt: skip
     if converts_model_free(recipe, inputs, model_free, options.calibration_given()):
+        _one_process("model-free conversion")
         folder = checkpoint_folder(resolve_model(model, progress=progress))
         return run_model_free(folder, Path(out), recipe, source=str(model), inputs=inputs, run=run, progress=progress)  # fmt: skip
     return _job(model, out, recipe, inputs, run, progress)
@@ -130,6 +137,43 @@ def _job(
     progress: Progress,
 ) -> QuantizeResult:
     from llmq.pipeline.job import run_job
+    from llmq.processes import launched
 
     ckpt = _open(model, progress)
-    return run_job(ckpt, Path(out), recipe, source=str(model), inputs=inputs, run=run, progress=progress)  # fmt: skip
+    if not launched().distributed:
+        return run_job(ckpt, Path(out), recipe, source=str(model), inputs=inputs, run=run, progress=progress)  # fmt: skip
+    with _processes_joined(run) as run:  # under torchrun: the calibration windows split
+        shown = progress if run.processes.is_main else NO_PROGRESS
+        return run_job(ckpt, Path(out), recipe, source=str(model), inputs=inputs, run=run, progress=shown)  # fmt: skip
+
+
+@contextmanager
+def _processes_joined(run: JobRun) -> Iterator[JobRun]:
+    """`run` as one of torchrun's processes: in their group, on its own GPU where there are
+    GPUs; the group is left on exit."""
+    import torch
+
+    from llmq.calib.stream import resolve_device
+    from llmq.processes import join_processes, leave_processes, process_device
+
+    device = resolve_device(run.device)
+    processes = join_processes(device)
+    try:
+        device = process_device(device, processes)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        yield replace(run, device=str(device), processes=processes)
+    finally:
+        leave_processes(processes)
+
+
+def _one_process(what: str) -> None:
+    """Refuse, under torchrun, what has no calibration windows to split."""
+    from llmq.processes import launched
+
+    processes = launched()
+    if processes.distributed:
+        raise InputError(
+            f"{what} reads no calibration windows to split over torchrun's {processes.world_size} processes",
+            hint="run it in one process (without torchrun)",
+        )  # fmt: skip

@@ -244,6 +244,17 @@ def resume_hint_on_interrupt(out: Any) -> Iterator[None]:
         raise
 
 
+def speaks_for_all() -> bool:
+    """Whether this process reports: one alone, or torchrun's process 0, which speaks for the
+    others (they stay silent, errors included: each would say the same)."""
+    from llmq.processes import launched
+
+    if launched().is_main:
+        return True
+    out_console.quiet = err_console.quiet = True
+    return False
+
+
 def print_json(data: Any) -> None:
     """Machine-readable output on stdout, nothing else."""
     typer.echo(json.dumps(data, indent=2, default=str))

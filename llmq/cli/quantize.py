@@ -13,6 +13,7 @@ from llmq.cli.console import (
     progress_bars,
     quiet_libraries,
     resume_hint_on_interrupt,
+    speaks_for_all,
 )
 from llmq.cli.options import (
     CALIBRATION,
@@ -286,6 +287,7 @@ def quantize(
     quiet_libraries()
     from llmq import api
 
+    speaks = speaks_for_all()
     with cli_errors():
         lists = {"ignore": tuple(ignore or ()), "require_loaders": tuple(names(require_loader)),
                  "tensor_type": tuple(tensor_type or ()), "targets": tuple(targets or ())}  # fmt: skip
@@ -297,6 +299,8 @@ def quantize(
                 progress=progress, device=device,
                 stage_activations=stage_activations, tf32=tf32, model_free=model_free,
             )  # fmt: skip
+    if not speaks:
+        return
     if json_out:
         print_json(result.to_dict())
     elif options.format == "gguf":

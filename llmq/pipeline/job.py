@@ -7,6 +7,7 @@ OUT claimed, calibration sampled, the layers run, the checkpoint published with 
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -16,6 +17,7 @@ from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
 from llmq.io.record import OutputRecord
 from llmq.pipeline.report import QuantizeResult
+from llmq.processes import SINGLE_PROCESS, Processes
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.texts import text_inputs
 
@@ -44,6 +46,8 @@ class JobRun:
     device: str | None = None
     stage_activations: str = "auto"  # a staged layer's: keep, recompute or auto (keeps_activations)
     tf32: bool = True  # the layers' matrix products in TF32 on a GPU
+    # torchrun's processes (joined by the caller): each calibrates on its share of the windows
+    processes: Processes = SINGLE_PROCESS
 
     def __post_init__(self) -> None:
         if self.stage_activations not in STAGE_ACTIVATIONS:
@@ -53,6 +57,19 @@ class JobRun:
             )
         if not self.resume_every_s >= 0:
             raise InputError(f"--resume-every {self.resume_every_s}: must be >= 0 seconds")
+
+
+def check_split(recipe: Recipe, processes: Processes) -> None:
+    """Under torchrun: a recipe whose calibration windows can be split over the processes."""
+    if not processes.distributed:
+        return
+    hint = "run it in one process (without torchrun)"
+    if recipe.calibration is None:
+        raise InputError(f"torchrun splits calibration windows over its {processes.world_size} processes: this recipe reads none", hint=hint)  # fmt: skip
+    if recipe.calibration.num_samples < processes.world_size:
+        raise InputError(f"--num-samples {recipe.calibration.num_samples}: fewer windows than torchrun's {processes.world_size} processes")  # fmt: skip
+    if recipe.sparsity_profile != "uniform":
+        raise InputError(f"--sparsity-profile {recipe.sparsity_profile}: its measuring pass is not split over processes", hint=hint)  # fmt: skip
 
 
 def run_job(
@@ -103,18 +120,25 @@ def run_job(
     check_pairings(ckpt, recipe)
     check_kv_cache(ckpt, recipe)
     stats = CalibStats.load(Path(inputs.calib_stats)) if inputs.calib_stats else None
+    processes = run.processes
+    check_split(recipe, processes)
     staging = staging_path(out)
     kept = partial(keep_if_resumable, staging, "rerun the same command with --resume to continue")
-    with claim_output(out, inputs=read, kept=kept):  # held until the output is published
+
+    def check_output() -> None:
         check_output_dir(out, overwrite=run.overwrite)
         if run.space_check:
             check_free_space(out, disk_needed(ckpt, plan, recipe, staging if run.resume else None))
+
+    with ExitStack() as claimed:  # held until the output is published (by process 0)
+        processes.on_main(lambda: claimed.enter_context(claim_output(out, inputs=read, kept=kept)))  # fmt: skip
+        processes.on_main(check_output)
         record = OutputRecord(source_model=source, recipe=recipe.model_dump(mode="json"), loaders=loaders)  # fmt: skip
         ids = None
         if recipe.calibration is not None:
             cal = recipe.calibration
-            windows = model_windows(ckpt.path, cal, progress)
-            ids = windows.input_ids
+            windows = processes.on_main(lambda: model_windows(ckpt.path, cal, progress))
+            ids = windows.input_ids[processes.rank :: processes.world_size]  # this process's
             dense = set() if ckpt.layout.experts else {"moe_calibration"}  # routes nothing
             record.calibration = {**cal.model_dump(exclude=dense), "tokens": windows.num_tokens, "bos": windows.add_bos}  # fmt: skip
         if stats is not None:
@@ -131,4 +155,5 @@ def run_job(
             record=record, device=run.device, resume_every_s=run.resume_every_s,
             reference=run.reference, stage_activations=run.stage_activations, tf32=run.tf32,
             layer_sparsities=None if sparsities is None else sparsities["sparsity"],
+            processes=processes,
         )  # fmt: skip

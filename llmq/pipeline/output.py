@@ -15,7 +15,7 @@ from llmq.io.checkpoint import Checkpoint, side_files, torch_dtype
 from llmq.io.record import OutputRecord
 from llmq.pack.format import PackFormat, quantization_config, scheme_format
 from llmq.pipeline.plan import LinearPlan, Plan, config_groups
-from llmq.pipeline.state import HIDDEN_FILE, STATE_FILE
+from llmq.pipeline.state import remove_resume_points
 
 
 def other_layer_tensors(
@@ -111,8 +111,7 @@ def finish_checkpoint(
         record.reference = compute_reference(open_checkpoint(staging), device=device).to_dict()
     record.files = file_hashes(staging)
     write_record(staging, record)
-    (staging / STATE_FILE).unlink(missing_ok=True)
-    (staging / HIDDEN_FILE).unlink(missing_ok=True)
+    remove_resume_points(staging)
 
 
 def _copy_side_files(source: Path, staging: Path) -> None:

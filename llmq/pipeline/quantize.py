@@ -53,6 +53,7 @@ from llmq.pipeline.plan import LinearPlan, Plan
 from llmq.pipeline.report import LayerReport, QuantizeResult, layer_report, written_sparsity
 from llmq.pipeline.staged import StagedLayer, keeps_activations, stages_in_layer
 from llmq.pipeline.state import RunState, load_state
+from llmq.processes import SINGLE_PROCESS, Processes
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.quant.masks import Sparsity
 from llmq.quant.methods import Method, get_method
@@ -77,28 +78,24 @@ def run_quantization(
     layer_sparsities: list[float] | None = None,
     stage_activations: str = "auto",
     tf32: bool = True,
+    processes: Processes = SINGLE_PROCESS,
 ) -> QuantizeResult:
     """Quantize (or prune) every decoder layer of `ckpt` as `plan` says and publish the
     checkpoint at `out`. `layer_sparsities`: a pruning method's share per layer (a sparsity
     profile), instead of the recipe's everywhere. `stage_activations`: whether a staged layer keeps
     its blocks' activations ("keep", "recompute" or "auto": `keeps_activations`). `tf32`: the
-    layers' matrix products in TF32 on a GPU (`tensor_float32`)."""
+    layers' matrix products in TF32 on a GPU (`tensor_float32`). `processes`: torchrun's, each
+    with its share of `calibration_ids`; the statistics are reduced over them, the layer's
+    solves shared out, and process 0 writes."""
     started = time.perf_counter()
     staging = staging_path(out)
-    fingerprint = {"recipe": recipe.model_dump(mode="json"), "source": ckpt.file_stamps()}
-    state = load_state(staging, fingerprint, resume_every_s) if resume else None
-    if state is None:
-        if resume:
-            log.warning("%s: no interrupted run to resume; starting from the first layer", out)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        state = RunState(staging, fingerprint, every_s=resume_every_s)
+    state = _run_state(ckpt, recipe, staging, resume, resume_every_s, processes)
     resumed = state.done
     method = get_method(recipe)
     tokens = recipe.calibration.moe_calibration if recipe.calibration else "all"
-    stream = LayerStream(ckpt, device=device, expert_tokens=tokens)
+    stream = LayerStream(ckpt, device=device, expert_tokens=tokens, processes=processes)
     shards = ShardNames.per_layer(ckpt.num_layers)
-    if resumed == 0:
+    if resumed == 0 and processes.is_main:
         save_safetensors(staging / shards.name(0), non_layer_tensors(ckpt))
     walk = stream.walk(
         _initial_hidden(stream, state, calibration_ids),
@@ -118,14 +115,19 @@ def run_quantization(
                 buffers, stage_activations,
             )  # fmt: skip
             layer.advance(output)
-            save_safetensors(staging / shards.name(layer.index + 1), tensors)
+            if processes.is_main:
+                save_safetensors(staging / shards.name(layer.index + 1), tensors)
             state.record(asdict(report), output)
     del buffers
     if method.sparsity is not None:
         record.sparsity = written_sparsity(state.layers)
-    with progress.stage("writing config, index and the reference for `llmq verify`"):
-        finalize(ckpt, plan, recipe, staging, shards, record, device, reference=reference)
-    publish(staging, out)
+
+    def publish_checkpoint() -> None:
+        with progress.stage("writing config, index and the reference for `llmq verify`"):
+            finalize(ckpt, plan, recipe, staging, shards, record, device, reference=reference)
+        publish(staging, out)
+
+    processes.on_main(publish_checkpoint)
     return QuantizeResult(
         out_dir=out,
         model=str(ckpt.path),
@@ -143,6 +145,31 @@ def run_quantization(
         sparsity=record.sparsity,
         discovered_layout=describe_layout(ckpt.layout) if ckpt.layout.discovered else None,
     )
+
+
+def _run_state(
+    ckpt: Checkpoint,
+    recipe: Recipe,
+    staging: Path,
+    resume: bool,
+    every_s: float,
+    processes: Processes,
+) -> RunState:
+    """The interrupted run's state to continue (with --resume, the same recipe, source and
+    processes), or a fresh staging folder (made by process 0, before any process goes on)."""
+    fingerprint = {"recipe": recipe.model_dump(mode="json"), "source": ckpt.file_stamps()}
+    if processes.distributed:  # each process's windows, and resume points, are its own
+        fingerprint["processes"] = processes.world_size
+    state = load_state(staging, fingerprint, every_s, processes) if resume else None
+    if state is None:
+        if resume:
+            log.warning("%s: no interrupted run to resume; starting from the first layer", staging)
+        if processes.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        processes.barrier()
+        state = RunState(staging, fingerprint, every_s=every_s, processes=processes)
+    return state
 
 
 def _initial_hidden(stream: LayerStream, state: RunState, ids: Tensor | None) -> Tensor | None:

@@ -21,9 +21,10 @@ from torch import Tensor
 from llmq.config import RESUME_EVERY_S
 from llmq.errors import InputError
 from llmq.io.atomic import save_safetensors, write_json
+from llmq.processes import SINGLE_PROCESS, Processes
 
 STATE_FILE = "llmq-state.json"
-HIDDEN_FILE = "llmq-hidden.safetensors"
+HIDDEN_FILE = "llmq-hidden.safetensors"  # one process's; torchrun's: `hidden_file`
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class RunState:
     fingerprint: dict[str, Any]
     layers: list[dict[str, Any]] = field(default_factory=list)  # reports of finished layers
     every_s: float = RESUME_EVERY_S  # seconds between resume points; 0: after every layer
+    processes: Processes = SINGLE_PROCESS  # torchrun's: each saves its own hidden states
     _last_save: float = field(default_factory=time.monotonic)
 
     @property
@@ -42,21 +44,23 @@ class RunState:
         """Keep the finished layer's report; save a resume point when `every_s` has passed
         since the last one (always when there are no hidden states: a JSON file is cheap)."""
         self.layers.append(report)
-        if hidden is not None and time.monotonic() - self._last_save < self.every_s:
+        due = hidden is None or time.monotonic() - self._last_save >= self.every_s
+        if not self.processes.broadcast(due):  # process 0's clock decides for all
             return
         if hidden is not None:
             save_safetensors(
-                self.staging / HIDDEN_FILE,
+                self.staging / hidden_file(self.processes),
                 {"hidden": hidden.cpu()},
                 metadata={"after_layer": str(report["index"])},
             )
-        write_json(
-            self.staging / STATE_FILE, {"fingerprint": self.fingerprint, "layers": self.layers}
-        )
+        self.processes.barrier()  # every process's hidden states saved before the state says so
+        if self.processes.is_main:
+            state = {"fingerprint": self.fingerprint, "layers": self.layers}
+            write_json(self.staging / STATE_FILE, state)
         self._last_save = time.monotonic()
 
     def hidden(self) -> Tensor | None:
-        path = self.staging / HIDDEN_FILE
+        path = self.staging / hidden_file(self.processes)
         if not path.exists():
             return None
         from safetensors import safe_open
@@ -69,7 +73,26 @@ class RunState:
             return f.get_tensor("hidden")
 
 
-def load_state(staging: Path, fingerprint: dict[str, Any], every_s: float) -> RunState | None:
+def remove_resume_points(staging: Path) -> None:
+    """The state and every process's hidden states: a finished run needs none of them."""
+    (staging / STATE_FILE).unlink(missing_ok=True)
+    for path in staging.glob("llmq-hidden*.safetensors"):
+        path.unlink()
+
+
+def hidden_file(processes: Processes) -> str:
+    """This process's resume point: the hidden states of its windows."""
+    if not processes.distributed:
+        return HIDDEN_FILE
+    return f"llmq-hidden-{processes.rank}-of-{processes.world_size}.safetensors"
+
+
+def load_state(
+    staging: Path,
+    fingerprint: dict[str, Any],
+    every_s: float,
+    processes: Processes = SINGLE_PROCESS,
+) -> RunState | None:
     """The state of a partial run with the same fingerprint, or None when there is none."""
     path = staging / STATE_FILE
     if not path.is_file():
@@ -83,7 +106,7 @@ def load_state(staging: Path, fingerprint: dict[str, Any], every_s: float) -> Ru
             f"{staging}: the partial run used a different model or recipe",
             hint="rerun without --resume to start over",
         )
-    return RunState(staging, fingerprint, saved["layers"], every_s)
+    return RunState(staging, fingerprint, saved["layers"], every_s, processes)
 
 
 def resume_point_bytes(windows: int, seq_len: int, hidden_size: int) -> int:

@@ -2,15 +2,15 @@
 weights: time and memory only), side by side in one run with a plain read of the same files,
 llm-compressor 0.14's `model_free_ptq` and llmq's own layer pipeline.
 
-    python benchmarks/bench_model_free.py [--layers 6] [--repeat 3] [--out benchmarks/out/model-free]
+    python benchmarks/bench_model_free.py [--layers 6] [--repeat 3] [--mse] [--out benchmarks/out/model-free]
 
 Rows, alternating, medians of --repeat runs, page cache dropped for the source before each cold
 run (`posix_fadvise(DONTNEED)`, as bench_fallback.py): the plain read (every tensor read with
 safetensors and summed); `llmq quantize --scheme fp8 --clip none` model-free (per-channel
 absmax, llm-compressor's FP8_DYNAMIC rounding), the conversion's own seconds from its report and
 the whole process's wall; the peer's FP8_DYNAMIC with as many threads. Once each: llmq's layer
-pipeline on the same recipe (`--no-model-free --skip-layer-check`) and llmq's default FP8 (its
-MSE clip search). Peak RSS is each whole process's.
+pipeline on the same recipe (`--no-model-free --skip-layer-check`), and with --mse llmq's default
+FP8 (its MSE clip search). Peak RSS is each whole process's.
 """
 
 from __future__ import annotations
@@ -103,6 +103,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "out" / "model-free")
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument(
+        "--mse", action="store_true", help="also llmq's default fp8 (MSE clip search)"
+    )
     args = parser.parse_args()
     if not args.no_peer:
         ensure_peer()
@@ -126,9 +129,10 @@ def main() -> None:
     runs["llmq layer pipeline warm"] = [
         llmq_run(model, args.out / "pipeline", [*llmq_fp8, "--no-model-free", "--skip-layer-check"])
     ]
-    runs["llmq default fp8 (mse clip) warm"] = [
-        llmq_run(model, args.out / "llmq", ["--scheme", "fp8"])
-    ]
+    if args.mse:
+        runs["llmq default fp8 (mse clip) warm"] = [
+            llmq_run(model, args.out / "llmq", ["--scheme", "fp8"])
+        ]
     rows = {
         label: {key: statistics.median(run[key] for run in done) for key in done[0]}
         for label, done in runs.items()

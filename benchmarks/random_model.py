@@ -27,6 +27,11 @@ ARCHS = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
         "rope_theta": 500000.0, "tie_word_embeddings": False,
     },
+    "llama3-70b": {
+        "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+        "rope_theta": 500000.0, "tie_word_embeddings": False,
+    },
 }  # fmt: skip
 
 

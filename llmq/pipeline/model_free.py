@@ -6,8 +6,9 @@ dynamic or no activation quantization, no KV cache, no pruning. Then each linear
 quantized alone, exactly as the layer pipeline quantizes it (read, made float32 as the layer
 stream does, the same method call, the same packing), so every tensor written is byte-identical
 to the model path's, and the config's `quantization_config` too. What differs is only how the
-work is cut: output shards of at most SHARD_BYTES, converted by a pool of threads (torch
-releases the GIL in its kernels), each holding one shard's output and one float32 weight.
+work is cut: output shards of at most SHARD_BYTES, each shard's weights quantized by a pool of
+threads (torch releases the GIL in its kernels) while another thread writes the shard before it:
+memory is two shards' output and one float32 weight a thread, whatever the model's size.
 
 Which tensors are quantized: the family layout's decoder linears when llmq knows the family
 (the model path's own plan), else every 2-D floating-point weight that `is_linear_weight`
@@ -73,12 +74,15 @@ from llmq.pipeline.report import QuantizeResult
 from llmq.pipeline.state import RunState, keep_if_resumable, load_state
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.quant.methods import Method, get_method
+from llmq.quant.primitives import ROW_STRATEGIES, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
 # An output shard's size at most (the last tensor may pass it; a larger tensor is a shard of its
 # own): what one thread holds before the shard is written.
 SHARD_BYTES = 1 << 30
+# The float64 working copy of a chunk of rows quantized at once (per-row scales): L2-sized.
+CHUNK_BYTES = 2 << 20
 
 
 def model_free_refusal(recipe: Recipe, inputs: JobInputs) -> str | None:
@@ -362,8 +366,19 @@ def _quantized(
     method: Method, fmt: PackFormat, linear: LinearPlan, stored: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """One weight's on-disk tensors, as the layer pipeline computes them: made float32 as the
-    layer stream materializes it, then the same method call and packing."""
-    weight = stored.to(torch.float32)
-    check_finite(weight, f"the weights of {linear.name}")
-    result = method.quantize_weight(weight, linear.args, None, scale_dtype=torch_dtype(linear.dtype))  # fmt: skip
-    return {f"{linear.name}.{suffix}": tensor for suffix, tensor in compress(result.weight, fmt).items()}  # fmt: skip
+    layer stream materializes it, then the same method call and packing. Weights with per-row
+    scales go through in chunks of rows whose float64 working copies stay in the CPU's cache
+    (2.5x faster than the whole weight at once here; rows are independent, so the bytes are
+    the same)."""
+    assert linear.args is not None
+    rows = len(stored)
+    if linear.args.strategy in ROW_STRATEGIES:
+        rows = max(1, CHUNK_BYTES // (8 * linear.in_features))
+    parts = []
+    for start in range(0, len(stored), rows):
+        weight = stored[start : start + rows].to(torch.float32)
+        check_finite(weight, f"the weights of {linear.name}")
+        result = method.quantize_weight(weight, linear.args, None, scale_dtype=torch_dtype(linear.dtype))  # fmt: skip
+        parts.append(result.weight)
+    joined = parts[0] if len(parts) == 1 else QuantizedWeight.joined_rows(parts)  # type: ignore[arg-type]
+    return {f"{linear.name}.{suffix}": tensor for suffix, tensor in compress(joined, fmt).items()}  # fmt: skip

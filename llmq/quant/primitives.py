@@ -57,6 +57,16 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = ACCUM_DTYPE) -> Tensor:
         return dequantize(self.codes, self.scale, self.zero_point, self.args).to(dtype)
 
+    @classmethod
+    def joined_rows(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """One weight from the weights of consecutive rows (per-row scales): `split_rows`'s
+        inverse."""
+        zeros = [part.zero_point for part in parts]
+        return cls(
+            torch.cat([part.codes for part in parts]), torch.cat([part.scale for part in parts]),
+            None if zeros[0] is None else torch.cat(zeros), parts[0].args,  # type: ignore[arg-type]
+        )  # fmt: skip
+
     def split_rows(self, sizes: list[int]) -> list[QuantizedWeight]:
         """The weights of a row-stacked weight, apart again (per-row scales only). Each part
         gets its own storage: safetensors refuses to save tensors that share memory."""

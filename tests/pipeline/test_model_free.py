@@ -45,8 +45,10 @@ def quantization_config(folder: Path) -> dict:
 
 @pytest.fixture
 def small_shards(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Output shards of ~0.2 MB: several per tiny model, so that threads and resume have work."""
+    """Output shards of ~0.2 MB: several per tiny model, so that threads and resume have work;
+    weights quantized a few rows at a time (5 to 13 rows here), so that chunks are joined."""
     monkeypatch.setattr(model_free, "SHARD_BYTES", 200_000)
+    monkeypatch.setattr(model_free, "CHUNK_BYTES", 20_000)
 
 
 @pytest.mark.parametrize("scheme", DATA_FREE_SCHEMES)

@@ -136,14 +136,14 @@ def test_a_full_disk_is_one_line_and_the_run_resumes(
     --no-space-check, one line and exit 2 mid-run, the finished layers kept; after space is
     freed, --resume completes the checkpoint byte-identical to a run alone."""
     reference = tmp_path / "alone"
-    llmq.quantize(tiny_llama, reference, scheme="w8a16", skip_layer_check=True)
+    llmq.quantize(tiny_llama, reference, scheme="w8a16", skip_layer_check=True, model_free=False)
     shards = sorted(reference.glob("model-*.safetensors"))
     # room for the embeddings' shard and the first layer's, not for the second layer's
     room = shards[0].stat().st_size + shards[1].stat().st_size + 64 * 1024
     filler = small_fs / "filler"
     filler.write_bytes(b"\0" * (64 * 2**20 - room))
     out = small_fs / "out"
-    cmd = llmq_cmd("quantize", str(tiny_llama), "--out", str(out), "--scheme", "w8a16", "--skip-layer-check")  # fmt: skip
+    cmd = llmq_cmd("quantize", str(tiny_llama), "--out", str(out), "--scheme", "w8a16", "--skip-layer-check", "--no-model-free")  # fmt: skip
 
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2

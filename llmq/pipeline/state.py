@@ -101,9 +101,12 @@ def load_state(
         saved = json.loads(path.read_text())
     except json.JSONDecodeError:
         raise InputError(f"{path}: corrupt resume state", hint="rerun without --resume") from None
-    if saved.get("fingerprint") != fingerprint:
+    recorded = saved.get("fingerprint") or {}
+    if recorded != fingerprint:
+        parallel = "processes" in recorded or "processes" in fingerprint
         raise InputError(
-            f"{staging}: the partial run used a different model or recipe",
+            f"{staging}: the partial run used a different model or recipe"
+            + (" or number of torchrun processes" if parallel else ""),
             hint="rerun without --resume to start over",
         )
     return RunState(staging, fingerprint, saved["layers"], every_s, processes)

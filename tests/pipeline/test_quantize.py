@@ -491,3 +491,16 @@ def test_the_plan_knows_the_output_size(tmp_path: Path, tiny_llama: Path, scheme
     llmq.quantize(tiny_llama, out, recipe=recipe)
     written = sum(p.stat().st_size for p in out.iterdir() if p.name != "llmq.json")
     assert written <= estimate <= 1.05 * written
+
+
+def test_resuming_with_another_number_of_processes_is_refused(tmp_path: Path) -> None:
+    """Each torchrun process's resume point holds its own windows: one process cannot go on
+    from two processes' points, and the error says why."""
+    from llmq.io.atomic import write_json
+    from llmq.pipeline.state import STATE_FILE, load_state
+
+    fingerprint = {"recipe": {"scheme": "w4a16"}, "source": {"path": "m"}}
+    write_json(tmp_path / STATE_FILE, {"fingerprint": {**fingerprint, "processes": 2}, "layers": []})
+    with pytest.raises(InputError, match="or number of torchrun processes"):
+        load_state(tmp_path, fingerprint, 60.0)
+    assert load_state(tmp_path, {**fingerprint, "processes": 2}, 60.0) is not None

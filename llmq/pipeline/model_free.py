@@ -64,6 +64,7 @@ from llmq.pipeline.plan import (
     FLOAT_DTYPES,
     LinearPlan,
     Plan,
+    check_patterns,
     config_groups,
     matches_any,
     output_bytes,
@@ -166,14 +167,7 @@ def _chosen_linears(tensors: dict[str, TensorInfo], patterns: tuple[str, ...]) -
     ]
     if not patterns:
         return [name for name in candidates if is_linear_weight(name)]
-    for pattern in patterns:
-        if not any(matches_any((pattern,), name) for name in candidates):
-            raise InputError(
-                f"--targets {pattern!r}: matches none of the checkpoint's 2-D weights",
-                hint="a plain pattern is a module name or the part after a dot, a `re:` one a "
-                f"regular expression from the start; names look like {candidates[-1]!r}"
-                if candidates else "the checkpoint stores no 2-D floating-point weight",
-            )  # fmt: skip
+    check_patterns("--targets", patterns, candidates, "2-D floating-point weights")
     return [name for name in candidates if matches_any(patterns, name)]
 
 

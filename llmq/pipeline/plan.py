@@ -93,7 +93,9 @@ def plan_linears(
 ) -> Plan:
     """Each linear of `layers` (module names, per layer) with its arguments, less those
     `--ignore` keeps (and the LM head, always kept); `tensors`: the checkpoint's, at `folder`."""
-    _check_ignore_patterns(recipe.ignore, [lm_head, *(name for layer in layers for name in layer)])
+    check_patterns(
+        "--ignore", recipe.ignore, [lm_head, *(n for layer in layers for n in layer)], "linears"
+    )
     planned_layers: list[list[LinearPlan]] = []
     ignored = [lm_head]
     adjustments: list[GroupSizeAdjustment] = []
@@ -110,23 +112,25 @@ def plan_linears(
     return Plan(layers=planned_layers, ignored=ignored, adjustments=adjustments)
 
 
-def _check_ignore_patterns(patterns: tuple[str, ...], linears: list[str]) -> None:
-    """Each pattern must compile and keep some linear: a typo would otherwise quantize the
-    linear it meant to keep, and the run would only show it in the output's ignore list."""
+def check_patterns(option: str, patterns: tuple[str, ...], names: list[str], what: str) -> None:
+    """Each pattern of `option` (--ignore, --targets) must compile and match one of `names`
+    (`what` they are, for the error): a typo would otherwise quantize the linear it meant to
+    keep, or keep the one it meant to quantize, and show only in the output."""
     for pattern in patterns:
         if pattern.startswith("re:"):
             try:
                 re.compile(pattern[3:])
             except re.error as exc:
                 raise InputError(
-                    f"--ignore {pattern!r}: invalid regular expression ({exc})"
+                    f"{option} {pattern!r}: invalid regular expression ({exc})"
                 ) from None
-        if not any(matches_any((pattern,), name) for name in linears):
+        if not any(matches_any((pattern,), name) for name in names):
             raise InputError(
-                f"--ignore {pattern!r}: matches none of this model's {len(linears)} linears",
-                hint=f"names look like {linears[-1]!r}; a plain pattern is a whole name or the "
-                "part after a dot, a `re:` one a regular expression matched from the start",
-            )
+                f"{option} {pattern!r}: matches none of this model's {len(names)} {what}",
+                hint=f"names look like {names[-1]!r}; a plain pattern is a whole name or the "
+                "part after a dot, a `re:` one a regular expression matched from the start"
+                if names else f"the checkpoint has no {what}",
+            )  # fmt: skip
 
 
 def _plan_linear(

@@ -207,6 +207,7 @@ def test_the_default_picks_the_path_the_recipe_allows(tmp_path: Path, tiny_llama
         (["--model-free", "--method", "gptq"], "--model-free: --method gptq calibrates"),
         (["--model-free", "--kv-cache", "fp8"], "--model-free: static activation scales"),
         (["--targets", "nothing_like_it"], "--targets 'nothing_like_it': matches none"),
+        (["--targets", "re:["], "--targets 're:[': invalid regular expression"),
         (["--targets", "q_proj", "--no-model-free"], "drop --no-model-free"),
         (["--targets", "q_proj", "--method", "awq"], "--targets (model-free): --method awq"),
         (["--model-free", "--num-samples", "4"], "--num-samples: model-free conversion reads no"),

@@ -500,7 +500,9 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path: Path) ->
     from llmq.pipeline.state import STATE_FILE, load_state
 
     fingerprint = {"recipe": {"scheme": "w4a16"}, "source": {"path": "m"}}
-    write_json(tmp_path / STATE_FILE, {"fingerprint": {**fingerprint, "processes": 2}, "layers": []})
+    write_json(
+        tmp_path / STATE_FILE, {"fingerprint": {**fingerprint, "processes": 2}, "layers": []}
+    )
     with pytest.raises(InputError, match="or number of torchrun processes"):
         load_state(tmp_path, fingerprint, 60.0)
     assert load_state(tmp_path, {**fingerprint, "processes": 2}, 60.0) is not None

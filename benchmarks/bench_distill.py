@@ -76,8 +76,8 @@ def throughput(teacher: Path, student: Path, repeats: int) -> dict[str, float]:
     from llmq.config import DistillConfig
     from llmq.distillation.data import BatchOrder
     from llmq.distillation.loop import DistillRun, train_step
-    from llmq.processes import Processes
     from llmq.distillation.state import TrainState, parameters_of
+    from llmq.processes import Processes
 
     windows = training_windows(load_tokenizer(student), "shakespeare+pydoc", seq_len=SEQ_LEN)
     order = BatchOrder(windows.input_ids, GRAD_ACCUM, seed=0)

@@ -15,6 +15,7 @@ from llmq.config.options import (
     StructuredOptions,
 )
 from llmq.config.quant import (
+    FLOAT_CODE_MAX,
     FP8_BLOCK_SIZE,
     SCAN_RATIO_THRESHOLD,
     SCAN_SCHEME,
@@ -52,6 +53,7 @@ __all__ = [
     "DEFAULT_CALIB_SAMPLES",
     "DEFAULT_CONFIDENCE",
     "DEFAULT_REPORT_SAMPLES",
+    "FLOAT_CODE_MAX",
     "FP8_BLOCK_SIZE",
     "PRUNING_METHODS",
     "QUANTIZE_METHODS",

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from llmq.errors import InputError
 
-Strategy = Literal["tensor", "channel", "group", "block", "token"]
+Strategy = Literal["tensor", "channel", "group", "block", "token", "tensor_group"]
+# Group scales stored in a type of their own (compressed-tensors' `scale_dtype`): FP8 E4M3 under a
+# float32 per-tensor global scale (NVFP4, strategy "tensor_group"), or powers of two stored as
+# E8M0 exponents in uint8 (the OCP MX formats, strategy "group" of 32).
+ScaleDtype = Literal["float8_e4m3fn", "uint8"]
+FLOAT_CODE_MAX = {4: 6.0, 8: 448.0}  # FP4 E2M1 and FP8 E4M3: the largest finite value
+NVFP4_GROUP_SIZE, MX_GROUP_SIZE = 16, 32
 
 
 class QuantArgs(BaseModel):
@@ -28,15 +34,25 @@ class QuantArgs(BaseModel):
     group_size: int | None = None
     # strategy "block": [rows, columns] of the weight tiles sharing one scale (FP8 128x128)
     block_structure: tuple[int, int] | None = None
-    dynamic: bool = False
+    # "local": the group scales at run time under a calibrated global scale (NVFP4 inputs)
+    dynamic: bool | Literal["local"] = False
+    scale_dtype: ScaleDtype | None = None  # None: the weight's own floating-point dtype
+
+    @field_validator("scale_dtype", mode="before")
+    @classmethod
+    def _dtype_name(cls, value: object) -> object:
+        """compressed-tensors writes torch dtypes as "torch.uint8"."""
+        return value.removeprefix("torch.") if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _consistent(self) -> QuantArgs:
-        if self.strategy == "group":
+        if (self.type == "float" and self.num_bits == 4) or self.scale_dtype is not None:
+            _check_microscaled(self)
+        if self.strategy in ("group", "tensor_group"):
             if self.group_size is None or not is_valid_group_size(self.group_size):
                 raise ValueError(f"group_size {self.group_size} is not a power of two >= 16")
         elif self.group_size is not None:
-            raise ValueError(f"group_size is only used with strategy 'group', not {self.strategy}")
+            raise ValueError(f"group_size is only used with group strategies, not {self.strategy}")
         if (self.strategy == "block") != (self.block_structure is not None):
             raise ValueError("block_structure goes with strategy 'block', and only with it")
         if self.block_structure is not None and not all(
@@ -45,13 +61,33 @@ class QuantArgs(BaseModel):
             raise ValueError(f"block_structure {self.block_structure}: powers of two >= 16")
         if self.block_structure is not None and not self.symmetric:
             raise ValueError("block scales are symmetric: a block has no zero point")
-        if self.type == "float" and (self.num_bits != 8 or not self.symmetric):
-            raise ValueError("float quantization is FP8 E4M3: num_bits 8, symmetric")
+        if self.type == "float" and not self.symmetric:
+            raise ValueError("float codes (FP8 E4M3, FP4 E2M1) are symmetric: no zero point")
+        if (self.strategy == "tensor_group") != (self.scale_dtype == "float8_e4m3fn"):
+            raise ValueError("strategy tensor_group goes with scale_dtype float8_e4m3fn (NVFP4)")
+        if self.dynamic == "local" and self.strategy != "tensor_group":
+            raise ValueError('dynamic "local" needs strategy tensor_group (a global scale)')
         return self
 
     @property
+    def microscaled(self) -> bool:
+        """Scales in a type of their own (NVFP4, MX): the group size is the format's."""
+        return self.scale_dtype is not None
+
+    @property
+    def timing(self) -> str:
+        """When an activation's scales are chosen: at run time, on calibration data, or both."""
+        if self.dynamic == "local":
+            return "dynamic, calibrated global scale"
+        return "dynamic" if self.dynamic else "static"
+
+    @property
     def label(self) -> str:
-        kind = "fp8" if self.type == "float" else f"int{self.num_bits}"
+        if self.scale_dtype == "uint8":
+            return f"mxfp{self.num_bits} g{self.group_size}"
+        if self.strategy == "tensor_group":
+            return f"nvfp4 g{self.group_size}"
+        kind = f"fp{self.num_bits}" if self.type == "float" else f"int{self.num_bits}"
         side = "" if self.symmetric else " asym"
         detail = self.strategy
         if self.strategy == "group":
@@ -59,6 +95,22 @@ class QuantArgs(BaseModel):
         elif self.block_structure is not None:
             detail = "block {}x{}".format(*self.block_structure)
         return f"{kind} {detail}{side}"
+
+
+def _check_microscaled(args: QuantArgs) -> None:
+    """FP4 and MX arguments are the formats' own: E2M1 codes only in groups with their scales
+    in a type of their own, NVFP4 in groups of 16, MX (E2M1 or E4M3 codes) in groups of 32."""
+    if args.type != "float" or args.strategy not in ("group", "tensor_group"):
+        raise ValueError(
+            "FP4 and MX scales: float codes in groups (strategy group or tensor_group)"
+        )
+    if args.scale_dtype is None:
+        raise ValueError("FP4 codes need their group scales' scale_dtype (float8_e4m3fn or uint8)")
+    size = NVFP4_GROUP_SIZE if args.scale_dtype == "float8_e4m3fn" else MX_GROUP_SIZE
+    if args.group_size != size:
+        raise ValueError(f"scale_dtype {args.scale_dtype}: groups of {size}, not {args.group_size}")
+    if args.scale_dtype == "float8_e4m3fn" and args.num_bits != 4:
+        raise ValueError("NVFP4 (tensor_group) codes are FP4: num_bits 4")
 
 
 def is_valid_group_size(group_size: int) -> bool:
@@ -81,6 +133,12 @@ def fit_group_size(args: QuantArgs, in_features: int) -> QuantArgs:
     width = group_width(args)
     if width is None or in_features % width == 0:
         return args
+    if args.microscaled:
+        raise InputError(
+            f"{args.label}: in_features {in_features} is not a multiple of the format's groups "
+            f"of {width}",
+            hint="leave the linear in full precision with --ignore",
+        )
     divisor = in_features & -in_features
     if is_valid_group_size(divisor):
         if args.strategy == "block":
@@ -94,7 +152,7 @@ def fit_group_size(args: QuantArgs, in_features: int) -> QuantArgs:
 
 def group_width(args: QuantArgs) -> int | None:
     """Columns sharing one scale along a row: the group size, a block's width, else None."""
-    if args.strategy == "group":
+    if args.strategy in ("group", "tensor_group"):
         return args.group_size
     if args.strategy == "block" and args.block_structure is not None:
         return args.block_structure[1]
@@ -131,6 +189,10 @@ class Scheme(BaseModel):
         """compressed-tensors' CompressionFormat value for this scheme."""
         if self.weights is None:
             return "dense"
+        if self.weights.strategy == "tensor_group":
+            return "nvfp4-pack-quantized"
+        if self.weights.scale_dtype == "uint8":
+            return f"mxfp{self.weights.num_bits}-{'pack-' if self.weights.num_bits == 4 else ''}quantized"
         if self.weights.type == "float":
             return "float-quantized"
         if self.input_activations is not None:
@@ -141,6 +203,20 @@ class Scheme(BaseModel):
 _TOKEN_INT8 = QuantArgs(num_bits=8, strategy="token", dynamic=True)
 _TOKEN_FP8 = QuantArgs(num_bits=8, type="float", strategy="token", dynamic=True)
 FP8_BLOCK_SIZE = 128  # DeepSeek-V3's 128x128 weight tiles and 1x128 activation groups
+# NVFP4: E2M1 codes, an E4M3 scale per 16 values under a float32 per-tensor global scale
+_NVFP4 = QuantArgs(
+    num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE,
+    scale_dtype="float8_e4m3fn",
+)  # fmt: skip
+
+
+def _mx(num_bits: int, *, dynamic: bool = False) -> QuantArgs:
+    """OCP MX: E2M1 (4 bits) or E4M3 (8 bits) codes, a power-of-two scale per 32 values."""
+    return QuantArgs(
+        num_bits=num_bits, type="float", strategy="group", group_size=MX_GROUP_SIZE,
+        scale_dtype="uint8", dynamic=dynamic,
+    )  # fmt: skip
+
 
 SCHEMES: dict[str, Scheme] = {
     scheme.name: scheme
@@ -182,6 +258,20 @@ SCHEMES: dict[str, Scheme] = {
         ),
     )
 }
+SCHEMES.update(
+    (scheme.name, scheme)
+    for scheme in (
+        Scheme(name="NVFP4A16", weights=_NVFP4),
+        Scheme(
+            name="NVFP4",
+            weights=_NVFP4,
+            input_activations=_NVFP4.model_copy(update={"dynamic": "local"}),
+        ),
+        Scheme(name="MXFP4A16", weights=_mx(4)),
+        Scheme(name="MXFP4", weights=_mx(4), input_activations=_mx(4, dynamic=True)),
+        Scheme(name="MXFP8", weights=_mx(8), input_activations=_mx(8, dynamic=True)),
+    )
+)
 SCHEME_ALIASES = {"fp8": "FP8_DYNAMIC"}
 
 

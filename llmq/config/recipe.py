@@ -109,12 +109,17 @@ class Recipe(BaseModel):
             raise ValueError(f"group_size {g} is not {GROUP_OVERRIDE_RULE}")
         weights = self.scheme.weights
         if g is not None and (weights is None or weights.type == "float"):
-            raise ValueError(f"{'pruned' if weights is None else 'FP8'} weights have no group size")
+            raise ValueError(
+                f"{'pruned' if weights is None else weights.label} weights: {_NO_GROUP}"
+            )
         _check_activation_options(self)
         if self.clip != "none" and (weights is None or weights.strategy == "block"):
             raise ValueError(f"clip {self.clip}: not available for block-scaled weights")
         if self.calibration is None and self.needs_calibration:
-            raise ValueError("static activation scales, --smooth and --kv-cache need calibration")
+            raise ValueError(
+                "static activation scales, NVFP4's input global scales, --smooth and --kv-cache "
+                "need calibration"
+            )
         _check_pruning(self)
         routed = self.calibration is not None and self.calibration.moe_calibration == "routed"
         if routed and (self.method.startswith("awq") or self.smooth is not None):
@@ -154,7 +159,13 @@ class Recipe(BaseModel):
 
     @property
     def needs_calibration(self) -> bool:
-        return self.smooth is not None or self.activations == "static" or self.kv_cache is not None
+        global_scale = self.activation_args is not None and self.activation_args.dynamic == "local"
+        return (
+            self.smooth is not None
+            or self.activations == "static"
+            or self.kv_cache is not None
+            or global_scale
+        )
 
 
 SMOOTH_ALPHA = 0.5  # SmoothQuant's default migration strength (the paper's)
@@ -222,10 +233,13 @@ def _check_activation_options(recipe: Recipe) -> None:
     if recipe.activations == "static":
         if activations is None:
             raise ValueError(f"activations static: {name} does not quantize activations")
-        if activations.strategy == "group":
+        if activations.strategy in ("group", "tensor_group"):
             raise ValueError(f"activations static: {name} activations are per-token-group dynamic")
     elif recipe.observer != "absmax":
         raise ValueError(f"observer {recipe.observer}: observers choose static scales")
+
+
+_NO_GROUP = "the format fixes the group size (FP8: none; NVFP4: 16; MX: 32)"
 
 
 def with_group_size(args: QuantArgs, group_size: int | None) -> QuantArgs:
@@ -235,7 +249,7 @@ def with_group_size(args: QuantArgs, group_size: int | None) -> QuantArgs:
     if not is_valid_group_override(group_size):
         raise InputError(f"--group-size {group_size}: not {GROUP_OVERRIDE_RULE}")
     if args.type == "float":
-        raise InputError(f"--group-size {group_size}: FP8 weights have no group size")
+        raise InputError(f"--group-size {group_size}: {args.label} weights: {_NO_GROUP}")
     if group_size == -1:
         return args.model_copy(update={"strategy": "channel", "group_size": None})
     return args.model_copy(update={"strategy": "group", "group_size": group_size})

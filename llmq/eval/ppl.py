@@ -53,7 +53,7 @@ def describe_quantization(view: QuantizedView) -> str:
 
 
 def _timing(args: QuantArgs) -> str:
-    return f"{args.label} {'dynamic' if args.dynamic else 'static'}"
+    return f"{args.label} {args.timing}"
 
 
 def perplexity(

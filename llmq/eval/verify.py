@@ -219,9 +219,15 @@ def _transformers(folder: Path, ckpt: Checkpoint, reference: Reference, device: 
     """Plain `from_pretrained`, run on the weights alone: compressed-tensors' quantize-dequantize
     of activations (and of the already dequantized weights) turned off, so what is compared is
     exactly how transformers read the files."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    # dequantize=True: every weight dequantized at load time into the float32 model. Left
+    # compressed, compressed-tensors decompresses FP4 and MX weights to bfloat16 at the first
+    # forward pass, which float32 inputs cannot meet.
+    config = CompressedTensorsConfig(dequantize=True) if ckpt.quantization_config else None
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, quantization_config=config
+    )
     for module in model.modules():
         if hasattr(module, "quantization_scheme"):
             module.quantization_enabled = False

@@ -6,6 +6,12 @@ Tensors of one quantized linear `P` (e.g. `model.layers.0.mlp.down_proj`):
   P.weight_zero_point int32 [ceil(out * bits / 32), groups] (codes packed along dim 0).
 - int-quantized (W8A8):  P.weight int8 [out, in], P.weight_scale [out, 1].
 - float-quantized (FP8): P.weight float8_e4m3fn [out, in], P.weight_scale [out, 1].
+- nvfp4-pack-quantized:  P.weight_packed uint8 [out, in / 2] (two E2M1 codes a byte, the even
+  column in the low nibble; a nibble is sign << 3 | the magnitude's index in 0, 0.5, 1, 1.5, 2,
+  3, 4, 6), P.weight_scale float8_e4m3fn [out, in / 16], P.weight_global_scale float32 [1].
+- mxfp4-pack-quantized:  P.weight_packed as NVFP4's, P.weight_scale uint8 [out, in / 32] (E8M0:
+  the scale is 2^(byte - 127)).
+- mxfp8-quantized:  P.weight float8_e4m3fn [out, in], P.weight_scale uint8 as MXFP4's.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 from torch import Tensor
 
 from llmq.config import QuantArgs, Scheme
+from llmq.quant.floats import E8M0_DTYPE
 from llmq.quant.primitives import DenseWeight, QuantizedWeight, dequantize, scale_codes
 
 
@@ -29,6 +36,40 @@ class PackFormat(str, Enum):
     INT_QUANTIZED = "int-quantized"  # weight: int8 codes as-is
     FLOAT_QUANTIZED = "float-quantized"  # weight: float8_e4m3fn values as-is
     DENSE = "dense"  # weight: floating point as-is (pruned, not quantized; no quantization_config)
+    NVFP4_PACK_QUANTIZED = "nvfp4-pack-quantized"  # weight_packed: FP4 codes two a byte
+    MXFP4_PACK_QUANTIZED = "mxfp4-pack-quantized"
+    MXFP8_QUANTIZED = "mxfp8-quantized"  # weight: float8_e4m3fn codes as-is, E8M0 scales
+
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # a nibble's low three bits index these
+
+
+def pack_fp4(codes: Tensor) -> Tensor:
+    """FP4 codes (E2M1 values in any float dtype) [rows, cols] -> uint8 [rows, cols / 2]."""
+    values = codes.to(torch.float32)
+    grid = torch.tensor(E2M1_MAGNITUDES, device=codes.device)
+    nibbles = torch.searchsorted(grid, values.abs()).to(torch.uint8)
+    nibbles |= torch.signbit(values).to(torch.uint8) << 3
+    pairs = nibbles.reshape(codes.shape[0], -1, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+
+
+def unpack_fp4(packed: Tensor) -> Tensor:
+    """`pack_fp4`'s inverse: float8_e4m3fn codes [rows, 2 · packed columns]."""
+    nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    grid = torch.tensor(E2M1_MAGNITUDES, device=packed.device)
+    magnitude = grid[(nibbles & 0x07).long()]
+    return torch.where(nibbles >= 8, -magnitude, magnitude).to(torch.float8_e4m3fn)
+
+
+def _disk_scale(scale: Tensor) -> Tensor:
+    """Scales as stored: E8M0 as its exponent byte (compressed-tensors' uint8)."""
+    return scale.view(torch.uint8) if scale.dtype == E8M0_DTYPE else scale
+
+
+def _held_scale(scale: Tensor, args: QuantArgs) -> Tensor:
+    """`_disk_scale`'s inverse: a uint8 exponent read back as the E8M0 scale it is."""
+    return scale.view(E8M0_DTYPE) if args.scale_dtype == "uint8" else scale
 
 
 def pack_int32(codes: Tensor, num_bits: int, *, packed_dim: int = 1) -> Tensor:
@@ -71,8 +112,12 @@ def compress(q: QuantizedWeight | DenseWeight, fmt: PackFormat) -> dict[str, Ten
     """On-disk tensors of one linear, keyed by suffix (`weight_packed`, ...)."""
     if isinstance(q, DenseWeight):
         return {"weight": q.values.contiguous()}
-    out: dict[str, Tensor] = {"weight_scale": q.scale.contiguous()}
-    if fmt is PackFormat.PACK_QUANTIZED:
+    out: dict[str, Tensor] = {"weight_scale": _disk_scale(q.scale).contiguous()}
+    if q.global_scale is not None:
+        out["weight_global_scale"] = q.global_scale.reshape(1).contiguous()
+    if fmt in (PackFormat.NVFP4_PACK_QUANTIZED, PackFormat.MXFP4_PACK_QUANTIZED):
+        out["weight_packed"] = pack_fp4(q.codes)
+    elif fmt is PackFormat.PACK_QUANTIZED:
         out["weight_packed"] = pack_int32(q.codes, q.args.num_bits)
         out["weight_shape"] = torch.tensor(q.codes.shape, dtype=torch.int64)
         if q.zero_point is not None:
@@ -86,9 +131,11 @@ def compress(q: QuantizedWeight | DenseWeight, fmt: PackFormat) -> dict[str, Ten
 
 def decompress(tensors: dict[str, Tensor], args: QuantArgs) -> Tensor:
     """Float32 weight [out, in] from the on-disk tensors of one linear (any of the formats)."""
-    scale = tensors["weight_scale"]
+    scale = _held_scale(tensors["weight_scale"], args)
     zero = tensors.get("weight_zero_point")
-    if "weight_packed" in tensors:
+    if "weight_packed" in tensors and args.type == "float":
+        codes = unpack_fp4(tensors["weight_packed"])
+    elif "weight_packed" in tensors:
         shape = tuple(int(d) for d in tensors["weight_shape"].tolist())
         codes = unpack_int32(tensors["weight_packed"], args.num_bits, shape)
         if zero is not None:
@@ -98,7 +145,7 @@ def decompress(tensors: dict[str, Tensor], args: QuantArgs) -> Tensor:
     g_idx = tensors.get("weight_g_idx")
     if g_idx is not None and args.strategy == "group":
         return _dequantize_by_group_index(codes, scale, zero, g_idx.long())
-    return dequantize(codes, scale, zero, args)
+    return dequantize(codes, scale, zero, args, tensors.get("weight_global_scale"))
 
 
 def _dequantize_by_group_index(
@@ -133,6 +180,8 @@ def quantization_config(
         fields = args.model_dump(exclude_none=True)
         if "block_structure" in fields:
             fields["block_structure"] = list(fields["block_structure"])
+        if "scale_dtype" in fields:
+            fields["scale_dtype"] = f"torch.{fields['scale_dtype']}"
         return QuantizationArgs(**fields)
 
     config_groups = {

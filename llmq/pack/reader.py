@@ -19,11 +19,15 @@ from llmq.quant.kvcache import KV_SCALE_NAMES, KVQuantizer
 
 _ARG_FIELDS = (
     "num_bits", "type", "symmetric", "strategy", "group_size", "block_structure", "dynamic",
+    "scale_dtype",
 )  # fmt: skip
-_SCALE_LEAVES = ("input_scale", "input_zero_point", *KV_SCALE_NAMES)  # read where they are used
+# read where they are used
+_SCALE_LEAVES = ("input_scale", "input_global_scale", "input_zero_point", *KV_SCALE_NAMES)
 _COMPRESSED_SUFFIXES = (
     "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
+    "weight_global_scale",
 )  # fmt: skip
+_STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +45,7 @@ def _matches(target: str, name: str) -> bool:
 def _quant_args(raw: dict[str, Any] | None, where: str) -> QuantArgs | None:
     if raw is None:
         return None
-    if raw.get("strategy") not in ("tensor", "channel", "group", "block", "token"):
+    if raw.get("strategy") not in _STRATEGIES:
         raise InputError(f"{where}: strategy {raw.get('strategy')!r} is not supported by llmq")
     if raw.get("actorder") not in (None, "static", False):
         raise InputError(f"{where}: actorder {raw.get('actorder')!r} is not supported by llmq yet")
@@ -113,7 +117,8 @@ class QuantizedView:
         self, ckpt: Checkpoint, prefix: str
     ) -> dict[str, tuple[QuantArgs, Tensor | None]]:
         """Linears under `prefix` (names relative to it) whose inputs are quantized at run time:
-        their arguments and, for static ones, the stored input_scale."""
+        their arguments and, for static ones, the stored input_scale (NVFP4's: its stored
+        input_global_scale)."""
         out: dict[str, tuple[QuantArgs, Tensor | None]] = {}
         for name in ckpt.names_with_prefix(prefix):
             if name.endswith(".weight_scale"):
@@ -121,7 +126,11 @@ class QuantizedView:
                 scheme = self.scheme_for(module)
                 if scheme is not None and scheme.input_activations is not None:
                     args = scheme.input_activations
-                    scale = None if args.dynamic else self._stored(ckpt, f"{module}.input_scale")
+                    scale = None
+                    if args.dynamic == "local":  # NVFP4: the calibrated global scale
+                        scale = self._stored(ckpt, f"{module}.input_global_scale")
+                    elif not args.dynamic:
+                        scale = self._stored(ckpt, f"{module}.input_scale")
                     out[module[len(prefix) :]] = (args, scale)
         return out
 

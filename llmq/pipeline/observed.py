@@ -127,7 +127,7 @@ def _input_quantization(
         if args is None:
             continue
         scale = None
-        if not args.dynamic:
+        if args.dynamic is not True:  # static, or NVFP4's calibrated global scale
             observed = stats[name]
             if observed is None:
                 raise InputError(f"{linear.name}: static input scales need calibration data")
@@ -153,9 +153,12 @@ def _kv_quantization(
 def _scale_tensors(
     inputs: dict[str, InputQuantization], kv: KVQuantizer | None, attention: str
 ) -> dict[str, Tensor]:
-    """input_scale of static inputs and k_scale / v_scale, as compressed-tensors names them."""
+    """input_scale of static inputs (NVFP4's input_global_scale) and k_scale / v_scale, as
+    compressed-tensors names them."""
     tensors = {
-        f"{name}.input_scale": scale for name, (_, scale) in inputs.items() if scale is not None
+        f"{name}.input_{'global_' if args.dynamic == 'local' else ''}scale": scale
+        for name, (args, scale) in inputs.items()
+        if scale is not None
     }
     if kv is not None:
         tensors[f"{attention}.k_scale"] = kv.k_scale

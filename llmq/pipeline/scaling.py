@@ -128,8 +128,8 @@ def apply_smoothquant(
 
 def input_quantizer(args: QuantArgs) -> ActivationQuantizer:
     """Quantize-dequantize of a linear's inputs for the search: per token (group) when dynamic,
-    else with the absmax static scale of the scaled inputs."""
-    if args.dynamic:
+    else with the absmax static scale (NVFP4: global scale) of the scaled inputs."""
+    if args.dynamic is True:
         return lambda x, _absmax: fake_quantize(x, args)
     return lambda x, absmax: fake_quantize(x, args, static_scale(absmax.max(), args).to(x.device))
 

@@ -25,6 +25,7 @@ from torch import Tensor
 from llmq.config import QuantArgs, group_width
 from llmq.errors import NumericalError
 from llmq.quant.compiled import compiled_loop_applies, quantize_columns
+from llmq.quant.floats import effective_scale, scale_storage
 from llmq.quant.masks import Sparsity, pruned_mask
 from llmq.quant.primitives import (
     ACCUM_DTYPE,
@@ -38,6 +39,7 @@ from llmq.quant.primitives import (
     group_ranges,
     int_range,
     to_code_grid_,
+    weight_global_scale,
 )
 
 # When H + λI is not positive definite, λ is multiplied by this until it is, up to MAX_DAMPENING.
@@ -131,7 +133,8 @@ def gptq_quantize_weight(
     if params is None:  # columns in order: no permutation to undo
         return GPTQResult(DenseWeight(w.to(weight.dtype)), row_loss, used_frac)
     scale, zero = params.stored()
-    return GPTQResult(QuantizedWeight(params.codes, scale, zero, args), row_loss, used_frac)
+    weight = QuantizedWeight(params.codes, scale, zero, args, params.global_scale)
+    return GPTQResult(weight, row_loss, used_frac)
 
 
 class _SparseGPTMask:
@@ -323,13 +326,16 @@ class _QParams:
         lazy: bool,
     ) -> None:
         self.args = args
-        self.scale_dtype = scale_dtype
+        self.scale_dtype = scale_storage(args, scale_dtype)
+        self.global_scale = weight_global_scale(weight, args)  # NVFP4: from the original weight
         self.work = weight.dtype  # GPTQ's working dtype: dequantized columns are rounded to it
         self.ratio = clip_ratio
         self.group = int(group_width(args) or weight.shape[1])
         self.lazy = lazy and self.group < weight.shape[1]
         rows, cols = weight.shape
-        self.scale = torch.empty(rows, cols // self.group, dtype=scale_dtype, device=weight.device)
+        self.scale = torch.empty(
+            rows, cols // self.group, dtype=self.scale_dtype, device=weight.device
+        )
         self.zero = None if args.symmetric or args.type == "float" else self.scale.to(torch.int8)
         self.codes = torch.empty(rows, cols, dtype=_code_dtype(args), device=weight.device)
         if not self.lazy:
@@ -339,7 +345,7 @@ class _QParams:
         """The qparams of `groups` from `weight` (their columns), by `quantize_weight`'s rule."""
         ranges = group_ranges(as_groups(weight, self.args))
         ratio = 1.0 if self.ratio is None else self.ratio[:, groups]
-        scale, zero = clipped_qparams(ranges, self.args, self.scale_dtype, ratio)
+        scale, zero = clipped_qparams(ranges, self.args, self.scale_dtype, ratio, self.global_scale)
         rows = self.scale.shape[0]
         self.scale[:, groups] = expand_block_scale(scale, self.args, rows).expand(rows, -1)
         if self.zero is not None and zero is not None:
@@ -361,11 +367,14 @@ class _QParams:
         groups = torch.div(columns, self.group, rounding_mode="floor").to(self.scale.device)
         scale = self.scale.T[groups]  # contiguous rows: a column's scales are one row
         zero = None if self.zero is None else self.zero.T[groups].to(torch.float64)
+        if self.global_scale is not None:  # NVFP4: codes of the float32 effective scale
+            effective = effective_scale(scale, self.global_scale).to(torch.float64)
+            return effective, zero, effective
         return scale.to(torch.float64), zero, scale.to(self.work).to(torch.float64)
 
     def round_codes_(self, scaled: Tensor, zero: Tensor | None) -> None:
         """Codes from weights divided by their scale, in place, as `quantize_grouped` rounds
-        them (float64 values: integers, or FP8 values)."""
+        them (float64 values: integers, or FP8 / FP4 values)."""
         to_code_grid_(scaled, zero, self.args)
         if self.args.type == "float":
             scaled.copy_(scaled.to(FP8_DTYPE))

@@ -11,6 +11,7 @@ Integer, asymmetric:  scale = (max - min) / (qmax - qmin), zero = qmin - round(m
 Activations, dynamic per token:  scale = absmax / qmax, as the int8 kernels compute it at run time.
 code = clamp(round(x / scale) + zero, qmin, qmax);  x' = (code - zero) * scale
 FP8 E4M3: scale = absmax / 448;  code = float8_e4m3fn(clamp(x / scale, -448, 448))  (saturating)
+FP4 E2M1, NVFP4 and MX scales: `llmq.quant.floats`.
 Blocks (FP8 128x128): one scale per tile of the weight; a partial tile at the bottom edge
     takes the range of the rows it has (compressed-tensors pads with zeros, which changes no range).
 Static activations: one calibrated scale per tensor, code = clamp(round(x / scale)) as above.
@@ -29,12 +30,20 @@ import torch
 from torch import Tensor
 
 from llmq.config import QuantArgs, group_width
+from llmq.quant.floats import (
+    FP8_DTYPE,
+    effective_scale,
+    float_code_max,
+    fp8_group_scale,
+    mx_scale,
+    nvfp4_global_scale,
+    to_float_grid_,
+)
 
 ACCUM_DTYPE = torch.float32
 # Strategies whose scales belong to single rows: a weight's rows can be quantized apart or
 # stacked with another weight's (a per-tensor or block scale spans rows).
 ROW_STRATEGIES = ("channel", "group")
-FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 
 
@@ -45,17 +54,20 @@ def int_range(num_bits: int) -> tuple[int, int]:
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    """A quantized [out, in] weight. codes: int8 (integer types) or float8_e4m3fn, [out, in].
-    scale: [out, groups] ([out, 1] per channel, [1] per tensor), in its storage dtype.
-    zero_point: int8 like scale, asymmetric only."""
+    """A quantized [out, in] weight. codes: int8 (integer types) or float8_e4m3fn (FP8 and FP4
+    values), [out, in]. scale: [out, groups] ([out, 1] per channel, [1] per tensor), in its
+    storage dtype. zero_point: int8 like scale, asymmetric only. global_scale: float32 [1],
+    NVFP4 only (the values are codes · scale / global_scale)."""
 
     codes: Tensor
     scale: Tensor  # block strategy: [ceil(out / block rows), in / block columns]
     zero_point: Tensor | None
     args: QuantArgs
+    global_scale: Tensor | None = None
 
     def dequantize(self, dtype: torch.dtype = ACCUM_DTYPE) -> Tensor:
-        return dequantize(self.codes, self.scale, self.zero_point, self.args).to(dtype)
+        values = dequantize(self.codes, self.scale, self.zero_point, self.args, self.global_scale)
+        return values.to(dtype)
 
     @classmethod
     def joined_rows(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -139,14 +151,26 @@ def _stored_shape(scale: Tensor, args: QuantArgs) -> Tensor:
 
 
 def choose_qparams(
-    min_vals: Tensor, max_vals: Tensor, args: QuantArgs, *, scale_dtype: torch.dtype
+    min_vals: Tensor,
+    max_vals: Tensor,
+    args: QuantArgs,
+    *,
+    scale_dtype: torch.dtype,
+    global_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Scale (in `scale_dtype`) and integer zero point (asymmetric only) for the given ranges."""
+    """Scale (in `scale_dtype`, or the format's own) and integer zero point (asymmetric only)
+    for the given ranges; NVFP4 group scales are relative to `global_scale`."""
     min_vals = torch.clamp(min_vals.to(torch.float64), max=0.0)
     max_vals = torch.clamp(max_vals.to(torch.float64), min=0.0)
     if args.type == "float":
-        scale = torch.maximum(-min_vals, max_vals) / FP8_MAX
-        return _storable(scale, scale_dtype), None
+        absmax = torch.maximum(-min_vals, max_vals)
+        if args.scale_dtype == "uint8":
+            return mx_scale(absmax, args), None
+        if args.strategy == "tensor_group":
+            if global_scale is None:
+                raise ValueError("NVFP4 group scales need the tensor's global scale")
+            return fp8_group_scale(absmax, global_scale), None
+        return _storable(absmax / FP8_MAX, scale_dtype), None
     qmin, qmax = int_range(args.num_bits)
     if args.symmetric and args.dynamic:
         return _storable(torch.maximum(-min_vals, max_vals) / qmax, scale_dtype), None
@@ -165,9 +189,10 @@ def _storable(scale: Tensor, scale_dtype: torch.dtype) -> Tensor:
 
 
 def quantize_grouped(groups: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs) -> Tensor:
-    """Codes for `groups` [r, g, n] with per-group scale/zero [r, g]: int8 or float8_e4m3fn.
-    One float64 working copy, rounded and clamped in place: three times faster than a new
-    tensor per step on million-value chunks (the scan and RTN spend most of their time here)."""
+    """Codes for `groups` [r, g, n] with per-group scale/zero [r, g] (NVFP4: the effective
+    scale): int8 or float8_e4m3fn. One float64 working copy, rounded and clamped in place:
+    three times faster than a new tensor per step on million-value chunks (the scan and RTN
+    spend most of their time here)."""
     scaled = groups.to(torch.float64, copy=True).div_(scale.to(torch.float64).unsqueeze(-1))
     shift = None if zero is None else zero.to(torch.float64).unsqueeze(-1)
     return to_code_grid_(scaled, shift, args).to(FP8_DTYPE if args.type == "float" else torch.int8)
@@ -175,20 +200,26 @@ def quantize_grouped(groups: Tensor, scale: Tensor, zero: Tensor | None, args: Q
 
 def to_code_grid_(scaled: Tensor, zero: Tensor | None, args: QuantArgs) -> Tensor:
     """Weights divided by their scale (float64) -> codes, in place: the zero point added, then
-    rounded and clamped to the integer range; for FP8, clamped to ±448 only (the cast to FP8
-    rounds). The one rounding rule of RTN, GPTQ and the scan."""
+    rounded and clamped to the integer range; float codes saturated (and E2M1 ones rounded:
+    the cast to FP8 rounds E4M3 ones). The one rounding rule of RTN, GPTQ and the scan."""
     if args.type == "float":
-        return scaled.clamp_(-FP8_MAX, FP8_MAX)
+        return to_float_grid_(scaled, args)
     if zero is not None:
         scaled.add_(zero)
     return scaled.round_().clamp_(*int_range(args.num_bits))
 
 
-def dequantize(codes: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs) -> Tensor:
+def dequantize(
+    codes: Tensor,
+    scale: Tensor,
+    zero: Tensor | None,
+    args: QuantArgs,
+    global_scale: Tensor | None = None,
+) -> Tensor:
     """Float32 values of `codes` [rows, cols] under `args` (the inverse of `quantize_weight`)."""
     groups = as_groups(codes, args)
     shape = (groups.shape[0], groups.shape[1], 1)
-    scale = expand_block_scale(scale, args, codes.shape[0])
+    scale = expand_block_scale(effective_scale(scale, global_scale), args, codes.shape[0])
     zero_g = None if zero is None else zero.reshape(shape)
     return scale_codes(groups, scale.reshape(shape), zero_g).reshape(codes.shape)
 
@@ -214,6 +245,7 @@ def clipped_qparams(
     args: QuantArgs,
     scale_dtype: torch.dtype,
     clip_ratio: Tensor | float = 1.0,
+    global_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Scale and zero point ([blocks, groups]) of the group `ranges` shrunk by `clip_ratio`
     (a number, or one ratio per group): RTN's and the clipping search's one rule."""
@@ -221,7 +253,16 @@ def clipped_qparams(
     ratio = torch.as_tensor(clip_ratio, dtype=torch.float64, device=low.device)
     min_vals = rows_per_block(low * ratio, args, torch.amin)
     max_vals = rows_per_block(high * ratio, args, torch.amax)
-    return choose_qparams(min_vals, max_vals, args, scale_dtype=scale_dtype)
+    return choose_qparams(
+        min_vals, max_vals, args, scale_dtype=scale_dtype, global_scale=global_scale
+    )
+
+
+def weight_global_scale(weight: Tensor, args: QuantArgs) -> Tensor | None:
+    """NVFP4's global scale of `weight` (from its absmax), None for the other formats."""
+    if args.strategy != "tensor_group":
+        return None
+    return nvfp4_global_scale(weight.abs().amax().to(torch.float64).cpu()).to(weight.device)
 
 
 def quantize_weight(
@@ -240,20 +281,24 @@ def quantize_weight(
         raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
     scale_dtype = scale_dtype or (weight.dtype if weight.is_floating_point() else ACCUM_DTYPE)
     groups = as_groups(weight, args)
-    scale, zero = clipped_qparams(group_ranges(groups), args, scale_dtype, clip_ratio)
-    row_scale = expand_block_scale(scale, args, weight.shape[0])
+    global_scale = weight_global_scale(weight, args)
+    scale, zero = clipped_qparams(group_ranges(groups), args, scale_dtype, clip_ratio, global_scale)
+    coded_scale = scale if global_scale is None else effective_scale(scale, global_scale)
+    row_scale = expand_block_scale(coded_scale, args, weight.shape[0])
     codes = quantize_grouped(groups, row_scale, zero, args).reshape(weight.shape)
     return QuantizedWeight(
         codes=codes,
         scale=_stored_shape(scale, args),
         zero_point=None if zero is None else _stored_shape(zero, args),
         args=args,
+        global_scale=global_scale,
     )
 
 
 def fake_quantize(x: Tensor, args: QuantArgs, scale: Tensor | None = None) -> Tensor:
     """Quantize-dequantize activations x [..., hidden] as a kernel would: per token (or token
-    group) from their own range when `args` is dynamic, else with the calibrated `scale`.
+    group) from their own range when `args` is dynamic, else with the calibrated `scale`; NVFP4
+    inputs: per group of 16 under the calibrated global scale `scale`.
 
     Computed in float32, as activation quantization kernels compute (and fast enough to run on
     every calibration and evaluation token). Rows that are all zero get scale eps and come back
@@ -263,33 +308,46 @@ def fake_quantize(x: Tensor, args: QuantArgs, scale: Tensor | None = None) -> Te
     if not args.symmetric:  # other tools' checkpoints only: the general path
         q = quantize_weight(rows, args, scale_dtype=ACCUM_DTYPE)
         return q.dequantize(ACCUM_DTYPE).to(x.dtype).reshape(x.shape)
-    if scale is None:
+    if scale is None or args.dynamic == "local":
         groups = as_groups(rows, args)
         # max|x| rather than max(-min, max): the same value, and abs + amax is about 7x faster
         # on a CPU than aminmax over the last dimension (2 passes of a W8A8 layer's inputs).
-        scale = groups.abs().amax(dim=-1, keepdim=True).div_(_code_max(args))
-        scale = torch.where(scale == 0, torch.finfo(ACCUM_DTYPE).eps, scale)
+        scale = _dynamic_scale(groups.abs().amax(dim=-1, keepdim=True), args, scale)
     else:
         groups = rows.reshape(1, 1, -1)
         scale = scale.to(device=x.device, dtype=ACCUM_DTYPE).reshape(1, 1, 1)
     scaled = groups / scale
     if args.type == "float":
-        codes = scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(ACCUM_DTYPE)
+        codes = to_float_grid_(scaled, args).to(FP8_DTYPE).to(ACCUM_DTYPE)
     else:
         codes = scaled.round_().clamp_(*int_range(args.num_bits))
     return codes.mul_(scale).reshape(x.shape).to(x.dtype)
 
 
-def _code_max(args: QuantArgs) -> float:
-    """The largest code: 448 for FP8 E4M3, 2**(bits-1) - 1 for integers (127: the scale the int8
-    kernels use, absmax / 127)."""
-    return FP8_MAX if args.type == "float" else float(int_range(args.num_bits)[1])
+def _dynamic_scale(absmax: Tensor, args: QuantArgs, global_scale: Tensor | None) -> Tensor:
+    """The run-time scales (float32) of groups of inputs whose extremes are `absmax`."""
+    if args.microscaled:  # the format's own scales: E8M0, or E4M3 under the global scale
+        stored, _ = choose_qparams(
+            -absmax, absmax, args, scale_dtype=ACCUM_DTYPE, global_scale=global_scale
+        )
+        return effective_scale(stored, global_scale)
+    scale = absmax.div_(code_max(args))
+    return torch.where(scale == 0, torch.finfo(ACCUM_DTYPE).eps, scale)
+
+
+def code_max(args: QuantArgs) -> float:
+    """The largest code: 448 for FP8 E4M3, 6 for FP4 E2M1, 2**(bits-1) - 1 for integers (127:
+    the scale the int8 kernels use, absmax / 127)."""
+    return float_code_max(args) if args.type == "float" else float(int_range(args.num_bits)[1])
 
 
 def static_scale(
     absmax: Tensor | float, args: QuantArgs, scale_dtype: torch.dtype = ACCUM_DTYPE
 ) -> Tensor:
     """The per-tensor scale [1] stored for inputs of range ±absmax: absmax / qmax (127 for int8,
-    as the int8 kernels divide; 448 for FP8), rounded to its storage dtype."""
-    scale = torch.as_tensor(absmax, dtype=torch.float64).reshape(1).cpu() / _code_max(args)
+    as the int8 kernels divide; 448 for FP8), rounded to its storage dtype; for NVFP4 inputs,
+    their float32 global scale."""
+    if args.strategy == "tensor_group":
+        return nvfp4_global_scale(torch.as_tensor(absmax, dtype=torch.float64).cpu())
+    scale = torch.as_tensor(absmax, dtype=torch.float64).reshape(1).cpu() / code_max(args)
     return _storable(scale, scale_dtype)

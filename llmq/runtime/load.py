@@ -53,7 +53,7 @@ def kernel_for(module: str, scheme: LinearScheme) -> Kernel:
     static = a is not None and a.strategy == "tensor" and not a.dynamic
     if eight_bit and a is not None and a.type == w.type and a.symmetric and (per_token or static):
         return "w8a8"
-    acts = "float" if a is None else f"{a.label} {'dynamic' if a.dynamic else 'static'}"
+    acts = "float" if a is None else f"{a.label} {a.timing}"
     raise InputError(
         f"{module}: no llmq kernel for weights {w.label}, activations {acts}",
         hint=f"kernels exist for {SUPPORTED}; `llmq eval` simulates every scheme",

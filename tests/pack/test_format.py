@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
-from llmq.config import QuantArgs
-from llmq.pack.format import PackFormat, compress, decompress, pack_int32, unpack_int32
+from llmq.config import QuantArgs, get_scheme
+from llmq.pack.format import (
+    E2M1_MAGNITUDES,
+    PackFormat,
+    compress,
+    decompress,
+    pack_fp4,
+    pack_int32,
+    quantization_config,
+    unpack_fp4,
+    unpack_int32,
+)
 from llmq.quant.primitives import quantize_weight
 
 
@@ -66,3 +77,53 @@ def test_group_index_checkpoints_dequantize_per_column() -> None:
     tensors["weight_g_idx"] = g_idx.to(torch.int32)
     expected = (codes.double() - zero.double()[:, g_idx]) * scale.double()[:, g_idx]
     assert torch.allclose(decompress(tensors, args).double(), expected, atol=1e-6)
+
+
+def _e2m1_codes(shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
+    """Random E2M1 values (every magnitude, both signs, negative zero included)."""
+    gen = torch.Generator().manual_seed(seed)
+    magnitude = torch.tensor(E2M1_MAGNITUDES)[torch.randint(0, 8, shape, generator=gen)]
+    sign = torch.randint(0, 2, shape, generator=gen).bool()
+    return torch.where(sign, -magnitude, magnitude)
+
+
+def test_fp4_packing_matches_compressed_tensors() -> None:
+    """Two codes a byte, the even column in the low nibble, as compressed-tensors packs and
+    unpacks them (negative zero keeps its sign bit on both sides)."""
+    codes = _e2m1_codes((9, 64))
+    packed = pack_fp4(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (9, 32)
+    assert torch.equal(packed, pack_fp4_to_uint8(codes.to(torch.bfloat16)))
+    assert torch.equal(unpack_fp4(packed).float(), codes)
+    assert torch.equal(unpack_fp4_from_uint8(packed, 9, 64, dtype=torch.float32), codes)
+    signs = torch.signbit(unpack_fp4(pack_fp4(torch.tensor([[-0.0, 0.0]]))).float())
+    assert signs.tolist() == [[True, False]]
+
+
+@pytest.mark.parametrize("name", ["nvfp4a16", "nvfp4", "mxfp4a16", "mxfp4", "mxfp8"])
+def test_fp4_and_mx_formats_decompress_in_compressed_tensors(name: str) -> None:
+    """What llmq writes, compressed-tensors' own decompressor reads back to exactly llmq's
+    values (in the bfloat16 it returns; NVFP4's power-of-two global scale keeps them exact)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    scheme = get_scheme(name)
+    torch.manual_seed(3)
+    w = (torch.randn(48, 192) * torch.rand(48, 1)).to(torch.bfloat16)
+    q = quantize_weight(w, scheme.weights)
+    fmt = PackFormat(scheme.format)
+    tensors = compress(q, fmt)
+    assert torch.equal(decompress(tensors, scheme.weights), q.dequantize())
+    config = quantization_config(
+        [(scheme.weights, scheme.input_activations, ["Linear"])], ignore=[], fmt=fmt
+    )
+    ct_scheme = QuantizationScheme(**config["config_groups"]["group_0"])
+    compressor = BaseCompressor.get_value_from_registry(fmt.value)
+    theirs = compressor.decompress(dict(tensors), ct_scheme)["weight"]
+    assert torch.equal(theirs.float(), q.dequantize())
+    expected = {
+        "nvfp4": {"weight_packed", "weight_scale", "weight_global_scale"},
+        "mxfp4": {"weight_packed", "weight_scale"},
+        "mxfp8": {"weight", "weight_scale"},
+    }[name.removesuffix("a16")]
+    assert set(tensors) == expected

@@ -3,6 +3,7 @@ with a chosen column loop."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,17 @@ import pytest
 from torch import Tensor
 
 from llmq.quant import gptq
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the FP4 magnitudes, by index
+
+
+def nearest_e2m1(x: float) -> float:
+    """Float64 reference: the nearest E2M1 magnitude after saturating at 6, a tie going to the
+    even mantissa (the even index of E2M1), with the sign of x (also on zero)."""
+    magnitude = min(abs(x), 6.0)
+    best = min(range(8), key=lambda i: (abs(magnitude - E2M1[i]), i % 2))
+    return math.copysign(E2M1[best], x)
+
 
 REAL_LINEARS = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from llmq.config import QuantArgs, group_width
+from llmq.config import QuantArgs, get_scheme, group_width
 from llmq.errors import NumericalError
 from llmq.quant.awq import output_error
 from llmq.quant.gptq import gptq_quantize_weight
@@ -19,13 +19,14 @@ from llmq.quant.primitives import (
     quantize_weight,
 )
 from llmq.quant.rtn import rtn_quantize_weight
-from tests.quant.conftest import run_gptq
+from tests.quant.conftest import nearest_e2m1, run_gptq
 
 INT4_G32 = QuantArgs(num_bits=4, strategy="group", group_size=32)
 INT4_G32_ASYM = QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False)
 INT8_CHANNEL = QuantArgs(num_bits=8, strategy="channel")
 INT4_CHANNEL_ASYM = QuantArgs(num_bits=4, strategy="channel", symmetric=False)
 INT8_BLOCK = QuantArgs(num_bits=8, strategy="block", block_structure=(16, 32))
+NVFP4, MXFP4, MXFP8 = (get_scheme(name).weights for name in ("nvfp4a16", "mxfp4a16", "mxfp8"))
 
 
 def reference_gptq(
@@ -43,7 +44,8 @@ def reference_gptq(
     weights at each group's first column (none). With `sparsity`, SparseGPT's (arXiv
     2301.00774, Algorithm 1): the mask is chosen from the updated weights by w² / Hinv[j, j]²,
     at every `block`-th column for the block (unstructured) or at every M-th for the N:M group
-    (§3.4), and pruned weights get the code of zero. Returns the integer codes."""
+    (§3.4), and pruned weights get the code of zero. Returns the codes (integers, or the FP8 /
+    FP4 values of float grids)."""
     w, h = w.double().clone(), h.double().clone()
     cols = w.shape[1]
     h += damp * h.diagonal().mean() * torch.eye(cols, dtype=torch.float64)
@@ -55,8 +57,7 @@ def reference_gptq(
     )
     hinv = torch.linalg.cholesky(torch.linalg.inv(h[order][:, order]), upper=True)
     scale, zero = _per_row(quantize_weight(w, args, scale_dtype=torch.float64), w.shape[0])
-    codes = torch.zeros_like(w, dtype=torch.int64)
-    qmin, qmax = int_range(args.num_bits)
+    codes = torch.zeros_like(w, dtype=torch.int64 if args.type == "int" else torch.float64)
     pruned = torch.zeros_like(w, dtype=torch.bool)
     for pos, j in enumerate(order.tolist()):
         if sparsity is not None and j % mask_span(sparsity, block) == 0:
@@ -70,18 +71,30 @@ def reference_gptq(
             if zero is not None:
                 zero[:, g] = fresh_zero.reshape(-1)
         z = 0 if zero is None else zero[:, g].double()
-        code = torch.clamp(torch.round(w[:, j] / scale[:, g] + z), qmin, qmax)
+        code = _on_grid(w[:, j] / scale[:, g] + z, args)
         code = torch.where(pruned[:, j], z, code) if zero is not None else code.masked_fill(pruned[:, j], 0)  # fmt: skip
-        codes[:, j] = code.long()
+        codes[:, j] = code.to(codes.dtype)
         err = (w[:, j] - (code - z) * scale[:, g]) / hinv[pos, pos]
         later = order[pos:]
         w[:, later] -= err[:, None] * hinv[pos, pos:][None, :]
     return codes
 
 
+def _on_grid(scaled: Tensor, args: QuantArgs) -> Tensor:
+    """The nearest code: an integer in range, an E4M3 value (torch's cast, saturated), or an
+    E2M1 value (the float64 reference of test_floats)."""
+    if args.type == "int":
+        return torch.clamp(torch.round(scaled), *int_range(args.num_bits))
+    if args.num_bits == 8:
+        return scaled.clamp(-448, 448).to(torch.float8_e4m3fn).double()
+    return torch.tensor([nearest_e2m1(x) for x in scaled.tolist()], dtype=torch.float64)
+
+
 def _per_row(q: QuantizedWeight, rows: int) -> tuple[Tensor, Tensor | None]:
-    """Stored scales and zero points [rows, groups] (a block's repeated on each of its rows)."""
-    scale = expand_block_scale(q.scale, q.args, rows).reshape(rows, -1)
+    """Stored scales and zero points [rows, groups] (a block's repeated on each of its rows;
+    NVFP4's over its global scale: what codes multiply), in float64."""
+    scale = q.scale.double() / (1.0 if q.global_scale is None else q.global_scale.double())
+    scale = expand_block_scale(scale, q.args, rows).reshape(rows, -1)
     zero = None if q.zero_point is None else q.zero_point.reshape(rows, -1)
     return scale, zero
 
@@ -215,6 +228,26 @@ def test_fp8_weights(args: QuantArgs) -> None:
     assert torch.equal(got.weight.scale, rtn.scale)
     gptq_err = output_error(got.weight.dequantize() - w.float(), h)
     assert gptq_err < output_error(rtn.dequantize() - w.float(), h)
+
+
+@pytest.mark.parametrize(
+    ("args", "actorder"),
+    [(NVFP4, "static"), (MXFP4, "static"), (MXFP4, "none"), (MXFP8, "static"), (MXFP8, "none")],
+    ids=lambda v: v if isinstance(v, str) else v.label,
+)
+def test_float_grids_match_float64_reference(args: QuantArgs, actorder: str) -> None:
+    """GPTQ on the FP4 and MX grids: codes rounded to E2M1 / E4M3 against the stored
+    (E4M3 or E8M0) scales, as the float64 transcription does. NVFP4's global scale comes from
+    the original weights (the reference's fresh per-group ranges would take a new one: static
+    act-order only)."""
+    w, h = _correlated_problem(7)
+    got = gptq_quantize_weight(w, h, args, block_size=32, actorder=actorder)
+    expected = reference_gptq(w, h, args, actorder=actorder, damp=0.01)
+    assert torch.equal(got.weight.codes.double(), expected)
+    rtn = quantize_weight(w, args)
+    assert output_error(got.weight.dequantize(torch.float64) - w, h) < output_error(
+        rtn.dequantize(torch.float64) - w, h
+    )
 
 
 @pytest.mark.parametrize("args", [INT4_G32, INT4_G32_ASYM, INT8_CHANNEL], ids=lambda a: a.label)

@@ -23,9 +23,20 @@ import os
 import sys
 import time
 
-SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC")
+# compressed-tensors 0.19 presets. The FP4/MX ones have the formats' own group sizes: NVFP4A16 and
+# NVFP4 E2M1 codes in groups of 16 (E4M3 scales under a per-tensor global scale, strategy
+# tensor_group), MXFP4A16/MXFP4 E2M1 and MXFP8A16/MXFP8 E4M3 codes in groups of 32 (E8M0 scales).
+SCHEMES = (
+    "W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC",
+    "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8",
+)  # fmt: skip
 METHODS = ("rtn", "gptq", "awq", "smoothquant-gptq")
 NEEDS_CALIB = ("gptq", "awq", "smoothquant-gptq")
+# Presets that need calibration data whatever the method: NVFP4's input activations are
+# dynamic="local" (group scales at run time under a per-tensor global scale that is calibrated),
+# so even QuantizationModifier (rtn) runs the sequential pipeline and has no data without --calib.
+# MXFP4/MXFP8 activations are plainly dynamic (no calibrated parameter).
+SCHEMES_NEEDING_CALIB = ("NVFP4",)
 
 
 def parse_args(argv=None):
@@ -42,13 +53,15 @@ def parse_args(argv=None):
         "(W4A16, W4A16_ASYM and, in compressed-tensors 0.19, W8A16: all default to "
         "128, which does not divide hidden size 576); 0 = per-output-channel "
         "weights instead of groups. Ignored with a warning for presets that are "
-        "already per-channel (W8A8, FP8_DYNAMIC)",
+        "already per-channel (W8A8, FP8_DYNAMIC) and for the FP4/MX presets, whose "
+        "format fixes the group size (NVFP4*: 16, MX*: 32)",
     )
     p.add_argument(
         "--calib",
         default=None,
         help="safetensors file with one int64 tensor `input_ids` [num_samples, seq_len] "
-        "(required for gptq/awq/smoothquant-gptq, optional for rtn)",
+        "(required for gptq/awq/smoothquant-gptq and for --scheme NVFP4 with any method: "
+        "its activation global scale is calibrated; optional otherwise)",
     )
     p.add_argument(
         "--ignore",
@@ -74,6 +87,11 @@ def parse_args(argv=None):
         args.ignore = ["lm_head"]
     if args.method in NEEDS_CALIB and not args.calib:
         p.error(f"--calib is required for --method {args.method}")
+    if args.scheme in SCHEMES_NEEDING_CALIB and not args.calib:
+        p.error(
+            f"--calib is required for --scheme {args.scheme} (its input activations' "
+            "global scale is calibrated), also with --method rtn"
+        )
     if args.group_size is not None and args.group_size < 0:
         p.error("--group-size must be >= 0 (0 = per-channel)")
     return args
@@ -87,6 +105,7 @@ def build_quant_kwargs(scheme: str, group_size: int | None, ignore: list[str]):
     """kwargs for QuantizationModifier / GPTQModifier and the effective group size."""
     from compressed_tensors.quantization import (
         QuantizationStrategy,
+        QuantizationType,
         preset_name_to_scheme,
     )
 
@@ -95,6 +114,15 @@ def build_quant_kwargs(scheme: str, group_size: int | None, ignore: list[str]):
         QuantizationStrategy.GROUP,
         QuantizationStrategy.TENSOR_GROUP,
     )
+    # NVFP4 (tensor_group of 16, E4M3 scales) and MX (group of 32, E8M0 scales): float codes in
+    # groups whose size is the format's own; kernels and loaders assume it.
+    fixed_group = is_group and preset.weights.type == QuantizationType.FLOAT
+    if group_size is not None and fixed_group:
+        log(
+            f"WARNING: --group-size {group_size} ignored: {scheme} fixes its group size "
+            f"({preset.weights.group_size})"
+        )
+        group_size = None
     if group_size is not None and not is_group:
         log(
             f"WARNING: --group-size {group_size} ignored: {scheme} quantizes weights "

@@ -189,11 +189,14 @@ class QuantizeOptions(LayerOptions):
 
     @property
     def calibrated(self) -> bool:
-        """Whether the recipe needs data: a calibrated method, or options that read activations."""
+        """Whether the recipe needs data: a calibrated method, options that read activations, or
+        a scheme that calibrates its input scales (NVFP4's global scale)."""
+        inputs = get_scheme(self.scheme).input_activations
         return (
             self.method not in DATA_FREE_METHODS
             or self.activations == "static"
             or any(option not in (None, "none") for option in (self.smooth, self.kv_cache))
+            or (inputs is not None and inputs.dynamic == "local")
         )
 
 

@@ -108,10 +108,10 @@ class Recipe(BaseModel):
         if g is not None and not is_valid_group_override(g):
             raise ValueError(f"group_size {g} is not {GROUP_OVERRIDE_RULE}")
         weights = self.scheme.weights
-        if g is not None and (weights is None or weights.type == "float"):
-            raise ValueError(
-                f"{'pruned' if weights is None else weights.label} weights: {_NO_GROUP}"
-            )
+        if g is not None and weights is None:
+            raise ValueError("pruned weights have no group size")
+        if g is not None and weights is not None and weights.type == "float":
+            raise ValueError(f"group_size {g}: {weights.label} weights: {_NO_GROUP}")
         _check_activation_options(self)
         if self.clip != "none" and (weights is None or weights.strategy == "block"):
             raise ValueError(f"clip {self.clip}: not available for block-scaled weights")

@@ -215,19 +215,23 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."
 
 
+DEQUANTIZED_AT_LOAD = ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp8-quantized")
+
+
 def _transformers(folder: Path, ckpt: Checkpoint, reference: Reference, device: str | None) -> Comparison:  # fmt: skip
-    """Plain `from_pretrained`, run on the weights alone: compressed-tensors' quantize-dequantize
+    """Plain `from_pretrained` (FP4 and MX: dequantized at load), run on the weights alone: compressed-tensors' quantize-dequantize
     of activations (and of the already dequantized weights) turned off, so what is compared is
     exactly how transformers read the files."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    # dequantize=True: every weight dequantized at load time into the float32 model. Left
-    # compressed, compressed-tensors decompresses FP4 and MX weights to bfloat16 at the first
-    # forward pass, which float32 inputs cannot meet.
-    config = CompressedTensorsConfig(dequantize=True) if ckpt.quantization_config else None
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, quantization_config=config
-    )
+    # FP4 and MX formats: dequantized at load time into the float32 model (transformers'
+    # `dequantize=True`). Left compressed, compressed-tensors decompresses them to bfloat16 at
+    # the first forward pass, which float32 inputs cannot meet.
+    # (a quantization_config=None would load the compressed tensors as if unquantized)
+    fmt = (ckpt.quantization_config or {}).get("format")
+    dequantized = {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+    extra = dequantized if fmt in DEQUANTIZED_AT_LOAD else {}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra)
     for module in model.modules():
         if hasattr(module, "quantization_scheme"):
             module.quantization_enabled = False

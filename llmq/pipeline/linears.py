@@ -18,6 +18,7 @@ from llmq.calib.stats import InputStats
 from llmq.calib.stream import LayerStream, kv_hook
 from llmq.errors import NumericalError
 from llmq.io.checkpoint import torch_dtype
+from llmq.io.layout import DecoderLayout
 from llmq.pack.format import PackFormat, compress
 from llmq.pipeline.plan import LinearPlan
 from llmq.pipeline.report import LinearReport
@@ -56,6 +57,7 @@ def quantize_linears(
     method: Method,
     fmt: PackFormat,
     rtn_errors: dict[str, float | None],
+    layout: DecoderLayout,
     processes: Processes = SINGLE_PROCESS,
 ) -> tuple[dict[str, Tensor], list[LinearReport]]:
     """Quantize each linear, put its dequantized weight back for the quantized pass, and return
@@ -64,7 +66,7 @@ def quantize_linears(
     tensors: dict[str, Tensor] = {}
     reports = []
     results = {}
-    stacks = _stacks(local, stats)
+    stacks = _stacks(local, stats, fused_sets(layout))
 
     def solve(names: list[str]) -> list[MethodResult]:
         weights = [layer.get_submodule(name).weight.data for name in names]
@@ -101,17 +103,31 @@ def quantize_linears(
     return tensors, reports
 
 
-def _stacks(local: dict[str, LinearPlan], stats: dict[str, InputStats | None]) -> list[list[str]]:
+def fused_sets(layout: DecoderLayout) -> dict[str, int]:
+    """Each linear's set of the linears that read one input and that vLLM fuses into one
+    (q/k/v; an expert's gate and up), by index; NVFP4 gives such a set one global scale, which
+    vLLM requires of a fused linear."""
+    groups = layout.expert_groups_split().sequential
+    return {name: index for index, group in enumerate(groups) for name in group}
+
+
+def _stacks(
+    local: dict[str, LinearPlan], stats: dict[str, InputStats | None], fused: dict[str, int]
+) -> list[list[str]]:
     """The linears grouped into weights quantized as one, stacked by rows: those that read one
     input (q/k/v, gate/up: one statistics object) with the same arguments and dtype, when their
     scales are per row. Methods treat rows independently, so the codes are the same; GPTQ then
-    runs its per-column loop once for q/k/v instead of three times (2x faster here)."""
+    runs its per-column loop once for q/k/v instead of three times (2x faster here). NVFP4
+    weights stack by `fused` set, whether calibrated or not: the stack's one global scale is
+    the set's."""
     stacks: dict[object, list[str]] = {}
     rows: dict[object, int] = {}
     for name, linear in local.items():
         rows_apart = linear.args is None or linear.args.strategy in ROW_STRATEGIES
         stackable = stats[name] is not None and rows_apart
         key: object = (id(stats[name]), linear.args, linear.dtype) if stackable else name
+        if linear.args is not None and linear.args.strategy == "tensor_group":
+            key = ("global scale", fused.get(name, name), linear.args, linear.dtype)
         if rows.get(key, 0) + linear.out_features > MAX_STACKED_ROWS and key in stacks:
             stacks[(key, len(stacks))] = stacks.pop(key)  # full: later linears start anew
             rows[key] = 0

@@ -93,7 +93,15 @@ def model_free_refusal(recipe: Recipe, inputs: JobInputs) -> str | None:
     if recipe.method != "rtn":
         return f"--method {recipe.method} calibrates on the layers' activations"
     if recipe.needs_calibration:
-        return "static activation scales, --smooth and --kv-cache are calibrated on activations"
+        return (
+            "static activation scales, NVFP4's input global scales, --smooth and --kv-cache are "
+            "calibrated on activations"
+        )
+    if recipe.weight_args.strategy == "tensor_group":
+        return (
+            "NVFP4 gives the linears vLLM fuses (q/k/v, gate/up) one global scale, and "
+            "model-free conversion quantizes each weight alone"
+        )
     if recipe.clip == "output":
         return "--clip output weighs errors by the layers' activations"
     if inputs.fallback is not None or inputs.calib_stats is not None:

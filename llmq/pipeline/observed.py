@@ -77,8 +77,9 @@ def quantize_observed(
         )  # fmt: skip
     stats, scale_reports = _equivalence_scaling(stream, layer, local, recipe, method, stats)
     tensors, linear_reports = quantize_linears(
-        layer, local, stats, method, scheme_format(recipe.scheme), rtn_errors, stream.processes
-    )
+        layer, local, stats, method, scheme_format(recipe.scheme), rtn_errors,
+        stream.layout_of(layer), stream.processes,
+    )  # fmt: skip
     inputs = _input_quantization(local, stats, recipe)
     error = None
     if reference is not None:  # the inputs are spent: the outputs take their place

@@ -122,8 +122,9 @@ class StagedLayer:
             baseline = rtn_weights(self.layer, part, self.method.sparsity)
             errors = rtn_linear_errors(self.layer, baseline, stats)
         tensors, reports = quantize_linears(
-            self.layer, part, stats, self.method, self.fmt, errors, self.stream.processes
-        )
+            self.layer, part, stats, self.method, self.fmt, errors,
+            self.stream.layout_of(self.layer), self.stream.processes,
+        )  # fmt: skip
         self.done.tensors.update(tensors)
         self.done.linears.extend(reports)
         return captured

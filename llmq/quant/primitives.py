@@ -80,14 +80,19 @@ class QuantizedWeight:
         )  # fmt: skip
 
     def split_rows(self, sizes: list[int]) -> list[QuantizedWeight]:
-        """The weights of a row-stacked weight, apart again (per-row scales only). Each part
-        gets its own storage: safetensors refuses to save tensors that share memory."""
-        if self.args.strategy not in ROW_STRATEGIES:
+        """The weights of a row-stacked weight, apart again (per-row scales only; NVFP4's parts
+        keep the stack's one global scale). Each part gets its own storage: safetensors refuses
+        to save tensors that share memory."""
+        if self.args.strategy not in (*ROW_STRATEGIES, "tensor_group"):
             raise ValueError(f"{self.args.strategy} scales span rows: the weight cannot be split")
         zeros = self.zero_point.split(sizes) if self.zero_point is not None else [None] * len(sizes)
+
+        def own(tensor: Tensor | None) -> Tensor | None:
+            return None if tensor is None else tensor.clone()
+
         return [
             QuantizedWeight(
-                codes.clone(), scale.clone(), None if zero is None else zero.clone(), self.args
+                codes.clone(), scale.clone(), own(zero), self.args, own(self.global_scale)
             )
             for codes, scale, zero in zip(
                 self.codes.split(sizes), self.scale.split(sizes), zeros, strict=True

@@ -20,7 +20,9 @@ from llmq.errors import OutputError
 from llmq.pipeline import model_free
 from tests.conftest import assert_bad_input, make_tiny
 
-DATA_FREE_SCHEMES = ["fp8", "fp8-block", "w8a16", "w4a16", "w4a16-asym", "w8a8"]
+DATA_FREE_SCHEMES = [
+    "fp8", "fp8-block", "w8a16", "w4a16", "w4a16-asym", "w8a8", "mxfp4a16", "mxfp4", "mxfp8",
+]  # fmt: skip
 
 
 def stored(folder: Path) -> dict[str, torch.Tensor]:
@@ -125,7 +127,7 @@ def decompressed(folder: Path, module: str) -> torch.Tensor:
     return compressor.decompress(state, scheme)["weight"].float()
 
 
-@pytest.mark.parametrize("scheme", ["w4a16", "fp8"])
+@pytest.mark.parametrize("scheme", ["w4a16", "fp8", "mxfp4a16"])
 def test_an_unknown_family_converts_model_free(tmp_path: Path, scheme: str) -> None:
     """The linear-looking 2-D weights are quantized, within the scheme's bound as compressed-
     tensors decompresses them; embeddings, head, norms and routers are written as stored."""
@@ -145,6 +147,9 @@ def test_an_unknown_family_converts_model_free(tmp_path: Path, scheme: str) -> N
             if scheme == "fp8":  # e4m3: 3 mantissa bits, so within 2^-4 of each value's scale
                 scale = files[f"{name}.weight_scale"].float()
                 assert bool((error <= weight.abs() / 16 + scale * 2**-9 + 1e-3).all())
+            elif scheme == "mxfp4a16":  # e2m1: half its widest step (4 to 6) of the group's scale
+                scale = files[f"{name}.weight_scale"].view(torch.float8_e8m0fnu).float()
+                assert bool((error <= scale.repeat_interleave(32, dim=1) + 1e-6).all())
             else:  # int4 per group: half a step, and the bf16 rounding of the decompressed value
                 scale = files[f"{name}.weight_scale"].float()
                 step = scale.repeat_interleave(weight.shape[1] // scale.shape[1], dim=1)
@@ -206,6 +211,8 @@ def test_the_default_picks_the_path_the_recipe_allows(tmp_path: Path, tiny_llama
     [
         (["--model-free", "--method", "gptq"], "--model-free: --method gptq calibrates"),
         (["--model-free", "--kv-cache", "fp8"], "--model-free: static activation scales"),
+        (["--model-free", "--scheme", "nvfp4"], "--model-free: static activation scales, NVFP4"),
+        (["--model-free", "--scheme", "nvfp4a16"], "--model-free: NVFP4 gives the linears vLLM"),
         (["--targets", "nothing_like_it"], "--targets 'nothing_like_it': matches none"),
         (["--targets", "re:["], "--targets 're:[': invalid regular expression"),
         (["--targets", "q_proj", "--no-model-free"], "drop --no-model-free"),

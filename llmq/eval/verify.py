@@ -13,6 +13,7 @@ import importlib.util
 import io
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stderr
 from dataclasses import asdict, dataclass
@@ -231,7 +232,9 @@ def _transformers(folder: Path, ckpt: Checkpoint, reference: Reference, device: 
     fmt = (ckpt.quantization_config or {}).get("format")
     dequantized = {"quantization_config": CompressedTensorsConfig(dequantize=True)}
     extra = dequantized if fmt in DEQUANTIZED_AT_LOAD else {}
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra)
+    with warnings.catch_warnings():  # that the checkpoint's own config wins: as intended
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra)
     for module in model.modules():
         if hasattr(module, "quantization_scheme"):
             module.quantization_enabled = False

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 import llmq
 from llmq.cli.main import app
-from tests.conftest import assert_bad_input
+from llmq.quant.floats import nvfp4_global_scale
+from tests.conftest import assert_bad_input, make_tiny
 
 FP4_SCHEMES = ["nvfp4a16", "nvfp4", "mxfp4a16", "mxfp4", "mxfp8"]
 
@@ -40,6 +41,21 @@ def test_fp4_checkpoints_load_in_transformers_and_llmq_with_the_recorded_logits(
     assert transformers.reference == "weights alone" and transformers.distance.max_abs < 1e-4
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "mxfp4a16"])
+def test_calibrated_methods_on_the_fp4_grids_beat_rtn(
+    tmp_path: Path, tiny_llama: Path, scheme: str, method: str
+) -> None:
+    """GPTQ and AWQ run on the E2M1 grid (scales in the format's types) and lose less of every
+    layer's output than RTN on the calibration data; the checkpoint verifies."""
+    out = tmp_path / method
+    result = llmq.quantize(tiny_llama, out, scheme=scheme, method=method, num_samples=4, seq_len=64)
+    for layer in result.layers:
+        assert layer.output_rel_rmse < layer.rtn_output_rel_rmse
+    verified = llmq.verify(out, loaders=["transformers", "llmq"])
+    assert verified.passed, [row.detail for row in verified.loaders]
+
+
 def test_nvfp4_fused_linears_share_one_global_scale(tmp_path: Path, tiny_llama: Path) -> None:
     """q/k/v (vLLM's qkv_proj) and gate/up (gate_up_proj) each get one weight_global_scale,
     the set's (from its largest weight); o_proj and down_proj their own."""
@@ -53,12 +69,37 @@ def test_nvfp4_fused_linears_share_one_global_scale(tmp_path: Path, tiny_llama: 
             scales = {float(files[f"{prefix}{name}.weight_global_scale"]) for name in fused}
             assert len(scales) == 1
             absmax = max(float(original[f"{prefix}{name}.weight"].float().abs().max()) for name in fused)  # fmt: skip
-            assert scales == {float(llmq.quant.floats.nvfp4_global_scale(absmax))}
+            assert scales == {float(nvfp4_global_scale(absmax))}
         for alone in ("self_attn.o_proj", "mlp.down_proj"):
             absmax = float(original[f"{prefix}{alone}.weight"].float().abs().max())
             assert float(files[f"{prefix}{alone}.weight_global_scale"]) == float(
-                llmq.quant.floats.nvfp4_global_scale(absmax)
+                nvfp4_global_scale(absmax)
             )
+
+
+def test_nvfp4_experts_share_one_global_scale_per_gate_and_up(
+    tmp_path: Path, default_model: Path
+) -> None:
+    """A mixture of experts (Qwen3-MoE): each expert's gate and up share a global scale (vLLM's
+    w13), computed from that expert alone, calibrated (every expert on every token: one input
+    for all of them) or not; an expert's down_proj keeps its own."""
+    source = make_tiny(tmp_path / "moe", default_model, model_type="qwen3_moe")
+    original = stored(source)
+    for run, options in (("rtn", {"skip_layer_check": True}), ("gptq", {"method": "gptq", "num_samples": 2, "seq_len": 32})):  # fmt: skip
+        llmq.quantize(source, tmp_path / run, scheme="nvfp4a16", reference=False, **options)
+        files = stored(tmp_path / run)
+        for expert in range(4):
+            prefix = f"model.layers.1.mlp.experts.{expert}."
+            pair = [f"{prefix}{name}" for name in ("gate_proj", "up_proj")]
+            absmax = max(float(original[f"{name}.weight"].float().abs().max()) for name in pair)
+            for name in pair:
+                assert float(files[f"{name}.weight_global_scale"]) == _global(absmax), (run, name)
+            down = float(original[f"{prefix}down_proj.weight"].float().abs().max())
+            assert float(files[f"{prefix}down_proj.weight_global_scale"]) == _global(down)
+
+
+def _global(absmax: float) -> float:
+    return float(nvfp4_global_scale(absmax))
 
 
 def test_nvfp4_inputs_get_a_calibrated_global_scale(tmp_path: Path, tiny_llama: Path) -> None:

@@ -32,7 +32,6 @@ held-out splits, no BOS (the tokenizer adds none), float32 compute.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from common import (
     Job,
     calibration_set,
     ensure_peer,
+    job_arguments,
     peer_comparison,
     ppl_cells,
     preamble,
@@ -87,17 +87,7 @@ def jobs(main: str) -> list[Job]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--windows", type=int, default=12, help="512-token windows per text")
-    parser.add_argument("--samples", type=int, default=128, help="calibration windows")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/out/fp4"))
-    parser.add_argument(
-        "--only",
-        default=None,
-        help="run only jobs whose label contains one of these ('|'-separated)",
-    )
-    args = parser.parse_args()
+    args = job_arguments(__doc__, "fp4")
 
     from llmq.models import builtin_model_path
 

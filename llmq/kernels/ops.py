@@ -38,10 +38,12 @@ def w4a16_product(
     in_features: int,
     group_size: int,
     triton: bool,
+    fp4: bool = False,
 ) -> Tensor:
-    """x [M, K] @ W^T for a packed int4 weight (see llmq.pack.layout.W4A16Weight). Eager code
-    calls this directly: the custom op's dispatch costs more than a small kernel's launch."""
-    weight = W4A16Weight(packed, scale, zero, g_idx, in_features, group_size)
+    """x [M, K] @ W^T for a packed int4 (or FP4) weight (see llmq.pack.layout.W4A16Weight).
+    Eager code calls this directly: the custom op's dispatch costs more than a small kernel's
+    launch."""
+    weight = W4A16Weight(packed, scale, zero, g_idx, in_features, group_size, fp4)
     if triton:
         from llmq.kernels.w4a16 import w4a16_matmul
 
@@ -53,7 +55,7 @@ w4a16_linear = torch.library.custom_op("llmq::w4a16_linear", mutates_args=())(w4
 
 
 @w4a16_linear.register_fake
-def _(x, packed, scale, zero, g_idx, in_features, group_size, triton):
+def _(x, packed, scale, zero, g_idx, in_features, group_size, triton, fp4=False):
     return x.new_empty(x.shape[0], packed.shape[0])
 
 

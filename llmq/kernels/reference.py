@@ -27,9 +27,21 @@ def unpack_int4(packed: Tensor, in_features: int) -> Tensor:
     return (fields.reshape(packed.shape[0], -1)[:, :in_features] - 8).to(torch.int8)
 
 
+def unpack_e2m1(packed: Tensor, in_features: int) -> Tensor:
+    """FP4 E2M1 values float32 [out, in] from words int32 [out, in / 8] (`W4A16Weight.fp4`)."""
+    shifts = torch.arange(INT4_PER_WORD, device=packed.device, dtype=torch.int32) * 4
+    nibbles = ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1)
+    magnitude = E2M1_VALUES.to(packed.device)[(nibbles & 0x7).long()]
+    return torch.where(nibbles >= 8, -magnitude, magnitude)[:, :in_features]
+
+
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
 def dequantize_int4(weight: W4A16Weight, dtype: torch.dtype = torch.float32) -> Tensor:
     """The float weight [out, in] a W4A16 kernel multiplies by, computed in `dtype`."""
-    codes = unpack_int4(weight.packed, weight.in_features).to(dtype)
+    unpack = unpack_e2m1 if weight.fp4 else unpack_int4
+    codes = unpack(weight.packed, weight.in_features).to(dtype)
     n, k, size = weight.out_features, weight.in_features, weight.group_size
     if weight.g_idx is None and k % size == 0:  # whole groups: broadcast, no gather
         grouped = codes.view(n, k // size, size)

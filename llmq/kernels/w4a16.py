@@ -2,6 +2,9 @@
 
     y[M, N] = x[M, K] @ W^T,   W[n, k] = (code[n, k] - zero[n, g(k)]) * scale[n, g(k)]
 
+FP4 weights (NVFP4, MXFP4 without activation quantization: GPUs without FP4 tensor cores) take
+the same path with E2M1 codes decoded from the nibbles in registers (`W4A16Weight.fp4`).
+
 Weights stay packed in memory, eight codes per int32 word along K exactly as `llmq quantize`
 writes them (`llmq.pack.layout.W4A16Weight`); a tile is unpacked, shifted and scaled in
 registers and multiplied in the activation dtype with a float32 accumulator. Three paths, chosen
@@ -69,7 +72,7 @@ def _dequantize_tile(
     packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, tile, cols, col_ok, K,
     stride_pn, stride_pw, stride_sn, stride_sg,
     GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP4: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Float32 weights [BLOCK_K, BLOCK_N] of K-tile `tile` for output columns `cols`."""
     WORDS: tl.constexpr = BLOCK_K // 8
@@ -81,7 +84,16 @@ def _dequantize_tile(
     )
     shifts = tl.arange(0, 8) * 4
     fields = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [WORDS, 8, BLOCK_N]
-    w = (tl.reshape(fields, (BLOCK_K, BLOCK_N)) - 8).to(tl.float32)
+    fields = tl.reshape(fields, (BLOCK_K, BLOCK_N))
+    if FP4:  # E2M1: exponent e = bits 1-2, mantissa m = bit 0: m / 2 where e = 0, else
+        # (1 + m / 2) · 2^(e - 1); bit 3 the sign
+        exponent = (fields >> 1) & 0x3
+        mantissa = (fields & 0x1).to(tl.float32)
+        normal = (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32))
+        magnitude = tl.where(exponent == 0, 0.5 * mantissa, normal)
+        w = tl.where(fields >= 8, -magnitude, magnitude)
+    else:
+        w = (fields - 8).to(tl.float32)
     if HAS_G_IDX:
         ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -104,7 +116,7 @@ def _w4a16_kernel(
     x_ptr, packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, out_ptr, M, N, K,
     stride_xm, stride_xk, stride_pn, stride_pw, stride_sn, stride_sg, stride_om, stride_on,
     GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP4: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K, ATOMIC: tl.constexpr,
 ):  # fmt: skip
     """out[M, N] = x @ W^T. Program (m, n, s) owns one output tile and the s-th share of the K
@@ -125,7 +137,7 @@ def _w4a16_kernel(
         w = _dequantize_tile(
             packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, tile, cols, col_ok, K,
             stride_pn, stride_pw, stride_sn, stride_sg,
-            GROUP_SIZE, HAS_ZERO, HAS_G_IDX, BLOCK_K, BLOCK_N,
+            GROUP_SIZE, HAS_ZERO, HAS_G_IDX, FP4, BLOCK_K, BLOCK_N,
         )  # fmt: skip
         if BLOCK_M == 1:  # one row (batch-1 decode): a plain dot product, no tensor cores
             acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
@@ -139,7 +151,7 @@ def _dequantize_kernel(
     packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, out_ptr, N, K,
     stride_pn, stride_pw, stride_sn, stride_sg, stride_on, stride_ok,
     GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out[N, K] = W in out's dtype, one [BLOCK_K, BLOCK_N] tile per program."""
     tile = tl.program_id(0)
@@ -148,7 +160,7 @@ def _dequantize_kernel(
     w = _dequantize_tile(
         packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, tile, cols, col_ok, K,
         stride_pn, stride_pw, stride_sn, stride_sg,
-        GROUP_SIZE, HAS_ZERO, HAS_G_IDX, BLOCK_K, BLOCK_N,
+        GROUP_SIZE, HAS_ZERO, HAS_G_IDX, FP4, BLOCK_K, BLOCK_N,
     )  # fmt: skip
     ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = (ks[:, None] < K) & col_ok[None, :]
@@ -194,6 +206,7 @@ def _weight_args(weight: W4A16Weight, block_k: int) -> tuple[list[object], dict[
         "GROUP_SIZE": block_k if per_channel else weight.group_size,
         "HAS_ZERO": weight.zero is not None,
         "HAS_G_IDX": weight.g_idx is not None,
+        "FP4": weight.fp4,
     }
     return [*pointers, strides], constexprs
 

@@ -67,7 +67,7 @@ def _disk_scale(scale: Tensor) -> Tensor:
     return scale.view(torch.uint8) if scale.dtype == E8M0_DTYPE else scale
 
 
-def _held_scale(scale: Tensor, args: QuantArgs) -> Tensor:
+def decompress_scale(scale: Tensor, args: QuantArgs) -> Tensor:
     """`_disk_scale`'s inverse: a uint8 exponent read back as the E8M0 scale it is."""
     return scale.view(E8M0_DTYPE) if args.scale_dtype == "uint8" else scale
 
@@ -131,7 +131,7 @@ def compress(q: QuantizedWeight | DenseWeight, fmt: PackFormat) -> dict[str, Ten
 
 def decompress(tensors: dict[str, Tensor], args: QuantArgs) -> Tensor:
     """Float32 weight [out, in] from the on-disk tensors of one linear (any of the formats)."""
-    scale = _held_scale(tensors["weight_scale"], args)
+    scale = decompress_scale(tensors["weight_scale"], args)
     zero = tensors.get("weight_zero_point")
     if "weight_packed" in tensors and args.type == "float":
         codes = unpack_fp4(tensors["weight_packed"])

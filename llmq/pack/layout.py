@@ -30,6 +30,10 @@ class W4A16Weight:
     zero: int8 [out, groups] (asymmetric only): w = (code - zero) * scale.
     g_idx: int32 [in] (act-order checkpoints only): the group of each input column.
     group_size: G; `in_features` for per-channel weights.
+    fp4: the codes are FP4 E2M1 (NVFP4, MXFP4 weights): a nibble is sign << 3 | the index of
+        its magnitude in 0, 0.5, 1, 1.5, 2, 3, 4, 6. The format's bytes (two codes each, the
+        even column low) read as little-endian int32 words put the nibbles where int4 puts them;
+        scale is then the effective one (NVFP4: E4M3 scale / global; MX: the power of two).
     """
 
     packed: Tensor
@@ -38,6 +42,7 @@ class W4A16Weight:
     g_idx: Tensor | None
     in_features: int
     group_size: int
+    fp4: bool = False
 
     @property
     def out_features(self) -> int:
@@ -63,6 +68,7 @@ class W4A16Weight:
             g_idx=move(self.g_idx),
             in_features=self.in_features,
             group_size=self.group_size,
+            fp4=self.fp4,
         )
 
 

@@ -22,9 +22,10 @@ from llmq.config import QuantArgs
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
 from llmq.kernels.ops import check_triton_usable
-from llmq.pack.format import unpack_int32
+from llmq.pack.format import decompress_scale, unpack_int32
 from llmq.pack.layout import W4A16Weight, W8A8Weight
 from llmq.pack.reader import LinearScheme, QuantizedView
+from llmq.quant.floats import effective_scale
 from llmq.quant.primitives import fake_quantize
 from llmq.runtime.modules import QuantizedLinear, W4A16Linear, W8A8Linear
 
@@ -32,7 +33,8 @@ KernelChoice = Literal["auto", "triton", "torch"]
 KERNEL_CHOICES: tuple[KernelChoice, ...] = ("auto", "triton", "torch")
 Kernel = Literal["w4a16", "w8a8"]
 SUPPORTED = (
-    "W4A16 (int4 per group or per channel, symmetric or asymmetric, act-order g_idx), "
+    "W4A16 (int4 per group or per channel, symmetric or asymmetric, act-order g_idx; FP4 "
+    "weights of NVFP4A16 and MXFP4A16), "
     "W8A8-INT8 and FP8 (per-channel or per-tensor weights; activations dynamic per token or "
     "static per tensor)"
 )
@@ -47,6 +49,8 @@ def kernel_for(module: str, scheme: LinearScheme) -> Kernel:
     """Which kernel runs `module`, or a clear error naming the scheme that has none."""
     w, a = scheme.weights, scheme.input_activations
     if w.type == "int" and w.num_bits == 4 and w.strategy in ("group", "channel") and a is None:
+        return "w4a16"
+    if w.type == "float" and w.num_bits == 4 and a is None:  # NVFP4A16, MXFP4A16: E2M1 codes
         return "w4a16"
     eight_bit = w.num_bits == 8 and w.symmetric and w.strategy in ("channel", "tensor")
     per_token = a is not None and a.strategy == "token" and a.dynamic
@@ -134,12 +138,15 @@ W4A16_SUFFIXES = (
     "weight_scale",
     "weight_zero_point",
     "weight_g_idx",
+    "weight_global_scale",
 )
 W8A8_SUFFIXES = ("weight", "weight_scale", "input_scale")
 
 
 def w4a16_weight(tensors: dict[str, Tensor], args: QuantArgs) -> W4A16Weight:
     """The kernel's view of one pack-quantized linear's on-disk tensors (keyed by suffix)."""
+    if args.type == "float":
+        return _fp4_weight(tensors, args)
     out_features, in_features = (int(d) for d in tensors["weight_shape"].tolist())
     scale = tensors["weight_scale"]
     zero = tensors.get("weight_zero_point")
@@ -154,6 +161,18 @@ def w4a16_weight(tensors: dict[str, Tensor], args: QuantArgs) -> W4A16Weight:
         in_features=in_features,
         group_size=args.group_size or in_features,
     )
+
+
+def _fp4_weight(tensors: dict[str, Tensor], args: QuantArgs) -> W4A16Weight:
+    """NVFP4 / MXFP4 weights for the W4A16 kernel: the packed bytes read as int32 words, the
+    effective scale per group (float32; exact in bfloat16 for llmq's power-of-two global)."""
+    packed = tensors["weight_packed"]
+    held = decompress_scale(tensors["weight_scale"], args)
+    scale = effective_scale(held, tensors.get("weight_global_scale"))
+    return W4A16Weight(
+        packed=packed.contiguous().view(torch.int32), scale=scale, zero=None, g_idx=None,
+        in_features=packed.shape[1] * 2, group_size=int(args.group_size or 0), fp4=True,
+    )  # fmt: skip
 
 
 def w8a8_weight(tensors: dict[str, Tensor]) -> W8A8Weight:

@@ -53,6 +53,7 @@ class W4A16Linear(QuantizedLinear):
     def __init__(self, weight: W4A16Weight, bias: Tensor | None = None, *, triton: bool) -> None:
         super().__init__(weight.in_features, weight.out_features, bias, triton)
         self.group_size = weight.group_size
+        self.fp4 = weight.fp4
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scale", weight.scale)
         self.register_buffer("zero", weight.zero)
@@ -62,21 +63,24 @@ class W4A16Linear(QuantizedLinear):
         op = torch.ops.llmq.w4a16_linear if torch.compiler.is_compiling() else ops.w4a16_product
         return op(
             x, self.packed, self.scale, self.zero, self.g_idx,
-            self.in_features, self.group_size, self.triton,
+            self.in_features, self.group_size, self.triton, self.fp4,
         )  # fmt: skip
 
     @property
     def layout(self) -> W4A16Weight:
         """The packed weight as the kernels take it (benchmarks call them with a config)."""
         return W4A16Weight(
-            self.packed, self.scale, self.zero, self.g_idx, self.in_features, self.group_size
-        )
+            self.packed, self.scale, self.zero, self.g_idx, self.in_features, self.group_size,
+            self.fp4,
+        )  # fmt: skip
 
     def dequantized_weight(self, dtype: torch.dtype) -> Tensor:
         return dequantize_int4(self.layout).to(dtype)
 
     @property
     def label(self) -> str:
+        if self.fp4:
+            return f"fp4 g{self.group_size}"
         return f"w4a16 g{self.group_size}{'' if self.zero is None else ' asym'}"
 
 

@@ -11,7 +11,14 @@ from llmq.errors import InputError
 from llmq.kernels import reference
 from llmq.kernels.support import TileConfig
 from llmq.kernels.w4a16 import DEQUANT_MIN_M, choose_config, dequantize, w4a16_matmul
-from llmq.pack.format import PackFormat, compress, decompress, pack_int32, unpack_int32
+from llmq.pack.format import (
+    PackFormat,
+    compress,
+    decompress,
+    pack_int32,
+    unpack_fp4,
+    unpack_int32,
+)
 from llmq.pack.layout import W4A16Weight
 from llmq.quant.primitives import quantize_weight
 from tests.kernels.conftest import assert_within_bound, poisoned
@@ -32,10 +39,22 @@ def random_weight(
     return W4A16Weight(pack_int32(codes, 4), scale, zero, g_idx, k, group_size)
 
 
+def random_fp4_weight(n: int, k: int, group_size: int, *, seed: int = 0) -> W4A16Weight:
+    """Random FP4 bytes (every nibble, negative zero included) as NVFP4 / MXFP4 store them, read
+    as int32 words, with positive effective scales per group."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.int32, generator=gen).to(torch.uint8)
+    scale = (torch.rand(n, k // group_size, generator=gen) * 0.02 + 0.002).half()
+    return W4A16Weight(packed.view(torch.int32), scale, None, None, k, group_size, fp4=True)
+
+
 def exact_product(x: torch.Tensor, weight: W4A16Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """x @ W^T in float64 with W rebuilt independently of the kernels' reference module (the
     file format's unpacker), and the magnitude |x| @ |W|^T for the error bound."""
-    codes = unpack_int32(weight.packed, 4, (weight.out_features, weight.in_features)).double()
+    if weight.fp4:
+        codes = unpack_fp4(weight.packed.view(torch.uint8)).double()
+    else:
+        codes = unpack_int32(weight.packed, 4, (weight.out_features, weight.in_features)).double()
     groups = (
         weight.g_idx.long()
         if weight.g_idx is not None
@@ -78,6 +97,28 @@ def test_kernel_matches_float64(m, n, k, group, asym, act_order, dtype, path) ->
     out = w4a16_matmul(x, weight, config=tile_config(path, group), out=poisoned(m, n, dtype))
     exact, magnitude = exact_product(x, weight)
     assert_within_bound(out, exact, magnitude, dtype)
+
+
+FP4_CASES = [  # (M, N, K, group size: 16 NVFP4, 32 MX, dtype, path)
+    (1, 96, 256, 16, F16, "decode"),
+    (17, 200, 512, 16, BF16, "tiled"),
+    (5, 64, 256, 32, F16, "dequant"),
+    (33, 160, 512, 32, BF16, "decode"),
+]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "group", "dtype", "path"), FP4_CASES)
+@pytest.mark.interpreter
+def test_fp4_codes_decode_in_registers(m, n, k, group, dtype, path) -> None:
+    """E2M1 codes (NVFP4A16, MXFP4A16 weights) through the same kernel: every nibble decoded
+    as compressed-tensors' own layout reads it, against float64 math."""
+    weight = random_fp4_weight(n, k, group)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    out = w4a16_matmul(x, weight, config=tile_config(path, group), out=poisoned(m, n, dtype))
+    exact, magnitude = exact_product(x, weight)
+    assert_within_bound(out, exact, magnitude, dtype)
+    dequantized = dequantize(weight, torch.float32, block_k=group).double()
+    assert torch.equal(dequantized, reference.dequantize_int4(weight, torch.float64))
 
 
 @pytest.mark.parametrize(

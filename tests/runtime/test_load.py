@@ -20,13 +20,16 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
         return model(IDS).logits.float()
 
 
-@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym", "nvfp4a16", "mxfp4a16"])
 def test_w4a16_matches_the_dequantized_model(tiny_quantized, scheme: str) -> None:
+    """int4 and FP4 weights (NVFP4A16, MXFP4A16 decode E2M1 in the same kernel) compute what
+    the dequantized reference computes."""
     ckpt = open_checkpoint(tiny_quantized(scheme))
     model = load_quantized(ckpt)
     linears = [m for m in model.modules() if isinstance(m, W4A16Linear)]
     assert len(linears) == 2 * 7 and not any(m.triton for m in linears)
     assert (linears[0].zero is not None) == (scheme == "w4a16-asym")
+    assert linears[0].fp4 == scheme.endswith("fp4a16")
     torch.testing.assert_close(logits(model), logits(load_dequantized(ckpt)), rtol=0, atol=1e-4)
 
 
@@ -48,7 +51,7 @@ def test_w8a8_matches_the_simulation_llmq_eval_runs(tiny_quantized, scheme, acti
     assert (ours - logits(plain)).abs().max() > 10 * (ours - logits(simulated)).abs().max()
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-asym", "w8a8"])
+@pytest.mark.parametrize("scheme", ["w4a16-asym", "w8a8", "nvfp4a16"])
 @pytest.mark.interpreter
 def test_triton_kernels_run_the_model_in_the_interpreter(tiny_quantized, scheme: str) -> None:
     ckpt = open_checkpoint(tiny_quantized(scheme))
@@ -69,6 +72,7 @@ def test_triton_kernels_run_the_model_in_the_interpreter(tiny_quantized, scheme:
     [
         ("w8a16", {}, "no llmq kernel for weights int8 channel, activations float"),
         ("fp8-block", {}, "no llmq kernel for weights fp8 block 128x128"),
+        ("mxfp4", {}, "no llmq kernel for weights mxfp4 g32, activations mxfp4 g32 dynamic"),
         ("w8a8", {"kv_cache": "int8"}, "KV cache is quantized"),
     ],
 )

@@ -131,3 +131,13 @@ def test_bad_fp4_input_is_one_line(
     result = CliRunner().invoke(app, ["quantize", str(tiny_llama), "--out", str(out), *flags])
     assert_bad_input(result, fragment)
     assert not out.exists()
+
+
+def test_fallback_auto_holds_fp4_to_int4s_threshold(tmp_path: Path, tiny_llama: Path) -> None:
+    """`--fallback auto` scans with the FP4 grid and int4's NRMSE threshold: the tiny model's
+    Gaussian-like linears pass (an FP8 threshold would keep every one in full precision)."""
+    result = llmq.quantize(
+        tiny_llama, tmp_path / "out", scheme="mxfp4a16", fallback="auto", skip_layer_check=True
+    )
+    assert result.fallback is not None and result.fallback["kept"] == []
+    assert result.fallback["scheme"] == "mxfp4 g32"

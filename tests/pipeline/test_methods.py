@@ -93,7 +93,9 @@ def test_linears_sharing_an_input_are_quantized_as_one_stack(
     stacked = llmq.quantize(tiny_llama, tmp_path / "stacked", scheme=scheme, method="gptq", **CALIB)
     per_layer = len(calls) // len(stacked.layers)
     assert per_layer == 4  # q/k/v, o, gate/up, down
-    monkeypatch.setattr(linears, "_stacks", lambda local, _stats, _fused: [[name] for name in local])
+    monkeypatch.setattr(
+        linears, "_stacks", lambda local, _stats, _fused: [[name] for name in local]
+    )
     alone = llmq.quantize(tiny_llama, tmp_path / "alone", scheme=scheme, method="gptq", **CALIB)
     assert len(calls) == per_layer * len(stacked.layers) + 7 * len(alone.layers)
     assert checkpoint_bytes(tmp_path / "stacked") == checkpoint_bytes(tmp_path / "alone")

@@ -152,3 +152,13 @@ def test_fake_quantized_activations_use_the_formats_groups(name: str) -> None:
     q = quantize_weight(rows, args.model_copy(update={"dynamic": False}))
     assert torch.equal(got.reshape(-1, 64), q.dequantize())
     assert args.dynamic == ("local" if name == "nvfp4" else True)
+
+
+def test_every_e8m0_byte_decodes_and_encodes_back() -> None:
+    """Each E8M0 byte b (0..254) is the scale 2^(b - 127) in float64 (bit exact in float32),
+    and a group whose extreme is exactly that scale times 4 (E2M1's top binade) gets byte b."""
+    codes = torch.arange(255, dtype=torch.uint8)
+    decoded = codes.view(E8M0_DTYPE).to(torch.float64)
+    assert decoded.tolist() == [2.0 ** (b - 127) for b in range(255)]
+    extremes = decoded[2:] * 4.0  # mantissa 1: no rounding up to the next binade
+    assert torch.equal(mx_scale(extremes, MXFP4).view(torch.uint8), codes[2:])

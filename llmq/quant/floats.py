@@ -15,6 +15,8 @@ MX (scale_dtype "uint8", groups of 32):  each group's scale is a power of two st
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -58,7 +60,7 @@ def to_float_grid_(scaled: Tensor, args: QuantArgs) -> Tensor:
 def mx_scale(absmax: Tensor, args: QuantArgs) -> Tensor:
     """The power-of-two scale (E8M0) of groups whose extreme is `absmax` (float64)."""
     mantissa, exponent = torch.frexp(absmax.to(torch.float64))  # absmax = mantissa · 2^exponent
-    top = int(torch.tensor(float_code_max(args)).log2().floor())
+    top = math.floor(math.log2(float_code_max(args)))  # E2M1: 2, E4M3: 8
     binade = exponent - 1 + (2 * mantissa >= _MX_ROUND_UP).to(exponent.dtype)
     power = torch.where(absmax > 0, binade - top, -E8M0_LIMIT).clamp(-E8M0_LIMIT, E8M0_LIMIT)
     return torch.ldexp(torch.ones_like(absmax, dtype=torch.float32), power).to(E8M0_DTYPE)

@@ -9,6 +9,7 @@ prints one line per variant and exits 1 if any fails. Usage: compile_for_gpu.py 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import sys
 
@@ -33,29 +34,30 @@ def w4a16_variants():
     base = {"x_ptr": None, "packed_ptr": "*i32", "scale_ptr": None, "zero_ptr": "*i8",
             "g_idx_ptr": "*i32", "out_ptr": None, "M": "i32", "N": "i32", "K": "i32",
             **dict.fromkeys(("stride_xm", "stride_xk", "stride_pn", "stride_pw", "stride_sn", "stride_sg", "stride_om", "stride_on"), "i32")}  # fmt: skip
-    for dtype, tl_name in (("fp16", "fp16"), ("bf16", "bf16")):
-        for m in (0, 1, 64):  # 0: the one-row (GEMV) decode
-            config = with_split(w4a16.choose_config(max(m, 1), 4096, 4096, 128, CPU))
-            config = dataclasses.replace(config, block_m=1) if m == 0 else config
-            config_split = config.split_k
-            for zero, g_idx in ((False, False), (True, True)):
-                out = "*fp32" if config_split > 1 else f"*{dtype}"
-                signature = {**base, "x_ptr": f"*{dtype}", "scale_ptr": f"*{dtype}",
-                             "out_ptr": out, "SPLIT_K": "i32"}  # fmt: skip
-                constexprs = {
-                    "GROUP_SIZE": 128, "HAS_ZERO": zero, "HAS_G_IDX": g_idx,
-                    "DOT_DTYPE": getattr(triton.language, {"fp16": "float16", "bf16": "bfloat16"}[tl_name]),
-                    "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-                    "BLOCK_K": config.block_k, "ATOMIC": config_split > 1,
-                }  # fmt: skip
-                name = (f"w4a16 {dtype} {config.path} rows{config.block_m} split{config_split} "
-                        f"zero={zero} g_idx={g_idx}")  # fmt: skip
-                yield name, w4a16._w4a16_kernel, signature, constexprs, config
+    # int4, int4 with zero points and g_idx, FP4 (E2M1) codes in groups of 16; M 0: the GEMV
+    kinds = ((False, False, False), (True, True, False), (False, False, True))
+    for dtype, m, (zero, g_idx, fp4) in itertools.product(("fp16", "bf16"), (0, 1, 64), kinds):
+        group = 16 if fp4 else 128
+        config = with_split(w4a16.choose_config(max(m, 1), 4096, 4096, group, CPU))
+        config = dataclasses.replace(config, block_m=1) if m == 0 else config
+        config_split = config.split_k
+        out = "*fp32" if config_split > 1 else f"*{dtype}"
+        signature = {**base, "x_ptr": f"*{dtype}", "scale_ptr": f"*{dtype}",
+                     "out_ptr": out, "SPLIT_K": "i32"}  # fmt: skip
+        constexprs = {
+            "GROUP_SIZE": group, "HAS_ZERO": zero, "HAS_G_IDX": g_idx, "FP4": fp4,
+            "DOT_DTYPE": getattr(triton.language, {"fp16": "float16", "bf16": "bfloat16"}[dtype]),
+            "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
+            "BLOCK_K": config.block_k, "ATOMIC": config_split > 1,
+        }  # fmt: skip
+        name = (f"w4a16 {dtype} {config.path} rows{config.block_m} split{config_split} "
+                f"zero={zero} g_idx={g_idx} fp4={fp4}")  # fmt: skip
+        yield name, w4a16._w4a16_kernel, signature, constexprs, config
     signature = {"packed_ptr": "*i32", "scale_ptr": "*bf16", "zero_ptr": "*i8",
                  "g_idx_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "K": "i32",
                  **dict.fromkeys(("stride_pn", "stride_pw", "stride_sn", "stride_sg", "stride_on", "stride_ok"), "i32")}  # fmt: skip
-    constexprs = {"GROUP_SIZE": 128, "HAS_ZERO": True, "HAS_G_IDX": False, "BLOCK_N": 64,
-                  "BLOCK_K": 64}  # fmt: skip
+    constexprs = {"GROUP_SIZE": 128, "HAS_ZERO": True, "HAS_G_IDX": False, "FP4": False,
+                  "BLOCK_N": 64, "BLOCK_K": 64}  # fmt: skip
     yield "w4a16 dequantize", w4a16._dequantize_kernel, signature, constexprs, None
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from llmq.pack.format import unpack_int32
 from tests.conftest import make_tiny
 
 pytestmark = pytest.mark.process
@@ -58,21 +59,35 @@ def stored(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_two_processes_write_what_one_writes(tmp_path: Path, tiny_llama: Path, method: str) -> None:
     """The Hessians and magnitudes reduced over the processes are one process's up to float
-    summation order: on 32 x 128 tokens GPTQ's packed codes and scales come out the same here
-    (the bound allows 0.5% of the codes to flip, and scales and AWQ's folded norms to move by
-    1e-5 relative)."""
+    summation order, and most decisions taken on them come out the same; not all: a code that
+    a last-bit change of the Hessian rounds the other way pushes a different residual on to the
+    rest of its row, and the output-error clip search can pick another grid ratio for a group
+    whose errors tie (on an AMD EPYC, 2.2% of one down_proj's codes and 9.6% of one weight's
+    scales; on an Intel Xeon, none), and the next layer then reads other inputs. So: in the
+    first layer (the same inputs) at least 90% of every tensor's codes equal and its floats
+    within 1e-5 relative, and each layer's output error within 10% of one process's (4.6% apart in
+    the second layer on the AMD EPYC)."""
     one = quantize(tiny_llama, tmp_path / "one", 1, "--method", method)
     two = quantize(tiny_llama, tmp_path / "two", 2, "--method", method)
     assert one.returncode == 0, one.stderr[-2000:]
     assert two.returncode == 0, two.stderr[-2000:]
-    assert json.loads(two.stdout)["calibration"]["tokens"] == 32 * 128  # all windows, split
+    reports = json.loads(one.stdout), json.loads(two.stdout)
+    assert reports[1]["calibration"]["tokens"] == 32 * 128  # all windows, split
     want, got = stored(tmp_path / "one"), stored(tmp_path / "two")
     assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        if name.endswith("weight_packed"):
-            assert (got[name] == tensor).float().mean() >= 0.995, name
-        else:  # scales, and the norms AWQ's scales were folded into
-            torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=0)
+    for name in (name for name in want if name.startswith("model.layers.0.")):
+        assert agreement(want[name], got[name], packed=name.endswith("weight_packed")) >= 0.9, name
+    errors = [[layer["output_rel_rmse"] for layer in report["layers"]] for report in reports]
+    torch.testing.assert_close(torch.tensor(errors[1]), torch.tensor(errors[0]), rtol=0.1, atol=0)
+
+
+def agreement(want: torch.Tensor, got: torch.Tensor, *, packed: bool) -> float:
+    """The share of elements two runs agree on: int4 codes equal, floats within 1e-5 relative."""
+    if packed:
+        want, got = (unpack_int32(t, 4, (t.shape[0], t.shape[1] * 8)) for t in (want, got))
+        return float((want == got).float().mean())
+    close = torch.isclose(got.float(), want.float(), rtol=1e-5, atol=0)
+    return float(close.float().mean())
 
 
 def test_a_killed_data_parallel_run_resumes(tmp_path: Path, default_model: Path) -> None:

@@ -41,6 +41,7 @@ from llmq.eval.logits import (
 )
 from llmq.io.checkpoint import Checkpoint, open_checkpoint
 from llmq.io.record import OutputRecord
+from llmq.pack.format import DECOMPRESSED_TO_BFLOAT16
 from llmq.pack.loaders import LOADERS
 from llmq.progress import NO_PROGRESS, Progress
 
@@ -216,9 +217,6 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."
 
 
-DEQUANTIZED_AT_LOAD = ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp8-quantized")
-
-
 def _transformers(folder: Path, ckpt: Checkpoint, reference: Reference, device: str | None) -> Comparison:  # fmt: skip
     """Plain `from_pretrained` (FP4 and MX: dequantized at load), run on the weights alone: compressed-tensors' quantize-dequantize
     of activations (and of the already dequantized weights) turned off, so what is compared is
@@ -231,7 +229,7 @@ def _transformers(folder: Path, ckpt: Checkpoint, reference: Reference, device: 
     # (a quantization_config=None would load the compressed tensors as if unquantized)
     fmt = (ckpt.quantization_config or {}).get("format")
     dequantized = {"quantization_config": CompressedTensorsConfig(dequantize=True)}
-    extra = dequantized if fmt in DEQUANTIZED_AT_LOAD else {}
+    extra = dequantized if fmt in {f.value for f in DECOMPRESSED_TO_BFLOAT16} else {}
     with warnings.catch_warnings():  # that the checkpoint's own config wins: as intended
         warnings.filterwarnings("ignore", message="You passed `quantization_config`")
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra)

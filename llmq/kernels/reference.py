@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from llmq.pack.layout import FP8_CODES, INT4_PER_WORD, W4A16Weight, W8A8Weight
+from llmq.pack.layout import E2M1_MAGNITUDES, FP8_CODES, INT4_PER_WORD, W4A16Weight, W8A8Weight
 
 INT8_MAX = 127.0
 INT8_MIN = -128.0  # reached only by static scales, whose inputs may exceed the calibrated range
@@ -31,11 +31,8 @@ def unpack_e2m1(packed: Tensor, in_features: int) -> Tensor:
     """FP4 E2M1 values float32 [out, in] from words int32 [out, in / 8] (`W4A16Weight.fp4`)."""
     shifts = torch.arange(INT4_PER_WORD, device=packed.device, dtype=torch.int32) * 4
     nibbles = ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1)
-    magnitude = E2M1_VALUES.to(packed.device)[(nibbles & 0x7).long()]
+    magnitude = torch.tensor(E2M1_MAGNITUDES, device=packed.device)[(nibbles & 0x7).long()]
     return torch.where(nibbles >= 8, -magnitude, magnitude)[:, :in_features]
-
-
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 def dequantize_int4(weight: W4A16Weight, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from llmq.config import QuantArgs, Scheme
+from llmq.pack.layout import E2M1_MAGNITUDES
 from llmq.quant.floats import E8M0_DTYPE
 from llmq.quant.primitives import DenseWeight, QuantizedWeight, dequantize, scale_codes
 
@@ -41,9 +42,6 @@ class PackFormat(str, Enum):
     MXFP8_QUANTIZED = "mxfp8-quantized"  # weight: float8_e4m3fn codes as-is, E8M0 scales
 
 
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # a nibble's low three bits index these
-
-
 def pack_fp4(codes: Tensor) -> Tensor:
     """FP4 codes (E2M1 values in any float dtype) [rows, cols] -> uint8 [rows, cols / 2]."""
     values = codes.to(torch.float32)
@@ -60,6 +58,16 @@ def unpack_fp4(packed: Tensor) -> Tensor:
     grid = torch.tensor(E2M1_MAGNITUDES, device=packed.device)
     magnitude = grid[(nibbles & 0x07).long()]
     return torch.where(nibbles >= 8, -magnitude, magnitude).to(torch.float8_e4m3fn)
+
+
+FP4_PACKED = (PackFormat.NVFP4_PACK_QUANTIZED, PackFormat.MXFP4_PACK_QUANTIZED)
+# the formats compressed-tensors decompresses to bfloat16 whatever the model's dtype
+DECOMPRESSED_TO_BFLOAT16 = (*FP4_PACKED, PackFormat.MXFP8_QUANTIZED)
+
+
+def input_scale_name(args: QuantArgs) -> str:
+    """The leaf of a linear's calibrated input scale: NVFP4's global scale, else input_scale."""
+    return "input_global_scale" if args.dynamic == "local" else "input_scale"
 
 
 def _disk_scale(scale: Tensor) -> Tensor:
@@ -115,7 +123,7 @@ def compress(q: QuantizedWeight | DenseWeight, fmt: PackFormat) -> dict[str, Ten
     out: dict[str, Tensor] = {"weight_scale": _disk_scale(q.scale).contiguous()}
     if q.global_scale is not None:
         out["weight_global_scale"] = q.global_scale.reshape(1).contiguous()
-    if fmt in (PackFormat.NVFP4_PACK_QUANTIZED, PackFormat.MXFP4_PACK_QUANTIZED):
+    if fmt in FP4_PACKED:
         out["weight_packed"] = pack_fp4(q.codes)
     elif fmt is PackFormat.PACK_QUANTIZED:
         out["weight_packed"] = pack_int32(q.codes, q.args.num_bits)

@@ -17,6 +17,7 @@ from torch import Tensor
 
 FP8_CODES = torch.float8_e4m3fn
 INT4_PER_WORD = 8  # codes per int32 word, low bits first; stored code = value + 8
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # an FP4 nibble's low 3 bits index these
 
 
 @dataclass(frozen=True, slots=True)

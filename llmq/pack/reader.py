@@ -14,7 +14,7 @@ from torch import Tensor
 from llmq.config import QuantArgs
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
-from llmq.pack.format import decompress
+from llmq.pack.format import decompress, input_scale_name
 from llmq.quant.kvcache import KV_SCALE_NAMES, KVQuantizer
 
 _ARG_FIELDS = (
@@ -126,11 +126,12 @@ class QuantizedView:
                 scheme = self.scheme_for(module)
                 if scheme is not None and scheme.input_activations is not None:
                     args = scheme.input_activations
-                    scale = None
-                    if args.dynamic == "local":  # NVFP4: the calibrated global scale
-                        scale = self._stored(ckpt, f"{module}.input_global_scale")
-                    elif not args.dynamic:
-                        scale = self._stored(ckpt, f"{module}.input_scale")
+                    calibrated = args.dynamic is not True  # static, or NVFP4's global scale
+                    scale = (
+                        self._stored(ckpt, f"{module}.{input_scale_name(args)}")
+                        if calibrated
+                        else None
+                    )
                     out[module[len(prefix) :]] = (args, scale)
         return out
 

@@ -21,7 +21,7 @@ from llmq.calib.stream import LayerStream, kv_hook
 from llmq.config import Recipe
 from llmq.errors import InputError
 from llmq.io.checkpoint import torch_dtype
-from llmq.pack.format import scheme_format
+from llmq.pack.format import input_scale_name, scheme_format
 from llmq.pipeline.linears import (
     REPORT_WINDOWS,
     LayerDone,
@@ -157,7 +157,7 @@ def _scale_tensors(
     """input_scale of static inputs (NVFP4's input_global_scale) and k_scale / v_scale, as
     compressed-tensors names them."""
     tensors = {
-        f"{name}.input_{'global_' if args.dynamic == 'local' else ''}scale": scale
+        f"{name}.{input_scale_name(args)}": scale
         for name, (args, scale) in inputs.items()
         if scale is not None
     }

@@ -9,7 +9,6 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32,
 
 from llmq.config import QuantArgs, get_scheme
 from llmq.pack.format import (
-    E2M1_MAGNITUDES,
     PackFormat,
     compress,
     decompress,
@@ -19,6 +18,7 @@ from llmq.pack.format import (
     unpack_fp4,
     unpack_int32,
 )
+from llmq.pack.layout import E2M1_MAGNITUDES
 from llmq.quant.primitives import quantize_weight
 
 

@@ -141,3 +141,13 @@ def test_fallback_auto_holds_fp4_to_int4s_threshold(tmp_path: Path, tiny_llama: 
     )
     assert result.fallback is not None and result.fallback["kept"] == []
     assert result.fallback["scheme"] == "mxfp4 g32"
+
+
+def test_a_width_the_format_cannot_group_is_one_line(tmp_path: Path, default_model: Path) -> None:
+    """hidden 200 is a multiple of 8 but not of MX's groups of 32: refused before any work,
+    naming the format and the width, with --ignore as the way out; nothing written."""
+    source = make_tiny(tmp_path / "odd", default_model, hidden=200, heads=5, kv_heads=1)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["quantize", str(source), "--out", str(out), "--scheme", "mxfp4a16"])  # fmt: skip
+    assert_bad_input(result, "mxfp4 g32: in_features 200 is not a multiple of the format's groups of 32")  # fmt: skip
+    assert not out.exists()

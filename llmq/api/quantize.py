@@ -136,10 +136,13 @@ def _job(
     run: JobRun,
     progress: Progress,
 ) -> QuantizeResult:
+    from llmq.pipeline.gated import run_gated_job
     from llmq.pipeline.job import run_job
     from llmq.processes import launched
 
     ckpt = _open(model, progress)
+    if recipe.mixed is not None and recipe.mixed.max_ppl_increase is not None:
+        return run_gated_job(ckpt, Path(out), recipe, source=str(model), inputs=inputs, run=run, progress=progress)  # fmt: skip
     if not launched().distributed:
         return run_job(ckpt, Path(out), recipe, source=str(model), inputs=inputs, run=run, progress=progress)  # fmt: skip
     with _processes_joined(run) as run:  # under torchrun: the calibration windows split

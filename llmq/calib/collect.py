@@ -3,8 +3,9 @@ used by `llmq calibrate` (whole model) and by the quantization pipeline (layer b
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
@@ -136,6 +137,56 @@ class _Captured:
         self.filled += len(x)
 
 
+@dataclass(slots=True, eq=False)
+class ObservedLayer:
+    """One float decoder layer after it ran: its linears' input statistics (none on a data-free
+    walk), its inputs (when kept) and outputs. `module` is dropped once the walk moves on."""
+
+    index: int
+    prefix: str
+    module: nn.Module
+    stats: dict[str, InputStats]
+    inputs: Tensor | None
+    outputs: Tensor | None
+
+
+def observed_layers(
+    ckpt: Checkpoint,
+    input_ids: Tensor | None,
+    *,
+    hessian: bool = False,
+    norms: bool = False,
+    keep_inputs: bool = False,
+    progress: Progress = NO_PROGRESS,
+    device: str | None = None,
+    label: str = "calibrating layers",
+) -> Iterator[ObservedLayer]:
+    """The float model's decoder layers in turn, each run on the previous one's output with its
+    linears' inputs observed (`input_ids` None: a data-free walk, the weights alone).
+    `keep_inputs`: also a copy of each layer's input (one more copy of the activations); the
+    tensors a layer hands out are released when the walk moves on."""
+    stream = LayerStream(ckpt, device=device)
+    walk = stream.walk(
+        None if input_ids is None else stream.embed(input_ids), progress=progress, label=label
+    )
+    for layer in walk:
+        hidden, observed = layer.hidden, {}
+        before = hidden.clone() if keep_inputs and hidden is not None else None
+        if hidden is not None:
+            names = list(stream.layout_of(layer.module).linears)
+            batches = len(list(stream.batches(hidden)))
+            with progress.stage(f"layer {layer.index}", total=batches, transient=True) as step:
+                hidden, observed = run_observed(
+                    stream, layer.module, names, hidden, hessian=hessian,
+                    on_batch=lambda: step(1), in_place=True, norms=norms,
+                )  # fmt: skip
+        layer.advance(hidden)
+        done = ObservedLayer(layer.index, layer.prefix, layer.module, observed, before, hidden)
+        del before, hidden
+        yield done
+        done.inputs = done.outputs = None
+
+
 def collect_stats(
     ckpt: Checkpoint,
     input_ids: Tensor,
@@ -149,22 +200,12 @@ def collect_stats(
     """Statistics of every linear input of every layer, on the float model's activations.
     `on_layer(index, inputs, outputs)` sees each layer's hidden states before and after it
     (a copy of the inputs is kept for it: one more copy of the activations)."""
-    stream = LayerStream(ckpt, device=device)
     stats = CalibStats()
-    walk = stream.walk(stream.embed(input_ids), progress=progress, label="calibrating layers")
-    for layer in walk:
-        hidden = layer.hidden
-        batches = len(list(stream.batches(hidden)))
-        before = hidden.clone() if on_layer is not None else None
-        names = list(stream.layout_of(layer.module).linears)
-        with progress.stage(f"layer {layer.index}", total=batches, transient=True) as step:
-            hidden, observed = run_observed(
-                stream, layer.module, names, hidden, hessian=hessian, on_batch=lambda: step(1),
-                in_place=True, norms=norms,
-            )  # fmt: skip
-        layer.advance(hidden)
+    for layer in observed_layers(
+        ckpt, input_ids, hessian=hessian, norms=norms, keep_inputs=on_layer is not None,
+        progress=progress, device=device,
+    ):  # fmt: skip
         if on_layer is not None:
-            on_layer(layer.index, before, hidden)
-        del before, hidden
-        stats.inputs.update({layer.prefix + name: s for name, s in observed.items()})
+            on_layer(layer.index, layer.inputs, layer.outputs)
+        stats.inputs.update({layer.prefix + name: s for name, s in layer.stats.items()})
     return stats

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,20 +18,14 @@ from llmq.cli.console import (
     quiet_libraries,
 )
 from llmq.cli.options import OUTPUT, RUN, JsonFlag, Overwrite
-from llmq.errors import InputError
+from llmq.config.sizes import parse_size
 
 RAY = "Ray"
-UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 def parse_memory(text: str | None) -> int | None:
     """'24GiB', '512M', '2g', or bytes."""
-    if text is None:
-        return None
-    found = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if not found:
-        raise InputError(f"--max-memory {text!r}: expected a size such as 16GiB or 512MiB")
-    return int(float(found.group(1)) * UNITS[found.group(2)])
+    return None if text is None else parse_size(text, "--max-memory")
 
 
 def batch(

@@ -217,6 +217,83 @@ def quantize(
             rich_help_panel=SCHEME,
         ),
     ] = None,
+    target_bits: Annotated[
+        float | None,
+        typer.Option(
+            metavar="B",
+            help="Mixed precision: each linear's scheme chosen so the decoder's linears store at "
+            "most B bits a weight on average (counted as written: codes, scales, dense weights).",
+            rich_help_panel=SCHEME,
+        ),
+    ] = None,
+    max_size: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SIZE",
+            help="Mixed precision: the written tensors at most SIZE (e.g. 95MiB, 2GiB, bytes).",
+            rich_help_panel=SCHEME,
+        ),
+    ] = None,
+    candidates: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="NAMES",
+            help="Schemes a linear may take under a budget: int4-gN, int8-gN, int4, int8 (per "
+            "channel), dense (commas or repeat); default: int4-g128,int4-g64,int4-g32,int8,dense.",
+            rich_help_panel=SCHEME,
+        ),
+    ] = None,
+    sensitivity: Annotated[
+        str,
+        typer.Option(
+            metavar="MEASURE",
+            help="Damage the budget minimizes: output (output error on the calibration data), "
+            "fisher (loss Fisher, whole model in memory) or weight (data-free).",
+            rich_help_panel=SCHEME,
+        ),
+    ] = Q["sensitivity"],
+    fisher_windows: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="--sensitivity fisher: calibration windows it reads.",
+            rich_help_panel=CALIBRATION,
+        ),
+    ] = Q["fisher_windows"],
+    max_ppl_increase: Annotated[
+        float | None,
+        typer.Option(
+            metavar="X",
+            parser=fraction("--max-ppl-increase"),
+            help="With --target-bits: while held-out perplexity rises more than this over MODEL "
+            "(e.g. 3%), raise the budget by --step-bits and quantize again.",
+            rich_help_panel=SCHEME,
+        ),
+    ] = None,
+    eval_text: Annotated[
+        str,
+        typer.Option(
+            metavar="TEXT",
+            help="--max-ppl-increase: the held-out text (news, pydoc, shakespeare, or a file).",
+            rich_help_panel=SCHEME,
+        ),
+    ] = Q["eval_text"],
+    eval_windows: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="--max-ppl-increase: 512-token windows it scores.",
+            rich_help_panel=SCHEME,
+        ),
+    ] = Q["eval_windows"],
+    step_bits: Annotated[
+        float,
+        typer.Option(
+            metavar="B",
+            help="--max-ppl-increase: bits a weight added after a failed attempt.",
+            rich_help_panel=SCHEME,
+        ),
+    ] = Q["step_bits"],
     overwrite: Overwrite = False,
     resume: Resume = False,
     resume_every: ResumeEvery = RESUME_EVERY_S,
@@ -290,7 +367,8 @@ def quantize(
     speaks = speaks_for_all()
     with cli_errors():
         lists = {"ignore": tuple(ignore or ()), "require_loaders": tuple(names(require_loader)),
-                 "tensor_type": tuple(tensor_type or ()), "targets": tuple(targets or ())}  # fmt: skip
+                 "tensor_type": tuple(tensor_type or ()), "targets": tuple(targets or ()),
+                 "candidates": tuple(names(candidates)) or Q["candidates"]}  # fmt: skip
         options = from_flags(QuantizeOptions, {**given(QuantizeOptions, locals()), **lists})
         with progress_bars(json_out=json_out) as progress, resume_hint_on_interrupt(out):
             result = api.quantize(

@@ -82,6 +82,7 @@ def _print_notes(result: Any) -> None:
         for line in result.discovered_layout:
             out_console.print(f"  {line}")
     _print_scaling(result.layers)
+    _print_mixed(result.mixed_precision)
     _print_expert_coverage(result.layers)
     if result.fallback:
         kept = result.fallback["kept"]
@@ -101,6 +102,32 @@ def _print_notes(result: Any) -> None:
     out_console.print(
         f"wrote {result.out_dir} ({sizes['output'] / 1e6:.1f} MB, source {sizes['source'] / 1e6:.1f} MB) "
         f"in {result.seconds:.1f} s; {kept}: {counted(len(result.ignored), 'linear')}"
+    )
+
+
+def _print_mixed(mixed: dict[str, Any] | None) -> None:
+    """Mixed precision: each candidate's share of the linears and weights, then the budget with
+    the bits predicted and counted from the written files."""
+    if mixed is None:
+        return
+    table = Table(title=f"mixed precision ({mixed['sensitivity']} sensitivity)")
+    for column in ("candidate", "linears", "share of weights"):
+        table.add_column(column, justify="left" if column == "candidate" else "right")
+    linears = mixed["linears"].values()
+    total = sum(entry["weights"] for entry in linears)
+    for candidate in mixed["candidates"]:
+        chosen = [entry for entry in linears if entry["candidate"] == candidate]
+        share = sum(entry["weights"] for entry in chosen) / max(total, 1)
+        table.add_row(candidate, str(len(chosen)), f"{share:.1%}")
+    out_console.print(table)
+    budget = (
+        f"{mixed['target_bits']:g} bits a weight" if "target_bits" in mixed
+        else f"{mixed['max_size']} bytes written"
+    )  # fmt: skip
+    out_console.print(
+        f"budget {budget}: the decoder's linears store {mixed['written_bits']:.4f} bits a weight "
+        f"as written (predicted {mixed['predicted_bits']:.4f}); predicted damage "
+        f"{mixed['predicted_damage']:.4g}"
     )
 
 

@@ -7,6 +7,7 @@ trained on a teacher.
 """
 
 from llmq.config.distill import DistillConfig
+from llmq.config.mixed import MixedConfig
 from llmq.config.options import (
     CalibrationOptions,
     LayerOptions,
@@ -71,6 +72,7 @@ __all__ = [
     "GGUFRecipe",
     "GPTQConfig",
     "LayerOptions",
+    "MixedConfig",
     "PruneOptions",
     "QuantArgs",
     "QuantizeOptions",

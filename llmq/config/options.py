@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from llmq.config.fraction import Fraction
+from llmq.config.mixed import MixedConfig
 from llmq.config.quant import get_scheme
 from llmq.config.recipe import (
     DEFAULT_CALIB_SAMPLES,
@@ -30,6 +31,7 @@ from llmq.config.recipe import (
     build,
     parse_smooth,
 )
+from llmq.config.sizes import parse_size
 from llmq.errors import InputError
 
 DATA_FREE_METHODS = ("rtn", "magnitude")  # need no calibration data (windows feed the report)
@@ -127,6 +129,15 @@ class QuantizeOptions(LayerOptions):
     format: Literal["compressed-tensors", "gguf"] = "compressed-tensors"
     tensor_type: tuple[str, ...] = ()  # gguf: PATTERN=TYPE overrides
     imatrix: FilePath | None = None  # gguf: an importance-matrix file, or "none" (data-free)
+    target_bits: float | None = default(MixedConfig, "target_bits")  # mixed precision's budget
+    max_size: str | int | None = None  # ... or the written weights' size: "2GiB", bytes
+    candidates: tuple[str, ...] = default(MixedConfig, "candidates")
+    sensitivity: Literal["output", "fisher", "weight"] = default(MixedConfig, "sensitivity")
+    fisher_windows: int = default(MixedConfig, "fisher_windows")
+    max_ppl_increase: Fraction | None = default(MixedConfig, "max_ppl_increase")
+    eval_text: str = default(MixedConfig, "eval_text")
+    eval_windows: int = default(MixedConfig, "eval_windows")
+    step_bits: float = default(MixedConfig, "step_bits")
 
     def recipe(self) -> Recipe:
         if self.format == "gguf":
@@ -146,7 +157,23 @@ class QuantizeOptions(LayerOptions):
         if self.fallback_threshold is not None and self.fallback != "auto":
             raise InputError("--fallback-threshold sets the inline scan's threshold: use --fallback auto")  # fmt: skip
         clip = get_scheme(self.scheme).clip_for(self.method) if self.clip is None else self.clip
+        self.mixed()  # its options checked before the rest
         return _recipe(self, scheme=self.scheme, actorder=self.actorder, clip=clip)
+
+    def mixed(self) -> MixedConfig | None:
+        """Mixed precision's config when a budget is given; its other options alone are refused."""
+        if self.target_bits is None and self.max_size is None:
+            stray = self._changed(MIXED_OPTIONS)
+            if stray:
+                raise InputError(f"--{stray[0].replace('_', '-')}: chooses schemes under a budget", hint="add --target-bits or --max-size")  # fmt: skip
+            return None
+        size = None if self.max_size is None else parse_size(self.max_size, "--max-size")
+        return build(
+            MixedConfig, target_bits=self.target_bits, max_size=size, candidates=self.candidates,
+            sensitivity=self.sensitivity, fisher_windows=self.fisher_windows,
+            max_ppl_increase=self.max_ppl_increase, eval_text=self.eval_text,
+            eval_windows=self.eval_windows, step_bits=self.step_bits,
+        )  # fmt: skip
 
     def gguf_recipe(self) -> GGUFRecipe:
         """The GGUF export these options ask for. Its own options, the calibration's and
@@ -197,10 +224,15 @@ class QuantizeOptions(LayerOptions):
             or self.activations == "static"
             or any(option not in (None, "none") for option in (self.smooth, self.kv_cache))
             or (inputs is not None and inputs.dynamic == "local")
+            or (self.mixed() is not None and self.sensitivity != "weight")
         )
 
 
 GGUF_ONLY = ("tensor_type", "imatrix")
+MIXED_OPTIONS = (
+    "candidates", "sensitivity", "fisher_windows", "max_ppl_increase", "eval_text",
+    "eval_windows", "step_bits",
+)  # fmt: skip
 GGUF_OPTIONS = {
     "format", "scheme", "method", *GGUF_ONLY, "skip_layer_check",
     *CalibrationOptions.model_fields,
@@ -250,6 +282,7 @@ def _recipe(options: LayerOptions, *, scheme: str, actorder: str, clip: str) -> 
             "observer": q.observer,
             "kv_cache": None if q.kv_cache in (None, "none") else q.kv_cache,
             "targets": q.targets,
+            "mixed": q.mixed(),
         }
     return build(
         Recipe,

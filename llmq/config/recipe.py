@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from llmq.config.mixed import MixedConfig
 from llmq.config.quant import (
     GROUP_OVERRIDE_RULE,
     QuantArgs,
@@ -101,6 +102,9 @@ class Recipe(BaseModel):
     # Model-free conversion: the module patterns quantized (`--ignore`'s syntax); empty: the
     # family layout's decoder linears, or every linear-looking 2-D weight of an unknown family
     targets: tuple[str, ...] = ()
+    # Mixed precision to a budget: each linear's scheme chosen from candidates (llmq.mixed);
+    # None: the scheme's weights everywhere
+    mixed: MixedConfig | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
@@ -121,6 +125,7 @@ class Recipe(BaseModel):
                 "need calibration"
             )
         _check_pruning(self)
+        _check_mixed(self)
         routed = self.calibration is not None and self.calibration.moe_calibration == "routed"
         if routed and (self.method.startswith("awq") or self.smooth is not None):
             raise ValueError(
@@ -217,6 +222,27 @@ def _check_pruning(recipe: Recipe) -> None:
             raise ValueError(
                 f"sparsity_profile {recipe.sparsity_profile}: measures the dense model on calibration data"
             )
+
+
+def _check_mixed(recipe: Recipe) -> None:
+    """Mixed precision chooses among weight-only integer candidates, per linear, by measured
+    damage: a scheme that quantizes activations, a group-size override or a pruner has no
+    place in it, and the damage it reads must have its data."""
+    mixed = recipe.mixed
+    if mixed is None:
+        return
+    if recipe.method in PRUNING_METHODS:
+        raise ValueError(f"target bits: method {recipe.method} prunes; mixed precision quantizes")
+    weights = recipe.scheme.weights
+    if recipe.scheme.input_activations is not None or weights is None or weights.type != "int":
+        raise ValueError(
+            f"target bits: the candidates are weight-only integer schemes; scheme "
+            f"{recipe.scheme.name.lower()} is not one (use w4a16 or w8a16)"
+        )
+    if recipe.group_size is not None:
+        raise ValueError("group_size: each candidate names its own (int4-g64, ...)")
+    if mixed.sensitivity != "weight" and recipe.calibration is None:
+        raise ValueError(f"sensitivity {mixed.sensitivity}: measured on calibration data")
 
 
 def _check_activation_options(recipe: Recipe) -> None:

@@ -37,6 +37,7 @@ class OutputRecord:
     calib_stats: Section | None = None  # the statistics file a job used
     fallback: Section | None = None  # the tensors kept at higher precision, and why
     sparsity_profile: Section | None = None  # per-layer sparsities (owl, ...)
+    mixed_precision: Section | None = None  # each linear's scheme under the budget, and why
     sparsity: Section | None = None  # the share of zeros written
     model_free: Section | None = None  # converted without the model: which rule chose the linears
     distillation: Section | None = None  # the training config and its summary

@@ -11,12 +11,17 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmq.config import RESUME_EVERY_S, Recipe
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
 from llmq.io.record import OutputRecord
 from llmq.pipeline.report import QuantizeResult
+
+if TYPE_CHECKING:
+    from llmq.mixed.choose import Budget
+    from llmq.pipeline.plan import Plan
 from llmq.processes import SINGLE_PROCESS, Processes
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.texts import text_inputs
@@ -68,8 +73,27 @@ def check_split(recipe: Recipe, processes: Processes) -> None:
         raise InputError(f"torchrun splits calibration windows over its {processes.world_size} processes: this recipe reads none", hint=hint)  # fmt: skip
     if recipe.calibration.num_samples < processes.world_size:
         raise InputError(f"--num-samples {recipe.calibration.num_samples}: fewer windows than torchrun's {processes.world_size} processes")  # fmt: skip
+    if recipe.mixed is not None:
+        raise InputError("--target-bits / --max-size: the sensitivity pass is not split over processes", hint=hint)  # fmt: skip
     if recipe.sparsity_profile != "uniform":
         raise InputError(f"--sparsity-profile {recipe.sparsity_profile}: its measuring pass is not split over processes", hint=hint)  # fmt: skip
+
+
+def mixed_budget(ckpt: Checkpoint, plan: Plan, recipe: Recipe, inputs: JobInputs) -> Budget | None:
+    """Mixed precision's budget over the planned linears (refused now if it cannot be met)."""
+    from llmq.io.checkpoint import torch_dtype
+    from llmq.mixed.choose import plan_budget
+    from llmq.mixed.units import Linear
+
+    if recipe.mixed is None:
+        return None
+    if inputs.fallback is not None:
+        raise InputError("--fallback: under a budget the solver chooses which linears stay dense", hint="drop --fallback")  # fmt: skip
+    layers = [
+        [Linear(p.name, p.out_features, p.in_features, torch_dtype(p.dtype)) for p in layer]
+        for layer in plan.layers
+    ]
+    return plan_budget(ckpt, layers, recipe.mixed)
 
 
 def run_job(
@@ -93,9 +117,10 @@ def run_job(
         refuse_inputs,
         staging_path,
     )
+    from llmq.mixed.choose import choose_schemes
     from llmq.pack.format import scheme_format
     from llmq.pack.loaders import check_required_loaders
-    from llmq.pipeline.plan import disk_needed, plan_quantization
+    from llmq.pipeline.plan import disk_needed, plan_quantization, with_schemes
     from llmq.pipeline.prepare import (
         apply_fallback,
         check_kv_cache,
@@ -117,6 +142,7 @@ def run_job(
             ckpt, recipe, inputs.fallback, inputs.fallback_threshold, inputs.calib_stats, progress
         )
     plan = plan_quantization(ckpt, recipe)
+    budget = mixed_budget(ckpt, plan, recipe, inputs)
     check_pairings(ckpt, recipe)
     check_kv_cache(ckpt, recipe)
     stats = CalibStats.load(Path(inputs.calib_stats)) if inputs.calib_stats else None
@@ -128,7 +154,11 @@ def run_job(
     def check_output() -> None:
         check_output_dir(out, overwrite=run.overwrite)
         if run.space_check:
-            check_free_space(out, disk_needed(ckpt, plan, recipe, staging if run.resume else None))
+            # mixed precision's choice is not made yet: at most every linear dense
+            planned = plan if budget is None else with_schemes(plan, dict.fromkeys(n.name for n in plan.linears))  # fmt: skip
+            check_free_space(
+                out, disk_needed(ckpt, planned, recipe, staging if run.resume else None)
+            )
 
     with ExitStack() as claimed:  # held until the output is published (by process 0)
         processes.on_main(lambda: claimed.enter_context(claim_output(out, inputs=read, kept=kept)))  # fmt: skip
@@ -145,6 +175,9 @@ def run_job(
             record.calib_stats = {"file": str(inputs.calib_stats), **stats.metadata}
         if fallback_record is not None:
             record.fallback = fallback_record
+        if budget is not None:
+            choice = choose_schemes(ckpt, budget, ids, stats, progress=progress, device=run.device)
+            plan, record.mixed_precision = with_schemes(plan, choice.schemes), choice.record
         sparsities = None
         if recipe.sparsity_profile != "uniform":
             sparsities = layer_profile(ckpt, plan, recipe, ids, progress, run.device)

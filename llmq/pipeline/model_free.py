@@ -92,6 +92,8 @@ def model_free_refusal(recipe: Recipe, inputs: JobInputs) -> str | None:
         return f"--method {recipe.method} prunes on the layers' activations"
     if recipe.method != "rtn":
         return f"--method {recipe.method} calibrates on the layers' activations"
+    if recipe.mixed is not None:
+        return "--target-bits and --max-size measure each linear before choosing its scheme"
     if recipe.needs_calibration:
         return (
             "static activation scales, NVFP4's input global scales, --smooth and --kv-cache are "

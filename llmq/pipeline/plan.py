@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,19 @@ def plan_linears(
     if recipe.strict_group_size and adjustments:
         _refuse_non_dividing(adjustments)
     return Plan(layers=planned_layers, ignored=ignored, adjustments=adjustments)
+
+
+def with_schemes(plan: Plan, schemes: dict[str, QuantArgs | None]) -> Plan:
+    """`plan` with each named linear's weight arguments replaced (mixed precision's choice); a
+    linear given None is kept dense and joins `ignored`."""
+    layers = [
+        [replace(linear, args=schemes.get(linear.name, linear.args)) for linear in layer]
+        for layer in plan.layers
+    ]
+    dense = [linear.name for layer in layers for linear in layer if linear.args is None]
+    kept = [[linear for linear in layer if linear.args is not None] for layer in layers]
+    # the scheme's group-size adjustments no longer apply: each choice is fitted to its linear
+    return Plan(layers=kept, ignored=[*plan.ignored, *dense])
 
 
 def check_patterns(option: str, patterns: tuple[str, ...], names: list[str], what: str) -> None:

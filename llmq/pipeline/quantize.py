@@ -37,6 +37,7 @@ from llmq.io.checkpoint import Checkpoint
 from llmq.io.discover import describe_layout
 from llmq.io.layout import DecoderLayout
 from llmq.io.record import OutputRecord
+from llmq.mixed.choose import written_bits
 from llmq.pipeline.linears import (
     REPORT_WINDOWS,
     check_finite,
@@ -123,6 +124,8 @@ def run_quantization(
         record.sparsity = written_sparsity(state.layers)
 
     def publish_checkpoint() -> None:
+        if record.mixed_precision is not None:  # counted from the files as written
+            record.mixed_precision["written_bits"] = written_bits(staging, ckpt)
         with progress.stage("writing config, index and the reference for `llmq verify`"):
             finalize(ckpt, plan, recipe, staging, shards, record, device, reference=reference)
         publish(staging, out)
@@ -144,6 +147,7 @@ def run_quantization(
         size_bytes={"source": weights_size(ckpt.path), "output": weights_size(out)},
         sparsity=record.sparsity,
         discovered_layout=describe_layout(ckpt.layout) if ckpt.layout.discovered else None,
+        mixed_precision=record.mixed_precision,
     )
 
 

@@ -65,6 +65,8 @@ class QuantizeResult:
     sparsity: dict[str, float] | None = None
     # converted model-free (llmq.pipeline.model_free): the targets' rule, tensors, shards, threads
     model_free: dict[str, Any] | None = None
+    # mixed precision: the budget, each linear's choice, predicted and written bits a weight
+    mixed_precision: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

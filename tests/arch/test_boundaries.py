@@ -68,8 +68,11 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "llmq.pack",
         "llmq.runtime",
     ),
+    # mixed precision: measures the float model's linears (calib), counts packed bytes (pack)
+    "mixed": (*BASE, "llmq.config", "llmq.io", "llmq.quant", "llmq.calib", "llmq.pack"),
     "pipeline": (
         *BASE,
+        "llmq.mixed",
         "llmq.processes",
         "llmq",
         "llmq.texts",

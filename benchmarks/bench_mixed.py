@@ -1,0 +1,159 @@
+"""Mixed precision to a budget against every uniform scheme, in one run: held-out perplexity
+against stored bits a weight, GPTQ for all.
+
+The default model (SmolLM2-135M-Instruct) saved in bfloat16, as checkpoints ship (its float32
+file would store scales in float32 and make every int4 group cost twice as many bits). Rows:
+
+- uniform: GPTQ W4A16 at group 128 (576-wide linears take group 64: 128 does not divide them),
+  64 and 32, and W8A16 per channel;
+- mixed: `--target-bits B --method gptq` at budgets 4.25 ... 6 with the default candidates
+  (int4-g128, int4-g64, int4-g32, int8, dense) and the default sensitivity (output error on the
+  calibration data); and, at three budgets, the other two sensitivities (fisher: the loss's
+  diagonal Fisher on 8 windows; weight: data-free), to see which predicts perplexity better.
+
+Bits are counted from the written files (every tensor of every decoder linear: packed codes,
+scales, shape, dense weights), averaged over the decoder linears' weights. Calibration: pydoc,
+seed 0, --samples x --seq-len, the same windows for every row. Each row runs in its own process;
+rows already in results-partial.json are kept (rerun to continue after an interruption).
+
+    python benchmarks/bench_mixed.py [--samples 128 --seq-len 512] [--only 'mixed output']
+
+Perplexity protocol: token perplexity, first --windows non-overlapping 512-token windows of the
+held-out splits, no BOS (the tokenizer adds none), float32 compute.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import LLMQ, CalibSet, Job, job_arguments, ppl_cells, preamble, run_jobs, save_report
+
+BUDGETS = (4.25, 4.5, 4.75, 5.0, 5.5, 6.0)
+SCORED_BUDGETS = (4.25, 5.0, 6.0)  # where the three sensitivities are compared
+UNIFORM = {
+    "int4-g128": ["--scheme", "w4a16"],
+    "int4-g64": ["--scheme", "w4a16", "--group-size", "64"],
+    "int4-g32": ["--scheme", "w4a16", "--group-size", "32"],
+    "int8": ["--scheme", "w8a16"],
+}
+
+
+def jobs() -> list[Job]:
+    rows = [Job(LLMQ, f"uniform {name}", [*options, "--method", "gptq"], "main") for name, options in UNIFORM.items()]  # fmt: skip
+    for budget in BUDGETS:
+        for sensitivity in ("output", "fisher", "weight"):
+            if sensitivity != "output" and budget not in SCORED_BUDGETS:
+                continue
+            options = ["--method", "gptq", "--target-bits", str(budget), "--sensitivity", sensitivity]  # fmt: skip
+            rows.append(Job(LLMQ, f"mixed {sensitivity} {budget:g}", options, "main"))
+    return rows
+
+
+def bf16_copy(folder: Path) -> Path:
+    """The default model saved in bfloat16 (once)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmq.models import builtin_model_path
+
+    if (folder / "config.json").is_file():
+        return folder
+    source = builtin_model_path("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return folder
+
+
+def stored_bits(folder: Path, model: Path) -> float:
+    from llmq.io.checkpoint import open_checkpoint
+    from llmq.mixed.choose import written_bits
+
+    return written_bits(folder, open_checkpoint(model))
+
+
+def main() -> None:
+    args = job_arguments(__doc__, "mixed")
+    model = bf16_copy(args.out / "smollm2-135m-bf16")
+    options = ["--calib-text", "pydoc", "--num-samples", str(args.samples), "--seq-len", str(args.seq_len), "--seed", "0"]  # fmt: skip
+    calib = {"main": CalibSet(Path("-"), options)}
+    partial = args.out / "results-partial.json"
+    rows = json.loads(partial.read_text()) if partial.is_file() else []
+    done = {row["label"] for row in rows}
+    for job in jobs():
+        if job.label in done or (args.only and not any(p in job.label for p in args.only.split("|"))):  # fmt: skip
+            continue
+        (row,) = run_jobs([job], model, args.out, calib, windows=args.windows, only=None)
+        row["bits"] = stored_bits(args.out / job.folder, model)
+        rows.append(row)
+        partial.write_text(json.dumps(rows, indent=1))
+    calibration = f"pydoc, seed 0: {args.samples}x{args.seq_len} (samples x tokens)"
+    save_report(args.out, rows, args.windows, markdown, calibration=calibration)
+    plot(rows, args.out / "mixed-precision.png")
+
+
+def best_uniform(rows: list[dict], budget: float, text: str) -> dict | None:
+    """The uniform row of least perplexity on `text` among those that fit `budget`."""
+    fitting = [r for r in rows if r["label"].startswith("uniform") and r["bits"] <= budget]
+    return min(fitting, key=lambda r: r["ppl"][text]["ppl"], default=None)
+
+
+def markdown(report: dict) -> str:
+    rows = report["rows"]
+    by_label = {r["label"]: r for r in rows}
+    lines = [
+        preamble(report),
+        "",
+        "| row | bits a weight (written) | ppl held-out pydoc | ppl Hamlet | wall s |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {r['label']} | {r['bits']:.4f} | {ppl_cells(r)} | {r['wall_s']:.1f} |" for r in rows]  # fmt: skip
+    lines += ["", "| budget (bits) | mixed (output) pydoc / Hamlet | best uniform that fits, pydoc / Hamlet |", "|---|---|---|"]  # fmt: skip
+    for budget in BUDGETS:
+        mixed = by_label.get(f"mixed output {budget:g}")
+        if mixed is None:
+            continue
+        cells = []
+        for text in ("pydoc", "shakespeare"):
+            uniform = best_uniform(rows, budget, text)
+            name = "none fits" if uniform is None else f"{uniform['ppl'][text]['ppl']:.3f} ({uniform['label'].removeprefix('uniform ')}, {uniform['bits']:.3f} bits)"  # fmt: skip
+            cells.append((f"{mixed['ppl'][text]['ppl']:.3f}", name))
+        lines.append(f"| {budget:g} | {cells[0][0]} / {cells[1][0]} | {cells[0][1]} / {cells[1][1]} |")  # fmt: skip
+    lines += ["", "| budget | sensitivity output pydoc / Hamlet | fisher | weight |", "|---|---|---|---|"]  # fmt: skip
+    for budget in SCORED_BUDGETS:
+        found = [by_label.get(f"mixed {s} {budget:g}") for s in ("output", "fisher", "weight")]
+        cells = ["-" if r is None else " / ".join(f"{r['ppl'][t]['ppl']:.3f}" for t in ("pydoc", "shakespeare")) for r in found]  # fmt: skip
+        lines.append(f"| {budget:g} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Held-out pydoc perplexity against written bits: uniform points, one curve per sensitivity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    uniform = [r for r in rows if r["label"].startswith("uniform")]
+    axes.scatter([r["bits"] for r in uniform], [r["ppl"]["pydoc"]["ppl"] for r in uniform], color="black", zorder=3, label="uniform GPTQ")  # fmt: skip
+    for r in uniform:
+        axes.annotate(r["label"].removeprefix("uniform "), (r["bits"], r["ppl"]["pydoc"]["ppl"]), textcoords="offset points", xytext=(4, 4), fontsize=8)  # fmt: skip
+    for sensitivity, style in (("output", "o-"), ("fisher", "s--"), ("weight", "^:")):
+        mixed = sorted((r for r in rows if r["label"].startswith(f"mixed {sensitivity} ")), key=lambda r: r["bits"])  # fmt: skip
+        if mixed:
+            axes.plot([r["bits"] for r in mixed], [r["ppl"]["pydoc"]["ppl"] for r in mixed], style, label=f"mixed GPTQ ({sensitivity})")  # fmt: skip
+    axes.axhline(rows[0]["ppl"]["pydoc"]["base"], color="grey", lw=0.8, label="bfloat16 model")
+    axes.set_xlabel("stored bits a weight, decoder linears (counted from the files)")
+    axes.set_ylabel("held-out pydoc perplexity")
+    axes.set_title("SmolLM2-135M (bf16): mixed precision vs uniform schemes")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

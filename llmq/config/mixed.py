@@ -1,0 +1,80 @@
+"""Mixed precision to a budget (`quantize --target-bits` / `--max-size`): which schemes each
+linear may take, how its damage under each is measured, and the budget the choice must fit.
+
+A candidate is a weight-only scheme written by name: `int4-g128` (4-bit symmetric integer codes,
+a scale per 128 inputs), `int8` (8-bit, a scale per output channel), `dense` (the linear kept
+at its stored dtype). All of them are compressed-tensors' pack-quantized format (or no
+quantization at all), so one checkpoint holds any mix as config groups that transformers and
+vLLM load.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llmq.config.quant import QuantArgs, is_valid_group_size
+from llmq.errors import InputError
+from llmq.texts import DEFAULT_EVAL_TEXT
+
+DENSE = "dense"
+DEFAULT_CANDIDATES = ("int4-g128", "int4-g64", "int4-g32", "int8", DENSE)
+CANDIDATE_RULE = "int4-gN or int8-gN (N a power of two >= 16), int4 or int8 (per channel), dense"
+# output: each linear's output error on the calibration activations (its inputs' Hessian);
+# fisher: the language-model loss's diagonal Fisher on a few windows (the whole model in memory);
+# weight: the weights' own squared error (data-free)
+Sensitivity = Literal["output", "fisher", "weight"]
+
+
+def candidate_args(name: str) -> QuantArgs | None:
+    """The weight arguments a candidate names (None: dense); InputError for anything else."""
+    if name == DENSE:
+        return None
+    found = re.fullmatch(r"int(4|8)(?:-g(\d+))?", name)
+    group = int(found.group(2)) if found and found.group(2) else None
+    if not found or (group is not None and not is_valid_group_size(group)):
+        raise InputError(f"--candidates: {name!r} is not a candidate", hint=f"write {CANDIDATE_RULE}")  # fmt: skip
+    bits = int(found.group(1))
+    if group is None:
+        return QuantArgs(num_bits=bits, strategy="channel")  # type: ignore[arg-type]
+    return QuantArgs(num_bits=bits, strategy="group", group_size=group)  # type: ignore[arg-type]
+
+
+class MixedConfig(BaseModel):
+    """The budget (average stored bits per decoder-linear weight, or the written weights'
+    bytes), the candidates each linear chooses from, and how damage is measured."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    target_bits: float | None = Field(None, gt=0.0, le=32.0)
+    max_size: int | None = Field(None, gt=0)  # bytes of every tensor written
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
+    sensitivity: Sensitivity = "output"
+    fisher_windows: int = Field(8, ge=1, le=1024)  # calibration windows the Fisher reads
+    # A perplexity gate on held-out text: while the increase over the source exceeds it, the
+    # budget rises by `step_bits` and the model is quantized again (target_bits only).
+    max_ppl_increase: float | None = Field(None, ge=0.0, lt=100.0)
+    eval_text: str = DEFAULT_EVAL_TEXT
+    eval_windows: int = Field(40, ge=1, le=100_000)
+    step_bits: float = Field(0.25, gt=0.0, le=16.0)
+
+    @field_validator("candidates")
+    @classmethod
+    def _known(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        for name in names:
+            candidate_args(name)
+        if len(set(names)) != len(names):
+            raise ValueError("--candidates: a candidate is named twice")
+        if len(names) < 2:
+            raise ValueError("--candidates: give at least two to choose from")
+        return names
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> MixedConfig:
+        if (self.target_bits is None) == (self.max_size is None):
+            raise ValueError("give one budget: --target-bits or --max-size")
+        if self.max_ppl_increase is not None and self.max_size is not None:
+            raise ValueError("max_ppl_increase: raises a --target-bits budget; --max-size is a limit")  # fmt: skip
+        return self

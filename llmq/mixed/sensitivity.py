@@ -1,0 +1,140 @@
+"""Each linear's damage under each candidate, measured before anything is quantized: the weight
+rounded to nearest under the candidate, ΔW = Q(W) - W, scored three ways.
+
+- output: Σ_rows ΔW H ΔWᵀ, the squared error of the linear's output on the calibration inputs
+  (H = 2 XᵀX / n, GPTQ's Hessian), gathered on the float model one layer at a time.
+- fisher: Σ F ⊙ ΔW², F the diagonal (empirical) Fisher of the language-model loss on a few
+  calibration windows: the loss's second-order change, which weighs each linear by how much the
+  model's output depends on it. Needs the whole model and its gradients in memory.
+- weight: Σ ΔW², data-free.
+
+benchmarks/bench_mixed.py measures which of them predicts perplexity better.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from llmq.calib.collect import observed_layers
+from llmq.calib.stats import ACCUM_DTYPE, CalibStats
+from llmq.config import MixedConfig, QuantArgs
+from llmq.errors import InputError
+from llmq.io.checkpoint import Checkpoint
+from llmq.mixed.units import Linear
+from llmq.progress import NO_PROGRESS, Progress
+from llmq.quant.awq import output_error
+from llmq.quant.rtn import rtn_quantize_weight
+
+Measure = Callable[[Tensor], float]  # ΔW [out, in] -> damage
+
+
+def candidate_damages(
+    weight: Tensor, linear: Linear, candidates: list[QuantArgs | None], measure: Measure
+) -> list[float]:
+    """`measure` of the rounding error under each candidate (0 for dense)."""
+    damages = []
+    for candidate in candidates:
+        args = linear.args(candidate)
+        if args is None:
+            damages.append(0.0)
+            continue
+        rounded = rtn_quantize_weight(weight, args, scale_dtype=linear.dtype).dequantize(
+            ACCUM_DTYPE
+        )
+        damages.append(measure(rounded - weight.to(ACCUM_DTYPE)))
+    return damages
+
+
+def measure_damages(
+    ckpt: Checkpoint,
+    linears: list[Linear],
+    candidates: list[QuantArgs | None],
+    config: MixedConfig,
+    input_ids: Tensor | None,
+    stats: CalibStats | None = None,
+    *,
+    progress: Progress = NO_PROGRESS,
+    device: str | None = None,
+) -> dict[str, list[float]]:
+    """Each linear's damage under each candidate, as `config.sensitivity` says. `input_ids`:
+    the calibration windows (None for `weight`); `stats`: a statistics file's Hessians, read
+    instead of a pass over the data when they cover every linear."""
+    if config.sensitivity == "fisher":
+        assert input_ids is not None
+        return _fisher_damages(ckpt, linears, candidates, input_ids[: config.fisher_windows], device)  # fmt: skip
+    hessians = stats is not None and all(
+        name in stats.inputs and stats.inputs[name].hessian is not None
+        for name in (linear.name for linear in linears)
+    )
+    observe = config.sensitivity == "output" and not hessians
+    wanted = {linear.name: linear for linear in linears}
+    damages: dict[str, list[float]] = {}
+    for layer in observed_layers(
+        ckpt, input_ids if observe else None, hessian=True, progress=progress, device=device,
+        label="measuring sensitivity",
+    ):  # fmt: skip
+        for name, module in layer.module.named_modules():
+            linear = wanted.get(layer.prefix + name)
+            if linear is None:
+                continue
+            measure = _squared
+            if config.sensitivity == "output":
+                source = stats.inputs[linear.name] if hessians else layer.stats[name]  # type: ignore[union-attr]
+                measure = _output_measure(source.hessian)
+            damages[linear.name] = candidate_damages(module.weight.data, linear, candidates, measure)  # fmt: skip
+    return damages
+
+
+def _squared(delta: Tensor) -> float:
+    return float(delta.square().sum())
+
+
+def _output_measure(hessian: Tensor | None) -> Measure:
+    assert hessian is not None
+    return lambda delta: float(output_error(delta, hessian.to(delta.device)))
+
+
+def _fisher_damages(
+    ckpt: Checkpoint,
+    linears: list[Linear],
+    candidates: list[QuantArgs | None],
+    input_ids: Tensor,
+    device: str | None,
+) -> dict[str, list[float]]:
+    """The diagonal Fisher of the whole model's loss on `input_ids`, one window at a time (each
+    window's squared gradient, averaged), weighing each candidate's squared rounding error."""
+    if ckpt.layout.experts is not None:
+        raise InputError(
+            "--sensitivity fisher: transformers holds a mixture's experts fused, not as the "
+            "checkpoint's linears",
+            hint="use --sensitivity output (measured one layer at a time)",
+        )
+    model = _whole_model(ckpt, device)
+    weights = {linear.name: model.get_submodule(linear.name).weight for linear in linears}
+    fisher = {name: torch.zeros_like(weight) for name, weight in weights.items()}
+    for window in input_ids.to(next(model.parameters()).device):
+        loss = model(input_ids=window[None], labels=window[None]).loss
+        grads = torch.autograd.grad(loss, list(weights.values()))
+        for name, grad in zip(weights, grads, strict=True):
+            fisher[name] += grad.square() / len(input_ids)
+    damages = {}
+    for linear in linears:
+        weight, diagonal = weights[linear.name].detach(), fisher.pop(linear.name)
+        damages[linear.name] = candidate_damages(
+            weight, linear, candidates, lambda delta, f=diagonal: float((f * delta.square()).sum())
+        )
+    return damages
+
+
+def _whole_model(ckpt: Checkpoint, device: str | None) -> nn.Module:
+    """The float32 model with gradients for its weights (the calibration pass's device)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmq.calib.stream import resolve_device
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
+    model.to(resolve_device(device)).eval()
+    return model

@@ -1,0 +1,217 @@
+"""`quantize --target-bits` / `--max-size` end to end on a tiny Llama: the budget holds for
+the bits counted from the written files, fused linears share a scheme, the checkpoint loads in
+transformers with llmq's own logits, the record says what was chosen; bad budgets are one
+line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+import llmq
+from llmq.cli.main import app
+from llmq.config import fit_group_size
+from llmq.config.mixed import candidate_args
+from llmq.io.checkpoint import open_checkpoint
+from llmq.pack.sizes import stored_bytes
+from tests.conftest import assert_bad_input, make_tiny
+
+CALIBRATION = {"num_samples": 4, "seq_len": 64}
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Path:
+    """Two layers, hidden 192 (group 128 does not divide it), stored in bfloat16."""
+    return make_tiny(tmp_path_factory.mktemp("mixed") / "llama", default_model, dtype=torch.bfloat16)  # fmt: skip
+
+
+def decoder_linears(model: Path) -> dict[str, int]:
+    """Each decoder linear of the source checkpoint -> its weights."""
+    ckpt = open_checkpoint(model)
+    names = [n for i in range(ckpt.num_layers) for n in ckpt.layout.linear_names(i)]
+    return {n: math.prod(ckpt.tensors[f"{n}.weight"].shape) for n in names}
+
+
+def written_tensor_bytes(folder: Path, prefixes: tuple[str, ...] = ("",)) -> int:
+    """Bytes of the tensors in `folder` whose names start with one of `prefixes`, read back."""
+    total = 0
+    for shard in folder.glob("*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                if key.startswith(prefixes):
+                    tensor = f.get_tensor(key)
+                    total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def bits_per_weight(folder: Path, model: Path) -> float:
+    linears = decoder_linears(model)
+    stored = written_tensor_bytes(folder, tuple(f"{n}." for n in linears))
+    return 8 * stored / sum(linears.values())
+
+
+@pytest.mark.parametrize("target", [4.3, 5.0, 7.0])
+def test_written_bits_stay_within_the_target_and_match_the_record(
+    tmp_path: Path, tiny_bf16: Path, target: float
+) -> None:
+    out = tmp_path / "mixed"
+    result = llmq.quantize(tiny_bf16, out, method="gptq", target_bits=target, **CALIBRATION)
+    measured = bits_per_weight(out, tiny_bf16)
+    assert measured <= target
+    record = json.loads((out / "llmq.json").read_text())["mixed_precision"]
+    assert record["written_bits"] == pytest.approx(measured, rel=1e-12)
+    assert record["predicted_bits"] == pytest.approx(measured, rel=1e-12)
+    assert result.mixed_precision["written_bits"] == record["written_bits"]
+    assert set(record["linears"]) == set(decoder_linears(tiny_bf16))
+    # a budget with room to spare spends it: within the cheapest step of the target
+    assert measured > target - 0.5
+
+
+def test_fused_linears_share_a_scheme_and_transformers_reads_llmqs_weights(
+    tmp_path: Path, tiny_bf16: Path
+) -> None:
+    """q/k/v and gate/up (vLLM's fused qkv_proj and gate_up_proj) take one candidate each; the
+    mix is written as config groups transformers loads, with the logits llmq recorded."""
+    out = tmp_path / "mixed"
+    llmq.quantize(tiny_bf16, out, method="gptq", target_bits=5.0, **CALIBRATION)
+    chosen = json.loads((out / "llmq.json").read_text())["mixed_precision"]["linears"]
+    for layer in range(2):
+        prefix = f"model.layers.{layer}."
+        for fused in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            block = "self_attn" if fused[0] == "q_proj" else "mlp"
+            assert len({chosen[f"{prefix}{block}.{n}"]["candidate"] for n in fused}) == 1
+    assert len({entry["candidate"] for entry in chosen.values()}) > 1  # a mix, not one scheme
+    verified = llmq.verify(out, loaders=["transformers", "llmq"])
+    assert verified.passed, [row.detail for row in verified.loaders]
+
+
+def test_dense_choices_join_ignore_and_max_size_bounds_the_files(
+    tmp_path: Path, tiny_bf16: Path
+) -> None:
+    """--max-size counts every tensor written; a linear chosen dense is in the ignore list and
+    stored as it was."""
+    linears = 2 * sum(decoder_linears(tiny_bf16).values())  # bfloat16, as stored
+    size = written_tensor_bytes(tiny_bf16) - linears // 2  # room for some dense linears
+    out = tmp_path / "mixed"
+    llmq.quantize(tiny_bf16, out, method="rtn", max_size=str(size), candidates=("int4-g32", "dense"), **CALIBRATION)  # fmt: skip
+    assert written_tensor_bytes(out) <= size
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    chosen = json.loads((out / "llmq.json").read_text())["mixed_precision"]["linears"]
+    dense = sorted(name for name, entry in chosen.items() if entry["candidate"] == "dense")
+    assert dense and sorted(set(config["ignore"]) - {"lm_head"}) == dense
+
+
+def test_the_choice_is_the_least_recorded_damage_within_the_budget(
+    tmp_path: Path, tiny_bf16: Path
+) -> None:
+    """Brute force over every assignment of the two candidates to the 8 units (q/k/v, o,
+    gate/up, down of two layers), from the damages llmq.json records and the bytes each
+    candidate stores: the solver's choice is the least total damage that fits."""
+    out = tmp_path / "mixed"
+    candidates = ("int4-g32", "int8")
+    llmq.quantize(tiny_bf16, out, method="rtn", target_bits=6.0, candidates=candidates, **CALIBRATION)  # fmt: skip
+    chosen = json.loads((out / "llmq.json").read_text())["mixed_precision"]["linears"]
+    ckpt = open_checkpoint(tiny_bf16)
+    units = [
+        [f"{ckpt.layout.layer_prefix(i)}{name}" for name in group]
+        for i in range(ckpt.num_layers)
+        for group in ckpt.layout.sequential
+    ]
+    weights = sum(decoder_linears(tiny_bf16).values())
+
+    def bits(name: str, candidate: str) -> int:
+        rows, columns = ckpt.tensors[f"{name}.weight"].shape
+        args = fit_group_size(candidate_args(candidate), columns)
+        return 8 * stored_bytes(args, rows, columns, torch.bfloat16)
+
+    best = None
+    for options in itertools.product(candidates, repeat=len(units)):
+        cost = sum(bits(n, c) for unit, c in zip(units, options, strict=True) for n in unit)
+        damage = sum(
+            chosen[n]["damages"][c] for unit, c in zip(units, options, strict=True) for n in unit
+        )
+        if cost <= 6.0 * weights and (best is None or damage < best[0]):
+            best = (damage, options)
+    assert best is not None
+    assert [chosen[unit[0]]["candidate"] for unit in units] == list(best[1])
+    assert len(set(best[1])) == 2  # the budget forces a mix
+
+
+@pytest.mark.parametrize("sensitivity", ["fisher", "weight"])
+def test_other_sensitivities_choose_within_the_budget(
+    tmp_path: Path, tiny_bf16: Path, sensitivity: str
+) -> None:
+    out = tmp_path / sensitivity
+    llmq.quantize(tiny_bf16, out, method="rtn", target_bits=5.0, sensitivity=sensitivity, **CALIBRATION)  # fmt: skip
+    assert bits_per_weight(out, tiny_bf16) <= 5.0
+    record = json.loads((out / "llmq.json").read_text())["mixed_precision"]
+    assert record["sensitivity"] == sensitivity
+    dense = [e["damage"] for e in record["linears"].values() if e["candidate"] == "dense"]
+    assert all(d == 0.0 for d in dense)
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--target-bits", "3"], "--target-bits 3: the cheapest candidates store"),
+        (["--max-size", "10KiB"], "--max-size 10240: the cheapest candidates write"),
+        (["--max-size", "lots"], "expected a size"),
+        (["--target-bits", "4.5", "--max-size", "1GiB"], "give one budget"),
+        (["--candidates", "int4-g64"], "--candidates: chooses schemes under a budget"),
+        (["--target-bits", "5", "--candidates", "int3"], "'int3' is not a candidate"),
+        (
+            ["--target-bits", "5", "--candidates", "int4-g48,dense"],
+            "'int4-g48' is not a candidate",
+        ),
+        (["--target-bits", "5", "--candidates", "int8"], "at least two"),
+        (["--target-bits", "5", "--scheme", "w8a8"], "weight-only integer"),
+        (["--target-bits", "5", "--group-size", "64"], "each candidate names its own"),
+        (["--target-bits", "5", "--method", "wanda", "--sparsity", "0.5"], "prunes"),
+        (["--target-bits", "5", "--fallback", "auto"], "--fallback"),
+        (["--target-bits", "5", "--format", "gguf"], "not an option of --format gguf"),
+        (["--target-bits", "5", "--sensitivity", "guess"], "sensitivity"),
+        (["--max-size", "1GiB", "--max-ppl-increase", "1%"], "--max-size is a limit"),
+        (["--max-ppl-increase", "1%"], "chooses schemes under a budget"),
+    ],
+)
+def test_bad_budgets_are_one_line_exit_2_and_write_nothing(
+    tmp_path: Path, tiny_bf16: Path, flags: list[str], fragment: str
+) -> None:
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["quantize", str(tiny_bf16), "--out", str(out), *flags])
+    assert_bad_input(result, fragment)
+    assert not out.exists()
+
+
+def test_a_perplexity_gate_spends_more_bits_until_it_passes(tmp_path: Path, tiny_bf16: Path) -> None:  # fmt: skip
+    """A gate of no increase at all passes only when every linear is dense again (the same
+    bfloat16 weights): the budget rises by its step, attempt after attempt, up to that."""
+    out = tmp_path / "gated"
+    result = llmq.quantize(
+        tiny_bf16, out, method="rtn", target_bits=4.6, step_bits=6, max_ppl_increase=0.0,
+        eval_windows=2, candidates=("int4-g32", "int8", "dense"), **CALIBRATION,
+    )  # fmt: skip
+    attempts = result.mixed_precision["gate"]["attempts"]
+    assert [a["target_bits"] for a in attempts] == pytest.approx([4.6, 10.6, 16.0])
+    assert all(a["written_bits"] <= a["target_bits"] for a in attempts)
+    assert attempts[0]["ppl_increase"] > 0 and attempts[-1]["ppl_increase"] <= 0
+    assert bits_per_weight(out, tiny_bf16) == pytest.approx(16.0, rel=1e-3)
+
+
+def test_a_gate_no_budget_can_pass_exits_1_and_keeps_the_last_attempt(
+    tmp_path: Path, tiny_bf16: Path
+) -> None:
+    out = tmp_path / "gated"
+    flags = ["--method", "rtn", "--target-bits", "7", "--candidates", "int4-g32,int8",
+             "--max-ppl-increase", "0", "--eval-windows", "2", "--num-samples", "4", "--seq-len", "64"]  # fmt: skip
+    result = CliRunner().invoke(app, ["quantize", str(tiny_bf16), "--out", str(out), *flags])
+    assert result.exit_code == 1, result.output
+    assert "even at" in result.output and "Traceback" not in result.output
+    assert bits_per_weight(out, tiny_bf16) <= 8.1

@@ -215,3 +215,18 @@ def test_a_gate_no_budget_can_pass_exits_1_and_keeps_the_last_attempt(
     assert result.exit_code == 1, result.output
     assert "even at" in result.output and "Traceback" not in result.output
     assert bits_per_weight(out, tiny_bf16) <= 8.1
+
+
+def test_a_statistics_files_hessians_are_what_the_damages_read(tmp_path: Path, tiny_bf16: Path) -> None:  # fmt: skip
+    """Statistics from `llmq calibrate --hessian` on news give the damages a measuring pass on
+    news gives, not those of the run's own calibration text: the file is what is read."""
+    stats = tmp_path / "stats.safetensors"
+    llmq.calibrate(tiny_bf16, stats, hessian=True, calib_text="news", **CALIBRATION)
+    runs = {"file": {"calib_stats": stats}, "news": {"calib_text": "news"}, "default": {}}
+    damages = {}
+    for name, extra in runs.items():
+        llmq.quantize(tiny_bf16, tmp_path / name, method="rtn", target_bits=5.0, **CALIBRATION, **extra)  # fmt: skip
+        linears = json.loads((tmp_path / name / "llmq.json").read_text())["mixed_precision"]["linears"]  # fmt: skip
+        damages[name] = [d for entry in linears.values() for d in entry["damages"].values()]
+    assert damages["file"] == pytest.approx(damages["news"], rel=1e-5)
+    assert damages["file"] != pytest.approx(damages["default"], rel=1e-2)

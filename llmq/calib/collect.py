@@ -8,6 +8,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from llmq.calib.hooks import input_hooks
@@ -148,6 +149,7 @@ class ObservedLayer:
     stats: dict[str, InputStats]
     inputs: Tensor | None
     outputs: Tensor | None
+    input_energy: float | None = None  # the mean square of its input (the residual stream)
 
 
 def observed_layers(
@@ -172,7 +174,9 @@ def observed_layers(
     for layer in walk:
         hidden, observed = layer.hidden, {}
         before = hidden.clone() if keep_inputs and hidden is not None else None
+        energy = None
         if hidden is not None:
+            energy = float(torch.linalg.vector_norm(hidden, dtype=torch.float64)) ** 2 / hidden.numel()  # fmt: skip
             names = list(stream.layout_of(layer.module).linears)
             batches = len(list(stream.batches(hidden)))
             with progress.stage(f"layer {layer.index}", total=batches, transient=True) as step:
@@ -181,7 +185,7 @@ def observed_layers(
                     on_batch=lambda: step(1), in_place=True, norms=norms,
                 )  # fmt: skip
         layer.advance(hidden)
-        done = ObservedLayer(layer.index, layer.prefix, layer.module, observed, before, hidden)
+        done = ObservedLayer(layer.index, layer.prefix, layer.module, observed, before, hidden, energy)  # fmt: skip
         del before, hidden
         yield done
         done.inputs = done.outputs = None

@@ -248,7 +248,8 @@ def quantize(
         typer.Option(
             metavar="MEASURE",
             help="Damage the budget minimizes: output (output error on the calibration data), "
-            "fisher (loss Fisher, whole model in memory) or weight (data-free).",
+            "residual (that, relative to the residual stream), fisher (loss Fisher, whole "
+            "model in memory) or weight (data-free).",
             rich_help_panel=SCHEME,
         ),
     ] = Q["sensitivity"],

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from llmq.config.fraction import Fraction
-from llmq.config.mixed import MixedConfig
+from llmq.config.mixed import MixedConfig, Sensitivity
 from llmq.config.quant import get_scheme
 from llmq.config.recipe import (
     DEFAULT_CALIB_SAMPLES,
@@ -132,7 +132,7 @@ class QuantizeOptions(LayerOptions):
     target_bits: float | None = default(MixedConfig, "target_bits")  # mixed precision's budget
     max_size: str | int | None = None  # ... or the written weights' size: "2GiB", bytes
     candidates: tuple[str, ...] = default(MixedConfig, "candidates")
-    sensitivity: Literal["output", "fisher", "weight"] = default(MixedConfig, "sensitivity")
+    sensitivity: Sensitivity = default(MixedConfig, "sensitivity")
     fisher_windows: int = default(MixedConfig, "fisher_windows")
     max_ppl_increase: Fraction | None = default(MixedConfig, "max_ppl_increase")
     eval_text: str = default(MixedConfig, "eval_text")

@@ -3,6 +3,10 @@ rounded to nearest under the candidate, ΔW = Q(W) - W, scored three ways.
 
 - output: Σ_rows ΔW H ΔWᵀ, the squared error of the linear's output on the calibration inputs
   (H = 2 XᵀX / n, GPTQ's Hessian), gathered on the float model one layer at a time.
+- residual: the same, over the mean square of the residual stream entering the layer. A layer's
+  error is added to that stream, which every later layer reads through a norm: what it changes
+  is its size relative to the stream's, and the stream grows along the depth (raw output errors
+  rank the last layers' linears first for that alone).
 - fisher: Σ F ⊙ ΔW², F the diagonal (empirical) Fisher of the language-model loss on a few
   calibration windows: the loss's second-order change, which weighs each linear by how much the
   model's output depends on it. Needs the whole model and its gradients in memory.
@@ -69,7 +73,8 @@ def measure_damages(
         name in stats.inputs and stats.inputs[name].hessian is not None
         for name in (linear.name for linear in linears)
     )
-    observe = config.sensitivity == "output" and not hessians
+    measured_on_data = config.sensitivity in ("output", "residual")
+    observe = measured_on_data and (not hessians or config.sensitivity == "residual")
     wanted = {linear.name: linear for linear in linears}
     damages: dict[str, list[float]] = {}
     for layer in observed_layers(
@@ -81,9 +86,10 @@ def measure_damages(
             if linear is None:
                 continue
             measure = _squared
-            if config.sensitivity == "output":
+            if measured_on_data:
                 source = stats.inputs[linear.name] if hessians else layer.stats[name]  # type: ignore[union-attr]
-                measure = _output_measure(source.hessian)
+                scale = layer.input_energy if config.sensitivity == "residual" else 1.0
+                measure = _output_measure(source.hessian, scale)
             damages[linear.name] = candidate_damages(module.weight.data, linear, candidates, measure)  # fmt: skip
     return damages
 
@@ -92,9 +98,10 @@ def _squared(delta: Tensor) -> float:
     return float(delta.square().sum())
 
 
-def _output_measure(hessian: Tensor | None) -> Measure:
-    assert hessian is not None
-    return lambda delta: float(output_error(delta, hessian.to(delta.device)))
+def _output_measure(hessian: Tensor | None, scale: float | None = 1.0) -> Measure:
+    """The output error on the inputs of `hessian`, over `scale`."""
+    assert hessian is not None and scale is not None
+    return lambda delta: float(output_error(delta, hessian.to(delta.device))) / scale
 
 
 def _fisher_damages(

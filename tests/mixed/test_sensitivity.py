@@ -96,3 +96,25 @@ def test_a_mixtures_experts_share_one_unit(tmp_path: Path, default_model: Path) 
     assert names[0] == ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
     experts = next(unit for unit in names if unit[0].startswith("mlp.experts."))
     assert len(experts) == 3 * 4  # gate, up and down of 4 experts
+
+
+def test_residual_damage_is_output_damage_over_the_streams_mean_square(tiny: Path) -> None:
+    """Layer 0 reads the embeddings: its linears' residual damages are their output damages
+    over the mean square of the embedded windows; every linear of a layer shares the divisor."""
+    ckpt = open_checkpoint(tiny)
+    names = [n for i in range(ckpt.num_layers) for n in ckpt.layout.linear_names(i)]
+    linears = [linear_of(ckpt, name) for name in names]
+    ids = torch.randint(0, 49152, (2, 32), generator=torch.Generator().manual_seed(2))
+    damages = {
+        kind: measure_damages(
+            ckpt, linears, CANDIDATES, MixedConfig(target_bits=5, sensitivity=kind), ids
+        )
+        for kind in ("output", "residual")
+    }
+    embedded = ckpt.read("model.embed_tokens.weight").double()[ids]
+    energy = float(embedded.square().mean())
+    for name in names:
+        ratios = [o / r for o, r in zip(damages["output"][name], damages["residual"][name], strict=True) if r]  # fmt: skip
+        assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)
+        if name.startswith("model.layers.0."):
+            assert ratios[0] == pytest.approx(energy, rel=1e-5)

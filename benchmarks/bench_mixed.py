@@ -25,14 +25,17 @@ held-out splits, no BOS (the tokenizer adds none), float32 compute.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import LLMQ, CalibSet, Job, job_arguments, ppl_cells, preamble, run_jobs, save_report
 
-BUDGETS = (4.25, 4.5, 4.75, 5.0, 5.5, 6.0)
-SCORED_BUDGETS = (4.25, 5.0, 6.0)  # where the three sensitivities are compared
+BUDGETS = (4.25, "g32", 4.5, 4.75, 5.0, 5.5, 6.0)  # "g32": uniform int4-g32's written bits
+SENSITIVITIES = ("residual", "output", "fisher", "weight")
+SCORED_BUDGETS = (4.25, "g32", 5.0, 6.0)  # where the four sensitivities are compared
+DEFAULT = "residual"  # the curve at every budget
 UNIFORM = {
     "int4-g128": ["--scheme", "w4a16"],
     "int4-g64": ["--scheme", "w4a16", "--group-size", "64"],
@@ -41,15 +44,25 @@ UNIFORM = {
 }
 
 
-def jobs() -> list[Job]:
+def jobs(g32_bits: float | None) -> list[Job]:
+    """Uniform rows first (the g32 budget is their measured bits), then the default's curve at
+    the scored budgets, the other sensitivities there, and the rest of the curve."""
     rows = [Job(LLMQ, f"uniform {name}", [*options, "--method", "gptq"], "main") for name, options in UNIFORM.items()]  # fmt: skip
-    for budget in BUDGETS:
-        for sensitivity in ("output", "fisher", "weight"):
-            if sensitivity != "output" and budget not in SCORED_BUDGETS:
-                continue
-            options = ["--method", "gptq", "--target-bits", str(budget), "--sensitivity", sensitivity]  # fmt: skip
-            rows.append(Job(LLMQ, f"mixed {sensitivity} {budget:g}", options, "main"))
+    if g32_bits is None:
+        return rows
+    order = [(DEFAULT, b) for b in SCORED_BUDGETS]
+    # the data-free and Fisher scores only where their first rows left doubt (not at g32)
+    order += [(s, b) for b in SCORED_BUDGETS for s in SENSITIVITIES if s != DEFAULT and (b != "g32" or s == "output")]  # fmt: skip
+    order += [(DEFAULT, b) for b in BUDGETS if b not in SCORED_BUDGETS]
+    for sensitivity, budget in order:
+        bits = g32_bits if budget == "g32" else budget
+        options = ["--method", "gptq", "--target-bits", f"{bits:.4f}", "--sensitivity", sensitivity]  # fmt: skip
+        rows.append(Job(LLMQ, f"mixed {sensitivity} {label(budget)}", options, "main"))
     return rows
+
+
+def label(budget: float | str) -> str:
+    return "at g32" if budget == "g32" else f"{budget:g}"
 
 
 def bf16_copy(folder: Path) -> Path:
@@ -82,14 +95,20 @@ def main() -> None:
     calib = {"main": CalibSet(Path("-"), options)}
     partial = args.out / "results-partial.json"
     rows = json.loads(partial.read_text()) if partial.is_file() else []
-    done = {row["label"] for row in rows}
-    for job in jobs():
-        if job.label in done or (args.only and not any(p in job.label for p in args.only.split("|"))):  # fmt: skip
-            continue
-        (row,) = run_jobs([job], model, args.out, calib, windows=args.windows, only=None)
-        row["bits"] = stored_bits(args.out / job.folder, model)
-        rows.append(row)
-        partial.write_text(json.dumps(rows, indent=1))
+
+    def run_missing(todo: list[Job]) -> None:
+        for job in todo:
+            done = {row["label"] for row in rows}
+            if job.label in done or (args.only and not any(p in job.label for p in args.only.split("|"))):  # fmt: skip
+                continue
+            (row,) = run_jobs([job], model, args.out, calib, windows=args.windows, only=None)
+            row["bits"] = stored_bits(args.out / job.folder, model)
+            rows.append(row)
+            partial.write_text(json.dumps(rows, indent=1))
+
+    run_missing(jobs(None))
+    g32 = next(r["bits"] for r in rows if r["label"] == "uniform int4-g32")
+    run_missing(jobs(math.ceil(g32 * 1e4) / 1e4)[len(UNIFORM) :])  # rounded up: g32 fits
     calibration = f"pydoc, seed 0: {args.samples}x{args.seq_len} (samples x tokens)"
     save_report(args.out, rows, args.windows, markdown, calibration=calibration)
     plot(rows, args.out / "mixed-precision.png")
@@ -101,9 +120,14 @@ def best_uniform(rows: list[dict], budget: float, text: str) -> dict | None:
     return min(fitting, key=lambda r: r["ppl"][text]["ppl"], default=None)
 
 
+def target_bits(row: dict) -> float:
+    return float(row["options"][row["options"].index("--target-bits") + 1])
+
+
 def markdown(report: dict) -> str:
     rows = report["rows"]
     by_label = {r["label"]: r for r in rows}
+    texts = ("pydoc", "shakespeare")
     lines = [
         preamble(report),
         "",
@@ -111,22 +135,24 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|",
     ]
     lines += [f"| {r['label']} | {r['bits']:.4f} | {ppl_cells(r)} | {r['wall_s']:.1f} |" for r in rows]  # fmt: skip
-    lines += ["", "| budget (bits) | mixed (output) pydoc / Hamlet | best uniform that fits, pydoc / Hamlet |", "|---|---|---|"]  # fmt: skip
+    lines += ["", f"| budget (bits) | mixed ({DEFAULT}) pydoc / Hamlet | best uniform that fits: pydoc / Hamlet |", "|---|---|---|"]  # fmt: skip
     for budget in BUDGETS:
-        mixed = by_label.get(f"mixed output {budget:g}")
+        mixed = by_label.get(f"mixed {DEFAULT} {label(budget)}")
         if mixed is None:
             continue
-        cells = []
-        for text in ("pydoc", "shakespeare"):
-            uniform = best_uniform(rows, budget, text)
-            name = "none fits" if uniform is None else f"{uniform['ppl'][text]['ppl']:.3f} ({uniform['label'].removeprefix('uniform ')}, {uniform['bits']:.3f} bits)"  # fmt: skip
-            cells.append((f"{mixed['ppl'][text]['ppl']:.3f}", name))
-        lines.append(f"| {budget:g} | {cells[0][0]} / {cells[1][0]} | {cells[0][1]} / {cells[1][1]} |")  # fmt: skip
-    lines += ["", "| budget | sensitivity output pydoc / Hamlet | fisher | weight |", "|---|---|---|---|"]  # fmt: skip
+        bits = target_bits(mixed)
+        best = [best_uniform(rows, bits, text) for text in texts]
+        cells = [
+            "none fits" if u is None else f"{u['ppl'][t]['ppl']:.3f} ({u['label'].removeprefix('uniform ')})"
+            for u, t in zip(best, texts, strict=True)
+        ]  # fmt: skip
+        ours = " / ".join(f"{mixed['ppl'][t]['ppl']:.3f}" for t in texts)
+        lines.append(f"| {bits:g} | {ours} | {' / '.join(cells)} |")
+    lines += ["", "| budget | " + " | ".join(f"{s} pydoc / Hamlet" for s in SENSITIVITIES) + " |", "|---|" + "---|" * len(SENSITIVITIES)]  # fmt: skip
     for budget in SCORED_BUDGETS:
-        found = [by_label.get(f"mixed {s} {budget:g}") for s in ("output", "fisher", "weight")]
-        cells = ["-" if r is None else " / ".join(f"{r['ppl'][t]['ppl']:.3f}" for t in ("pydoc", "shakespeare")) for r in found]  # fmt: skip
-        lines.append(f"| {budget:g} | {' | '.join(cells)} |")
+        found = [by_label.get(f"mixed {s} {label(budget)}") for s in SENSITIVITIES]
+        cells = ["-" if r is None else " / ".join(f"{r['ppl'][t]['ppl']:.3f}" for t in texts) for r in found]  # fmt: skip
+        lines.append(f"| {label(budget)} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -142,7 +168,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axes.scatter([r["bits"] for r in uniform], [r["ppl"]["pydoc"]["ppl"] for r in uniform], color="black", zorder=3, label="uniform GPTQ")  # fmt: skip
     for r in uniform:
         axes.annotate(r["label"].removeprefix("uniform "), (r["bits"], r["ppl"]["pydoc"]["ppl"]), textcoords="offset points", xytext=(4, 4), fontsize=8)  # fmt: skip
-    for sensitivity, style in (("output", "o-"), ("fisher", "s--"), ("weight", "^:")):
+    for sensitivity, style in zip(SENSITIVITIES, ("o-", "s--", "^:", "d-."), strict=True):
         mixed = sorted((r for r in rows if r["label"].startswith(f"mixed {sensitivity} ")), key=lambda r: r["bits"])  # fmt: skip
         if mixed:
             axes.plot([r["bits"] for r in mixed], [r["ppl"]["pydoc"]["ppl"] for r in mixed], style, label=f"mixed GPTQ ({sensitivity})")  # fmt: skip

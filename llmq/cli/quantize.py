@@ -221,8 +221,7 @@ def quantize(
         float | None,
         typer.Option(
             metavar="B",
-            help="Mixed precision: each linear's scheme chosen so the decoder's linears store at "
-            "most B bits a weight on average (counted as written: codes, scales, dense weights).",
+            help="Mixed precision: choose each linear's scheme for at most B bits a weight.",
             rich_help_panel=SCHEME,
         ),
     ] = None,
@@ -230,7 +229,7 @@ def quantize(
         str | None,
         typer.Option(
             metavar="SIZE",
-            help="Mixed precision: the written tensors at most SIZE (e.g. 95MiB, 2GiB, bytes).",
+            help="Mixed precision: written tensors at most SIZE (95MiB, 2GiB).",
             rich_help_panel=SCHEME,
         ),
     ] = None,
@@ -238,8 +237,7 @@ def quantize(
         list[str] | None,
         typer.Option(
             metavar="NAMES",
-            help="Schemes a linear may take under a budget: int4-gN, int8-gN, int4, int8 (per "
-            "channel), dense (commas or repeat); default: int4-g128,int4-g64,int4-g32,int8,dense.",
+            help="Schemes to choose from (default int4-g128,int4-g64,int4-g32,int8,dense).",
             rich_help_panel=SCHEME,
         ),
     ] = None,
@@ -247,9 +245,7 @@ def quantize(
         str,
         typer.Option(
             metavar="MEASURE",
-            help="Damage the budget minimizes: output (output error on the calibration data), "
-            "residual (that, relative to the residual stream), fisher (loss Fisher, whole "
-            "model in memory) or weight (data-free).",
+            help="Damage minimized: residual, output, fisher or weight.",
             rich_help_panel=SCHEME,
         ),
     ] = Q["sensitivity"],
@@ -257,7 +253,7 @@ def quantize(
         int,
         typer.Option(
             metavar="N",
-            help="--sensitivity fisher: calibration windows it reads.",
+            help="--sensitivity fisher: windows it reads.",
             rich_help_panel=CALIBRATION,
         ),
     ] = Q["fisher_windows"],
@@ -266,8 +262,7 @@ def quantize(
         typer.Option(
             metavar="X",
             parser=fraction("--max-ppl-increase"),
-            help="With --target-bits: while held-out perplexity rises more than this over MODEL "
-            "(e.g. 3%), raise the budget by --step-bits and quantize again.",
+            help="With --target-bits: add --step-bits until perplexity rises at most X.",
             rich_help_panel=SCHEME,
         ),
     ] = None,
@@ -275,7 +270,7 @@ def quantize(
         str,
         typer.Option(
             metavar="TEXT",
-            help="--max-ppl-increase: the held-out text (news, pydoc, shakespeare, or a file).",
+            help="--max-ppl-increase: held-out text.",
             rich_help_panel=SCHEME,
         ),
     ] = Q["eval_text"],
@@ -283,7 +278,7 @@ def quantize(
         int,
         typer.Option(
             metavar="N",
-            help="--max-ppl-increase: 512-token windows it scores.",
+            help="--max-ppl-increase: windows of 512 tokens.",
             rich_help_panel=SCHEME,
         ),
     ] = Q["eval_windows"],
@@ -291,7 +286,7 @@ def quantize(
         float,
         typer.Option(
             metavar="B",
-            help="--max-ppl-increase: bits a weight added after a failed attempt.",
+            help="--max-ppl-increase: bits added after a failed try.",
             rich_help_panel=SCHEME,
         ),
     ] = Q["step_bits"],

@@ -18,7 +18,7 @@ WIDTH = 80
 # Lines of each --help at 80 columns: a little above what it takes today, so that an option
 # that grows into a paragraph, or a new one that does not fit, shows up here.
 BUDGETS = {
-    "quantize": 142,  # + --format gguf and its options, --stage-activations, --tf32, model-free, FP4
+    "quantize": 160,  # + --format gguf and its options, --stage-activations, --tf32, model-free, FP4, mixed precision
     "prune": 118,
     "distill": 135,
     "calibrate": 45,

@@ -8,8 +8,11 @@ file would store scales in float32 and make every int4 group cost twice as many 
   64 and 32, and W8A16 per channel;
 - mixed: `--target-bits B --method gptq` at budgets 4.25 ... 6 with the default candidates
   (int4-g128, int4-g64, int4-g32, int8, dense) and the default sensitivity (output error on the
-  calibration data); and, at three budgets, the other two sensitivities (fisher: the loss's
-  diagonal Fisher on 8 windows; weight: data-free), to see which predicts perplexity better.
+  calibration data); and at the scored budgets the others (gradient: the output error weighted
+  by the loss's squared output gradients, 8 windows; fisher: the loss's diagonal Fisher on 8
+  windows; weight: data-free; residual: output error over the residual stream's mean square),
+  to see which predicts perplexity better. "at g32" is the budget of uniform int4-g32's written
+  bits (rounded up to 4 decimals).
 
 Bits are counted from the written files (every tensor of every decoder linear: packed codes,
 scales, shape, dense weights), averaged over the decoder linears' weights. Calibration: pydoc,
@@ -33,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import LLMQ, CalibSet, Job, job_arguments, ppl_cells, preamble, run_jobs, save_report
 
 BUDGETS = (4.25, "g32", 4.5, 4.75, 5.0, 5.5, 6.0)  # "g32": uniform int4-g32's written bits
-SENSITIVITIES = ("residual", "output", "fisher", "weight")
+SENSITIVITIES = ("output", "gradient", "fisher", "weight", "residual")
 SCORED_BUDGETS = (4.25, "g32", 5.0, 6.0)  # where the four sensitivities are compared
-DEFAULT = "residual"  # the curve at every budget
+DEFAULT = "output"  # the curve at every budget
 UNIFORM = {
     "int4-g128": ["--scheme", "w4a16"],
     "int4-g64": ["--scheme", "w4a16", "--group-size", "64"],
@@ -51,8 +54,11 @@ def jobs(g32_bits: float | None) -> list[Job]:
     if g32_bits is None:
         return rows
     order = [(DEFAULT, b) for b in SCORED_BUDGETS]
-    # the data-free and Fisher scores only where their first rows left doubt (not at g32)
-    order += [(s, b) for b in SCORED_BUDGETS for s in SENSITIVITIES if s != DEFAULT and (b != "g32" or s == "output")]  # fmt: skip
+    # the others where the default's curve is scored: gradient at each, fisher and weight but at
+    # g32, residual where its first row lost
+    order += [("gradient", b) for b in SCORED_BUDGETS]
+    order += [(s, b) for b in SCORED_BUDGETS for s in ("fisher", "weight") if b != "g32"]
+    order += [("residual", 4.25)]
     order += [(DEFAULT, b) for b in BUDGETS if b not in SCORED_BUDGETS]
     for sensitivity, budget in order:
         bits = g32_bits if budget == "g32" else budget
@@ -168,7 +174,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axes.scatter([r["bits"] for r in uniform], [r["ppl"]["pydoc"]["ppl"] for r in uniform], color="black", zorder=3, label="uniform GPTQ")  # fmt: skip
     for r in uniform:
         axes.annotate(r["label"].removeprefix("uniform "), (r["bits"], r["ppl"]["pydoc"]["ppl"]), textcoords="offset points", xytext=(4, 4), fontsize=8)  # fmt: skip
-    for sensitivity, style in zip(SENSITIVITIES, ("o-", "s--", "^:", "d-."), strict=True):
+    for sensitivity, style in zip(SENSITIVITIES, ("o-", "v-", "s--", "^:", "d-."), strict=True):
         mixed = sorted((r for r in rows if r["label"].startswith(f"mixed {sensitivity} ")), key=lambda r: r["bits"])  # fmt: skip
         if mixed:
             axes.plot([r["bits"] for r in mixed], [r["ppl"]["pydoc"]["ppl"] for r in mixed], style, label=f"mixed GPTQ ({sensitivity})")  # fmt: skip

@@ -24,9 +24,10 @@ DEFAULT_CANDIDATES = ("int4-g128", "int4-g64", "int4-g32", "int8", DENSE)
 CANDIDATE_RULE = "int4-gN or int8-gN (N a power of two >= 16), int4 or int8 (per channel), dense"
 # output: each linear's output error on the calibration activations (its inputs' Hessian);
 # residual: that error over the mean square of the residual stream entering its layer;
+# gradient: the output error weighted per output channel by the loss's squared gradients there;
 # fisher: the language-model loss's diagonal Fisher on a few windows (the whole model in memory);
 # weight: the weights' own squared error (data-free)
-Sensitivity = Literal["output", "residual", "fisher", "weight"]
+Sensitivity = Literal["output", "residual", "gradient", "fisher", "weight"]
 
 
 def candidate_args(name: str) -> QuantArgs | None:

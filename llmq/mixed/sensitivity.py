@@ -10,6 +10,11 @@ rounded to nearest under the candidate, ΔW = Q(W) - W, scored three ways.
 - fisher: Σ F ⊙ ΔW², F the diagonal (empirical) Fisher of the language-model loss on a few
   calibration windows: the loss's second-order change, which weighs each linear by how much the
   model's output depends on it. Needs the whole model and its gradients in memory.
+- gradient: Σ_j G_j (ΔW H ΔWᵀ)_jj, the output error of each output channel j weighted by
+  G_j, the mean squared gradient of the language-model loss at that output, per token (the
+  Fisher in K-FAC's factored form: output gradients by input covariance, H from the same
+  windows). It keeps what `output` sees of the inputs and adds what `fisher` sees of the loss,
+  with per-token statistics instead of one gradient a window. Whole model in memory.
 - weight: Σ ΔW², data-free.
 
 benchmarks/bench_mixed.py measures which of them predicts perplexity better.
@@ -66,9 +71,12 @@ def measure_damages(
     """Each linear's damage under each candidate, as `config.sensitivity` says. `input_ids`:
     the calibration windows (None for `weight`); `stats`: a statistics file's Hessians, read
     instead of a pass over the data when they cover every linear."""
-    if config.sensitivity == "fisher":
+    if config.sensitivity in ("fisher", "gradient"):
         assert input_ids is not None
-        return _fisher_damages(ckpt, linears, candidates, input_ids[: config.fisher_windows], device)  # fmt: skip
+        windows = input_ids[: config.fisher_windows]
+        if config.sensitivity == "gradient":
+            return _gradient_damages(ckpt, linears, candidates, windows, device)
+        return _fisher_damages(ckpt, linears, candidates, windows, device)
     hessians = stats is not None and all(
         name in stats.inputs and stats.inputs[name].hessian is not None
         for name in (linear.name for linear in linears)
@@ -113,12 +121,6 @@ def _fisher_damages(
 ) -> dict[str, list[float]]:
     """The diagonal Fisher of the whole model's loss on `input_ids`, one window at a time (each
     window's squared gradient, averaged), weighing each candidate's squared rounding error."""
-    if ckpt.layout.experts is not None:
-        raise InputError(
-            "--sensitivity fisher: transformers holds a mixture's experts fused, not as the "
-            "checkpoint's linears",
-            hint="use --sensitivity output (measured one layer at a time)",
-        )
     model = _whole_model(ckpt, device)
     weights = {linear.name: model.get_submodule(linear.name).weight for linear in linears}
     fisher = {name: torch.zeros_like(weight) for name, weight in weights.items()}
@@ -136,11 +138,66 @@ def _fisher_damages(
     return damages
 
 
+def _gradient_damages(
+    ckpt: Checkpoint,
+    linears: list[Linear],
+    candidates: list[QuantArgs | None],
+    input_ids: Tensor,
+    device: str | None,
+) -> dict[str, list[float]]:
+    """Each linear's input covariance H and per-output squared loss gradients G, gathered by
+    hooks over `input_ids` (the loss summed over tokens, so each token's gradient is its own),
+    weighing each candidate's output error channel by channel."""
+    model = _whole_model(ckpt, device)
+    gram = {linear.name: torch.zeros(linear.columns, linear.columns) for linear in linears}
+    grad2 = {linear.name: torch.zeros(linear.rows) for linear in linears}
+    tokens = input_ids.numel()
+
+    def observe(name: str) -> Callable[..., None]:
+        def hook(_module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(ACCUM_DTYPE)
+            gram[name] += (x.T @ x).cpu() / tokens
+            output.register_hook(lambda g: _add(grad2[name], g.reshape(-1, g.shape[-1]).square().sum(0) / tokens))  # fmt: skip
+
+        return hook
+
+    handles = [model.get_submodule(one.name).register_forward_hook(observe(one.name)) for one in linears]  # fmt: skip
+    try:
+        for window in input_ids.to(next(model.parameters()).device):
+            loss = model(input_ids=window[None], labels=window[None]).loss
+            (loss * (len(window) - 1)).backward()  # summed over the predicted tokens
+            model.zero_grad(set_to_none=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    damages = {}
+    for linear in linears:
+        weight = model.get_submodule(linear.name).weight.detach()
+        h, g = gram.pop(linear.name).to(weight.device), grad2.pop(linear.name).to(weight.device)
+        damages[linear.name] = candidate_damages(
+            weight, linear, candidates, lambda d, h=h, g=g: float((g[:, None] * (d @ h) * d).sum())
+        )
+    return damages
+
+
+def _add(total: Tensor, value: Tensor) -> None:
+    total += value.to(total)
+
+
 def _whole_model(ckpt: Checkpoint, device: str | None) -> nn.Module:
-    """The float32 model with gradients for its weights (the calibration pass's device)."""
+    """The float32 model with gradients for its weights (the calibration pass's device); a
+    mixture of experts is refused: transformers holds its experts fused, not as the checkpoint's
+    linears."""
     from transformers import AutoModelForCausalLM
 
     from llmq.calib.stream import resolve_device
+
+    if ckpt.layout.experts is not None:
+        raise InputError(
+            "--sensitivity fisher and gradient: transformers holds a mixture's experts fused, "
+            "not as the checkpoint's linears",
+            hint="use --sensitivity output (measured one layer at a time)",
+        )
 
     model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
     model.to(resolve_device(device)).eval()

@@ -144,7 +144,7 @@ def test_the_choice_is_the_least_recorded_damage_within_the_budget(
     assert len(set(best[1])) == 2  # the budget forces a mix
 
 
-@pytest.mark.parametrize("sensitivity", ["residual", "fisher", "weight"])
+@pytest.mark.parametrize("sensitivity", ["residual", "gradient", "fisher", "weight"])
 def test_other_sensitivities_choose_within_the_budget(
     tmp_path: Path, tiny_bf16: Path, sensitivity: str
 ) -> None:

@@ -118,3 +118,40 @@ def test_residual_damage_is_output_damage_over_the_streams_mean_square(tiny: Pat
         assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)
         if name.startswith("model.layers.0."):
             assert ratios[0] == pytest.approx(energy, rel=1e-5)
+
+
+def test_gradient_damage_weighs_each_output_channels_error_by_its_squared_loss_gradient(
+    tiny: Path,
+) -> None:
+    """Σ_j G_j (ΔW H ΔWᵀ)_jj with G the per-token squared gradient of the summed loss at the
+    linear's output and H its inputs' covariance, both taken here from one retained forward
+    and backward pass per window, in float64."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = open_checkpoint(tiny)
+    name = "model.layers.1.mlp.down_proj"
+    linear = linear_of(ckpt, name)
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(3))
+    config = MixedConfig(target_bits=5, sensitivity="gradient", fisher_windows=2)
+    damages = measure_damages(ckpt, [linear], CANDIDATES, config, ids)[name]
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    module = model.get_submodule(name)
+    seen: dict[str, torch.Tensor] = {}
+    module.register_forward_hook(lambda _m, a, o: seen.update(x=a[0], y=o) or o.retain_grad())
+    g2 = torch.zeros(linear.rows, dtype=torch.float64)
+    h = torch.zeros(linear.columns, linear.columns, dtype=torch.float64)
+    for window in ids:
+        loss = model(input_ids=window[None], labels=window[None]).loss * (len(window) - 1)
+        loss.backward()
+        g2 += seen["y"].grad.double().reshape(-1, linear.rows).square().sum(0) / ids.numel()
+        x = seen["x"].detach().double().reshape(-1, linear.columns)
+        h += x.T @ x / ids.numel()
+    weight = module.weight.detach()
+    for candidate, damage in zip(CANDIDATES, damages, strict=True):
+        args = linear.args(candidate)
+        if args is None:
+            assert damage == 0.0
+            continue
+        delta = rtn_quantize_weight(weight, args).dequantize(torch.float64) - weight.double()
+        reference = float((g2[:, None] * (delta @ h) * delta).sum())
+        assert damage == pytest.approx(reference, rel=1e-4)

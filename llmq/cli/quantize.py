@@ -245,7 +245,7 @@ def quantize(
         str,
         typer.Option(
             metavar="MEASURE",
-            help="Damage minimized: residual, output, fisher or weight.",
+            help="Damage minimized: output, residual, gradient, fisher or weight.",
             rich_help_panel=SCHEME,
         ),
     ] = Q["sensitivity"],
@@ -253,7 +253,7 @@ def quantize(
         int,
         typer.Option(
             metavar="N",
-            help="--sensitivity fisher: windows it reads.",
+            help="--sensitivity gradient or fisher: windows read.",
             rich_help_panel=CALIBRATION,
         ),
     ] = Q["fisher_windows"],

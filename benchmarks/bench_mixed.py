@@ -49,7 +49,7 @@ UNIFORM = {
 
 def jobs(g32_bits: float | None) -> list[Job]:
     """Uniform rows first (the g32 budget is their measured bits), then the default's curve at
-    the scored budgets, the other sensitivities there, and the rest of the curve."""
+    the scored budgets, the gradient score there, the rest of the curve, the other scores."""
     rows = [Job(LLMQ, f"uniform {name}", [*options, "--method", "gptq"], "main") for name, options in UNIFORM.items()]  # fmt: skip
     if g32_bits is None:
         return rows
@@ -57,9 +57,9 @@ def jobs(g32_bits: float | None) -> list[Job]:
     # the others where the default's curve is scored: gradient at each, fisher and weight but at
     # g32, residual where its first row lost
     order += [("gradient", b) for b in SCORED_BUDGETS]
+    order += [(DEFAULT, b) for b in BUDGETS if b not in SCORED_BUDGETS]
     order += [(s, b) for b in SCORED_BUDGETS for s in ("fisher", "weight") if b != "g32"]
     order += [("residual", 4.25)]
-    order += [(DEFAULT, b) for b in BUDGETS if b not in SCORED_BUDGETS]
     for sensitivity, budget in order:
         bits = g32_bits if budget == "g32" else budget
         options = ["--method", "gptq", "--target-bits", f"{bits:.4f}", "--sensitivity", sensitivity]  # fmt: skip

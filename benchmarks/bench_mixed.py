@@ -58,6 +58,7 @@ def jobs(g32_bits: float | None) -> list[Job]:
     # g32, residual where its first row lost
     order += [("gradient", b) for b in SCORED_BUDGETS]
     order += [(DEFAULT, b) for b in BUDGETS if b not in SCORED_BUDGETS]
+    order += [("gradient", b) for b in BUDGETS if b not in SCORED_BUDGETS]
     order += [(s, b) for b in SCORED_BUDGETS for s in ("fisher", "weight") if b != "g32"]
     order += [("residual", 4.25)]
     for sensitivity, budget in order:

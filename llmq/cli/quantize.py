@@ -245,7 +245,7 @@ def quantize(
         str,
         typer.Option(
             metavar="MEASURE",
-            help="Damage minimized: output, residual, gradient, fisher or weight.",
+            help="Damage minimized: auto, output, residual, gradient, fisher, weight.",
             rich_help_panel=SCHEME,
         ),
     ] = Q["sensitivity"],

@@ -22,12 +22,14 @@ from llmq.texts import DEFAULT_EVAL_TEXT
 DENSE = "dense"
 DEFAULT_CANDIDATES = ("int4-g128", "int4-g64", "int4-g32", "int8", DENSE)
 CANDIDATE_RULE = "int4-gN or int8-gN (N a power of two >= 16), int4 or int8 (per channel), dense"
+# auto: gradient where the whole model fits in memory (a dense model, four times its float32
+# weights within half the free memory), output elsewhere;
 # output: each linear's output error on the calibration activations (its inputs' Hessian);
 # residual: that error over the mean square of the residual stream entering its layer;
 # gradient: the output error weighted per output channel by the loss's squared gradients there;
 # fisher: the language-model loss's diagonal Fisher on a few windows (the whole model in memory);
 # weight: the weights' own squared error (data-free)
-Sensitivity = Literal["output", "residual", "gradient", "fisher", "weight"]
+Sensitivity = Literal["auto", "output", "residual", "gradient", "fisher", "weight"]
 
 
 def candidate_args(name: str) -> QuantArgs | None:
@@ -53,7 +55,7 @@ class MixedConfig(BaseModel):
     target_bits: float | None = Field(None, gt=0.0, le=32.0)
     max_size: int | None = Field(None, gt=0)  # bytes of every tensor written
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
-    sensitivity: Sensitivity = "output"
+    sensitivity: Sensitivity = "auto"
     fisher_windows: int = Field(8, ge=1, le=1024)  # calibration windows the Fisher reads
     # A perplexity gate on held-out text: while the increase over the source exceeds it, the
     # budget rises by `step_bits` and the model is quantized again (target_bits only).

@@ -16,7 +16,7 @@ from llmq.config import MixedConfig, QuantArgs
 from llmq.config.mixed import candidate_args
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint, read_safetensors_header, torch_dtype
-from llmq.mixed.sensitivity import measure_damages
+from llmq.mixed.sensitivity import measure_damages, resolved_sensitivity
 from llmq.mixed.solve import OverBudget, solve
 from llmq.mixed.units import Linear, choice_units
 from llmq.progress import NO_PROGRESS, Progress
@@ -107,7 +107,8 @@ def choose_schemes(
 ) -> MixedChoice:
     """Each linear's scheme: the least total damage (as the config's sensitivity measures it)
     whose stored bits fit the budget."""
-    config = budget.config
+    sensitivity = resolved_sensitivity(ckpt, budget.config.sensitivity, device)
+    config = budget.config.model_copy(update={"sensitivity": sensitivity})
     measured = measure_damages(
         ckpt, budget.linears, budget.candidates, config, input_ids, stats, progress=progress,
         device=device,

@@ -22,6 +22,8 @@ benchmarks/bench_mixed.py measures which of them predicts perplexity better.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -38,6 +40,29 @@ from llmq.quant.awq import output_error
 from llmq.quant.rtn import rtn_quantize_weight
 
 Measure = Callable[[Tensor], float]  # ΔW [out, in] -> damage
+# `gradient` and `fisher` hold the float32 model, its gradients and one window's activations:
+# about this many times the float32 weights
+WHOLE_MODEL_FACTOR = 4
+
+
+def resolved_sensitivity(ckpt: Checkpoint, sensitivity: str, device: str | None) -> str:
+    """`auto`: gradient (the better predictor: benchmarks/RESULTS.md) where the whole model fits
+    in half the free memory of the device and is dense; output (one layer at a time) elsewhere."""
+    if sensitivity != "auto":
+        return sensitivity
+    if ckpt.layout.experts is not None:
+        return "output"
+    weights = sum(math.prod(info.shape) for info in ckpt.tensors.values())
+    return "gradient" if WHOLE_MODEL_FACTOR * 4 * weights <= _free_memory(device) / 2 else "output"
+
+
+def _free_memory(device: str | None) -> int:
+    from llmq.calib.stream import resolve_device
+
+    where = resolve_device(device)
+    if where.type == "cuda":
+        return int(torch.cuda.mem_get_info(where)[0])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def candidate_damages(

@@ -20,6 +20,7 @@ from llmq.cli.main import app
 from llmq.config import fit_group_size
 from llmq.config.mixed import candidate_args
 from llmq.io.checkpoint import open_checkpoint
+from llmq.mixed.sensitivity import resolved_sensitivity
 from llmq.pack.sizes import stored_bytes
 from tests.conftest import assert_bad_input, make_tiny
 
@@ -223,6 +224,7 @@ def test_a_statistics_files_hessians_are_what_the_damages_read(tmp_path: Path, t
     stats = tmp_path / "stats.safetensors"
     llmq.calibrate(tiny_bf16, stats, hessian=True, calib_text="news", **CALIBRATION)
     runs = {"file": {"calib_stats": stats}, "news": {"calib_text": "news"}, "default": {}}
+    runs = {name: {**extra, "sensitivity": "output"} for name, extra in runs.items()}
     damages = {}
     for name, extra in runs.items():
         llmq.quantize(tiny_bf16, tmp_path / name, method="rtn", target_bits=5.0, **CALIBRATION, **extra)  # fmt: skip
@@ -230,3 +232,16 @@ def test_a_statistics_files_hessians_are_what_the_damages_read(tmp_path: Path, t
         damages[name] = [d for entry in linears.values() for d in entry["damages"].values()]
     assert damages["file"] == pytest.approx(damages["news"], rel=1e-5)
     assert damages["file"] != pytest.approx(damages["default"], rel=1e-2)
+
+
+def test_auto_sensitivity_is_gradient_where_the_model_fits_and_dense(
+    tmp_path: Path, tiny_bf16: Path, default_model: Path
+) -> None:
+    out = tmp_path / "auto"
+    llmq.quantize(tiny_bf16, out, method="rtn", target_bits=5.0, **CALIBRATION)
+    assert (
+        json.loads((out / "llmq.json").read_text())["mixed_precision"]["sensitivity"] == "gradient"
+    )
+    moe = open_checkpoint(make_tiny(tmp_path / "moe", default_model, model_type="qwen3_moe"))
+    assert resolved_sensitivity(moe, "auto", "cpu") == "output"
+    assert resolved_sensitivity(open_checkpoint(tiny_bf16), "weight", "cpu") == "weight"

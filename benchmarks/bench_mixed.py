@@ -35,10 +35,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import LLMQ, CalibSet, Job, job_arguments, ppl_cells, preamble, run_jobs, save_report
 
-BUDGETS = (4.25, "g32", 4.5, 4.75, 5.0, 5.5, 6.0)  # "g32": uniform int4-g32's written bits
+BUDGETS = (4.25, 4.5, "g32", 4.75, 5.0, 5.5, 6.0)  # "g32": uniform int4-g32's written bits
 SENSITIVITIES = ("output", "gradient", "fisher", "weight", "residual")
 SCORED_BUDGETS = (4.25, "g32", 5.0, 6.0)  # where the four sensitivities are compared
-DEFAULT = "output"  # the curve at every budget
+DEFAULT = "output"  # the curve at every budget (works at any size; auto takes gradient here)
 UNIFORM = {
     "int4-g128": ["--scheme", "w4a16"],
     "int4-g64": ["--scheme", "w4a16", "--group-size", "64"],
@@ -142,19 +142,20 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|",
     ]
     lines += [f"| {r['label']} | {r['bits']:.4f} | {ppl_cells(r)} | {r['wall_s']:.1f} |" for r in rows]  # fmt: skip
-    lines += ["", f"| budget (bits) | mixed ({DEFAULT}) pydoc / Hamlet | best uniform that fits: pydoc / Hamlet |", "|---|---|---|"]  # fmt: skip
+    curves = ("gradient", "output")  # auto's choice on this model, and the one for any size
+    lines += ["", "| budget (bits) | " + " | ".join(f"mixed {c} pydoc / Hamlet" for c in curves) + " | best uniform that fits: pydoc / Hamlet |", "|---|---|---|---|"]  # fmt: skip
     for budget in BUDGETS:
-        mixed = by_label.get(f"mixed {DEFAULT} {label(budget)}")
-        if mixed is None:
+        found = [by_label.get(f"mixed {c} {label(budget)}") for c in curves]
+        if not any(found):
             continue
-        bits = target_bits(mixed)
+        bits = target_bits(next(r for r in found if r is not None))
         best = [best_uniform(rows, bits, text) for text in texts]
         cells = [
             "none fits" if u is None else f"{u['ppl'][t]['ppl']:.3f} ({u['label'].removeprefix('uniform ')})"
             for u, t in zip(best, texts, strict=True)
         ]  # fmt: skip
-        ours = " / ".join(f"{mixed['ppl'][t]['ppl']:.3f}" for t in texts)
-        lines.append(f"| {bits:g} | {ours} | {' / '.join(cells)} |")
+        ours = ["-" if r is None else " / ".join(f"{r['ppl'][t]['ppl']:.3f}" for t in texts) for r in found]  # fmt: skip
+        lines.append(f"| {bits:g} | {' | '.join(ours)} | {' / '.join(cells)} |")
     lines += ["", "| budget | " + " | ".join(f"{s} pydoc / Hamlet" for s in SENSITIVITIES) + " |", "|---|" + "---|" * len(SENSITIVITIES)]  # fmt: skip
     for budget in SCORED_BUDGETS:
         found = [by_label.get(f"mixed {s} {label(budget)}") for s in SENSITIVITIES]

@@ -133,11 +133,11 @@ class QuantizeOptions(LayerOptions):
     max_size: str | int | None = None  # ... or the written weights' size: "2GiB", bytes
     candidates: tuple[str, ...] = default(MixedConfig, "candidates")
     sensitivity: Sensitivity = default(MixedConfig, "sensitivity")
-    fisher_windows: int = default(MixedConfig, "fisher_windows")
+    fisher_windows: int = Field(default(MixedConfig, "fisher_windows"), ge=1, le=1024)
     max_ppl_increase: Fraction | None = default(MixedConfig, "max_ppl_increase")
     eval_text: str = default(MixedConfig, "eval_text")
-    eval_windows: int = default(MixedConfig, "eval_windows")
-    step_bits: float = default(MixedConfig, "step_bits")
+    eval_windows: int = Field(default(MixedConfig, "eval_windows"), ge=1)
+    step_bits: float = Field(default(MixedConfig, "step_bits"), gt=0.0, le=16.0)
 
     def recipe(self) -> Recipe:
         if self.format == "gguf":
@@ -168,6 +168,8 @@ class QuantizeOptions(LayerOptions):
                 raise InputError(f"--{stray[0].replace('_', '-')}: chooses schemes under a budget", hint="add --target-bits or --max-size")  # fmt: skip
             return None
         size = None if self.max_size is None else parse_size(self.max_size, "--max-size")
+        if size == 0:
+            raise InputError(f"--max-size {self.max_size}: a size of no bytes holds no model")
         return build(
             MixedConfig, target_bits=self.target_bits, max_size=size, candidates=self.candidates,
             sensitivity=self.sensitivity, fisher_windows=self.fisher_windows,

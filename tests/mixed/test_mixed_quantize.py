@@ -180,6 +180,14 @@ def test_other_sensitivities_choose_within_the_budget(
         (["--target-bits", "5", "--sensitivity", "guess"], "sensitivity"),
         (["--max-size", "1GiB", "--max-ppl-increase", "1%"], "--max-size is a limit"),
         (["--max-ppl-increase", "1%"], "chooses schemes under a budget"),
+        (
+            ["--target-bits", "5", "--max-ppl-increase", "1%", "--eval-text", "/nonexistent.txt"],
+            "no such file",
+        ),
+        (["--target-bits", "5", "--fisher-windows", "0"], "--fisher-windows"),
+        (["--target-bits", "5", "--max-ppl-increase", "1%", "--step-bits", "0"], "--step-bits"),
+        (["--max-size", "0"], "--max-size"),
+        (["--target-bits", "5", "--skip-layer-check"], "measured on calibration data"),
     ],
 )
 def test_bad_budgets_are_one_line_exit_2_and_write_nothing(

@@ -149,11 +149,12 @@ def _fisher_damages(
     model = _whole_model(ckpt, device)
     weights = {linear.name: model.get_submodule(linear.name).weight for linear in linears}
     fisher = {name: torch.zeros_like(weight) for name, weight in weights.items()}
-    for window in input_ids.to(next(model.parameters()).device):
-        loss = model(input_ids=window[None], labels=window[None]).loss
-        grads = torch.autograd.grad(loss, list(weights.values()))
-        for name, grad in zip(weights, grads, strict=True):
-            fisher[name] += grad.square() / len(input_ids)
+
+    def accumulate() -> None:
+        for name, weight in weights.items():
+            fisher[name] += weight.grad.square() / len(input_ids)  # type: ignore[union-attr]
+
+    _backward_each_window(model, input_ids, accumulate, summed=False)
     damages = {}
     for linear in linears:
         weight, diagonal = weights[linear.name].detach(), fisher.pop(linear.name)
@@ -188,10 +189,7 @@ def _gradient_damages(
 
     handles = [model.get_submodule(one.name).register_forward_hook(observe(one.name)) for one in linears]  # fmt: skip
     try:
-        for window in input_ids.to(next(model.parameters()).device):
-            loss = model(input_ids=window[None], labels=window[None]).loss
-            (loss * (len(window) - 1)).backward()  # summed over the predicted tokens
-            model.zero_grad(set_to_none=True)
+        _backward_each_window(model, input_ids, lambda: None, summed=True)
     finally:
         for handle in handles:
             handle.remove()
@@ -203,6 +201,19 @@ def _gradient_damages(
             weight, linear, candidates, lambda d, h=h, g=g: float((g[:, None] * (d @ h) * d).sum())
         )
     return damages
+
+
+def _backward_each_window(
+    model: nn.Module, input_ids: Tensor, after: Callable[[], None], *, summed: bool
+) -> None:
+    """The loss of each window backward in turn, `after` reading the gradients before they are
+    cleared. `summed`: the loss summed over the predicted tokens (each token's gradient its
+    own), else their mean (the window's gradient)."""
+    for window in input_ids.to(next(model.parameters()).device):
+        loss = model(input_ids=window[None], labels=window[None]).loss
+        (loss * (len(window) - 1) if summed else loss).backward()
+        after()
+        model.zero_grad(set_to_none=True)
 
 
 def _add(total: Tensor, value: Tensor) -> None:

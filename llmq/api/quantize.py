@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from llmq.api.common import _open, options_of
 from llmq.config import RESUME_EVERY_S, PruneOptions, QuantizeOptions, Recipe
 from llmq.errors import InputError
-from llmq.io.checkpoint import checkpoint_folder
+from llmq.io.checkpoint import checkpoint_folder, read_config
 from llmq.models import resolve_model
 from llmq.progress import NO_PROGRESS, Progress
 
@@ -78,9 +78,10 @@ def quantize(
     run = JobRun(overwrite=overwrite, resume=resume, resume_every_s=resume_every_s,
                  space_check=space_check, reference=reference, device=device,
                  stage_activations=stage_activations, tf32=tf32)  # fmt: skip
-    if converts_model_free(recipe, inputs, model_free, options.calibration_given()):
+    folder = checkpoint_folder(resolve_model(model, progress=progress))
+    config = read_config(folder)
+    if converts_model_free(recipe, inputs, model_free, options.calibration_given(), config):
         _one_process("model-free conversion")
-        folder = checkpoint_folder(resolve_model(model, progress=progress))
         return run_model_free(folder, Path(out), recipe, source=str(model), inputs=inputs, run=run, progress=progress)  # fmt: skip
     return _job(model, out, recipe, inputs, run, progress)
 

@@ -70,17 +70,24 @@ def blocked_causal_applies(
         and not kwargs.get("dropout")
         and kwargs.get("scaling") is not None
         and (window is None or window >= seq)
-        and all(kwargs.get(name) is None for name in ("softcap", "position_bias", "cache"))
+        and not needs_eager(kwargs)
+        and all(kwargs.get(name) is None for name in ("position_bias", "cache"))
     )
+
+
+def needs_eager(kwargs: dict[str, Any]) -> bool:
+    """Whether an attention call asks for what SDPA cannot do, so the family's own eager
+    attention runs it: capped logits (Gemma 2) or attention sinks (GPT-OSS's `s_aux`)."""
+    return kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
 
 
 def needs_explicit_mask(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> bool:
     """Whether a layer pass (called with no mask: SDPA masks causally itself) needs a mask:
-    a sliding window shorter than the keys (Mistral, Qwen2, Gemma's local layers), or capped
-    logits, which run the family's eager attention, which masks nothing by itself."""
+    a sliding window shorter than the keys (Mistral, Qwen2, Gemma's local layers), or the
+    family's eager attention (`needs_eager`), which masks nothing by itself."""
     window = kwargs.get("sliding_window")
     sliding = window is not None and window < key.shape[2]
-    return query.shape[2] > 1 and (sliding or kwargs.get("softcap") is not None)
+    return query.shape[2] > 1 and (sliding or needs_eager(kwargs))
 
 
 def causal_mask(query: Tensor, key: Tensor, window: int | None) -> Tensor:
@@ -98,14 +105,14 @@ def causal_mask(query: Tensor, key: Tensor, window: int | None) -> Tensor:
 
 
 def gpu_causal_applies(
-    module: nn.Module, query: Tensor, key: Tensor, mask: Tensor | None, softcap: float | None
+    module: nn.Module, query: Tensor, key: Tensor, mask: Tensor | None, kwargs: dict[str, Any]
 ) -> bool:
-    """An unmasked, uncapped causal window of equal query and key length on a GPU: what
-    `gpu_causal_attention` serves."""
+    """An unmasked causal window of equal query and key length on a GPU, with nothing that
+    needs the eager attention: what `gpu_causal_attention` serves."""
     return (
         query.is_cuda
         and mask is None
-        and softcap is None
+        and not needs_eager(kwargs)
         and query.shape[2] == key.shape[2]
         and getattr(module, "is_causal", True)
     )

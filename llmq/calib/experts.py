@@ -24,34 +24,68 @@ from torch import Tensor, nn
 from llmq.io.layout import DecoderLayout, Experts
 
 
-class _Expert(nn.Module):
-    """One gated expert: down(act(gate(x)) * up(x)), its linears under the checkpoint's names."""
+class _Gated(nn.Module):
+    """act(gate) · up: the gated MLP of most families."""
 
-    def __init__(self, names: Experts, hidden: int, intermediate: int, act: nn.Module) -> None:
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.act = act
+
+    def forward(self, gate: Tensor, up: Tensor) -> Tensor:
+        return self.act(gate) * up
+
+
+class _ClampedGated(nn.Module):
+    """GPT-OSS's gating (transformers' GptOssExperts._apply_gate): gate clamped from above and
+    up on both sides at `limit`, then (up + 1) · gate · sigmoid(alpha · gate)."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, gate: Tensor, up: Tensor) -> Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
+class _Expert(nn.Module):
+    """One gated expert: down(gated(gate(x), up(x))), its linears under the checkpoint's names."""
+
+    def __init__(
+        self, names: Experts, hidden: int, intermediate: int, gated: nn.Module, bias: bool
+    ) -> None:
         super().__init__()
         self._names = names
         for role, shape in (("gate", (hidden, intermediate)), ("up", (hidden, intermediate)),
                             ("down", (intermediate, hidden))):  # fmt: skip
-            self.add_module(getattr(names, role), nn.Linear(*shape, bias=False))
-        self.act = act
+            self.add_module(getattr(names, role), nn.Linear(*shape, bias=bias))
+        self.gated = gated
 
     def forward(self, x: Tensor) -> Tensor:
         names = self._names
         gate, up, down = (self.get_submodule(getattr(names, r)) for r in ("gate", "up", "down"))
-        return down(self.act(gate(x)) * up(x))
+        return down(self.gated(gate(x), up(x)))
 
 
 class UnfusedExperts(nn.Module):
     """Drop-in for transformers' fused experts module: the same call (tokens [T, H], each
     token's chosen experts [T, k] and their weights [T, k]) and the same output [T, H]."""
 
-    def __init__(self, names: Experts, count: int, hidden: int, intermediate: int, act: nn.Module):
+    def __init__(self, names: Experts, fused: nn.Module) -> None:
         super().__init__()
+        if names.stored_fused:  # GPT-OSS: [E, hidden, 2 x intermediate], biased
+            count, hidden, double_intermediate = fused.gate_up_proj.shape
+            gated: nn.Module = _ClampedGated(fused.alpha, fused.limit)
+        else:  # [E, 2 x intermediate, hidden]
+            count, double_intermediate, hidden = fused.gate_up_proj.shape
+            gated = _Gated(fused.act_fn)
         self.count = count
         self.every_token = True
         self.routed_tokens: Tensor | None = None  # per expert, since the last take_routed_tokens
         for e in range(count):  # children "0", "1", ...: `experts.3.gate_proj`, as on disk
-            self.add_module(str(e), _Expert(names, hidden, intermediate, act))
+            expert = _Expert(names, hidden, double_intermediate // 2, gated, names.stored_fused)
+            self.add_module(str(e), expert)
 
     def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         # counted where the tokens are: a copy to the CPU per batch would wait for the GPU
@@ -86,9 +120,8 @@ def unfuse_experts(model: nn.Module, layout: DecoderLayout, tokens: ExpertTokens
         if names.loaded_as is not None:
             _register_under_checkpoint_name(layer, names.loaded_as, layout.mlp)
         fused = layer.get_submodule(names.module)
-        count, double_intermediate, hidden = fused.gate_up_proj.shape
         with torch.device(fused.gate_up_proj.device):
-            unfused = UnfusedExperts(names, count, hidden, double_intermediate // 2, fused.act_fn)
+            unfused = UnfusedExperts(names, fused)
         unfused.every_token = tokens == "all"
         layer.set_submodule(names.module, unfused)
 

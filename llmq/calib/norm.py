@@ -17,6 +17,7 @@ from torch import Tensor, float32, nn
 FUSED_RMS_NORMS = frozenset({
     "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm",
     "Qwen3MoeRMSNorm", "OlmoeRMSNorm", "MixtralRMSNorm", "Phi3RMSNorm", "DeepseekV3RMSNorm",
+    "GptOssRMSNorm",
 })  # fmt: skip
 """The RMSNorm classes of `llmq.io.family`'s families: weight · x / sqrt(mean(x²) + eps)."""
 OWN_FORWARD_NORMS = frozenset({"Gemma2RMSNorm", "Gemma3RMSNorm"})

@@ -25,6 +25,7 @@ from llmq.calib.attention import (
     causal_mask,
     gpu_causal_applies,
     gpu_causal_attention,
+    needs_eager,
     needs_explicit_mask,
 )
 from llmq.calib.experts import ExpertTokens, unfuse_experts
@@ -60,7 +61,7 @@ def _attention_with_kv_hook(
     the attention module's KV hook, if one is set: where the KV cache is quantized. Unmasked
     causal windows of CPU passes take `causal_attention` where it is the faster one; layer
     passes call with no mask, so a sliding window shorter than the keys gets its mask here, and
-    capped logits (Gemma 2) the family's own eager attention."""
+    capped logits (Gemma 2) and attention sinks (GPT-OSS) the family's own eager attention."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     hook = getattr(module, _KV_HOOK, None)
@@ -68,12 +69,11 @@ def _attention_with_kv_hook(
         key, value = hook(key, value)
     if blocked_causal_applies(module, query, key, attention_mask, kwargs):
         return causal_attention(query, key, value, kwargs["scaling"]), None
-    softcap = kwargs.get("softcap")
     if attention_mask is None and needs_explicit_mask(query, key, kwargs):
         attention_mask = causal_mask(query, key, kwargs.get("sliding_window"))
-    if gpu_causal_applies(module, query, key, attention_mask, softcap):
+    if gpu_causal_applies(module, query, key, attention_mask, kwargs):
         return gpu_causal_attention(query, key, value, kwargs.get("scaling")), None
-    if softcap is not None:  # Gemma 2 caps attention logits: SDPA cannot, its eager code does
+    if needs_eager(kwargs):  # capped logits (Gemma 2), sinks (GPT-OSS): SDPA cannot
         eager = sys.modules[type(module).__module__].eager_attention_forward
         return eager(module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

@@ -21,9 +21,11 @@ from llmq.io.checkpoint import (
     HeaderEntry,
     absent_shard,
     broken_link,
+    read_config,
     read_index,
     read_safetensors_header,
 )
+from llmq.io.family import transposed_weights
 
 _READABLE = {"BF16", "F16", "F32", "F8_E4M3", "F8_E5M2"}
 _DIGITS = re.compile(r"([0-9]+)")
@@ -35,6 +37,9 @@ class Job:
     file: Path
     relative: str  # the file's path under the scanned folder, as reported
     entry: HeaderEntry
+    # stored [..., in, out] (GPT-OSS's fused experts): scanned transposed, so that rows are a
+    # linear's output channels, as quantize groups them
+    transposed: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -74,6 +79,7 @@ def take_inventory(
     for index in sorted(base.rglob(INDEX_FILE)) if root.is_dir() else []:
         _check_index(index, base, inventory)
     names: list[str] = []  # every tensor of the readable files, to check the filters
+    transposed = _TransposedWeights()
     for file in safetensors_files(root):
         try:
             header = read_safetensors_header(file)
@@ -91,11 +97,29 @@ def take_inventory(
                     Skipped(name, relative, entry.dtype, list(entry.shape), reason)
                 )
             else:
-                inventory.jobs.append(Job(name, file, relative, entry))
+                inventory.jobs.append(Job(name, file, relative, entry, transposed(file, name)))
     _check_filters_matched(names, inventory, include, exclude)
     inventory.jobs.sort(key=lambda job: -job.nbytes)  # largest first: workers finish together
     inventory.skipped.sort(key=lambda s: reading_order(s.file, s.name))
     return inventory
+
+
+class _TransposedWeights:
+    """Whether a file's tensor is stored transposed, by the config.json beside the file (read
+    once per folder; none, or one llmq cannot read: nothing is)."""
+
+    def __init__(self) -> None:
+        self._patterns: dict[Path, re.Pattern[str] | None] = {}
+
+    def __call__(self, file: Path, name: str) -> bool:
+        folder = file.parent
+        if folder not in self._patterns:
+            try:
+                self._patterns[folder] = transposed_weights(read_config(folder))
+            except InputError:
+                self._patterns[folder] = None
+        pattern = self._patterns[folder]
+        return pattern is not None and pattern.fullmatch(name) is not None
 
 
 def _check_filters_matched(

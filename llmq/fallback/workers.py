@@ -138,6 +138,8 @@ def _read_or_error(
         tensor = read(job.entry)
     except _READ_ERRORS as exc:
         return exc
+    if job.transposed:
+        tensor = tensor.transpose(-1, -2)
     if options.sample is not None and tensor.numel() > options.sample:
         tensor = sample_rows(tensor, options.sample, seed=job.name)
     return tensor

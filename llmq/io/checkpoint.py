@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmq.errors import InputError, UnsupportedModelError
 from llmq.io.family import FAMILY_LAYOUT, layout_for_config
+from llmq.io.fused_experts import ExpertSlice, per_expert_tensors
 from llmq.io.layout import DecoderLayout
 from llmq.io.record import RECORD_FILE, OutputRecord
 
@@ -97,6 +98,10 @@ class Checkpoint:
     config: dict[str, Any]
     layout: DecoderLayout
     tensors: dict[str, TensorInfo]
+    # GPT-OSS's fused experts: `tensors` shows each expert's weight and bias, read as slices of
+    # these (llmq.io.fused_experts)
+    fused: dict[str, TensorInfo] = field(default_factory=dict)
+    expert_slices: dict[str, ExpertSlice] = field(default_factory=dict)
     _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -128,18 +133,29 @@ class Checkpoint:
         return name in self.tensors
 
     def read(self, name: str) -> torch.Tensor:
-        """One tensor, as stored, read from the memory-mapped shard."""
+        """One tensor, as stored, read from the memory-mapped shard (one expert's share of
+        GPT-OSS's fused experts, llmq.io.fused_experts)."""
+        where = self.expert_slices.get(name)
+        if where is not None:
+            return where.read(self._read_expert)
         try:
             info = self.tensors[name]
         except KeyError:
             raise InputError(f"{self.path}: tensor {name!r} is missing") from None
-        handle = self._handles.get(info.shard)
+        return self._handle(info.shard).get_tensor(name)
+
+    def _read_expert(self, fused: str, expert: int) -> torch.Tensor:
+        """Expert `expert` of a fused tensor (its first index), read alone."""
+        return self._handle(self.fused[fused].shard).get_slice(fused)[expert : expert + 1][0]
+
+    def _handle(self, shard: Path) -> Any:
+        handle = self._handles.get(shard)
         if handle is None:
             from safetensors import safe_open
 
-            handle = safe_open(str(info.shard), framework="pt")
-            self._handles[info.shard] = handle
-        return handle.get_tensor(name)
+            handle = safe_open(str(shard), framework="pt")
+            self._handles[shard] = handle
+        return handle
 
     def file_stamps(self) -> dict[str, Any]:
         """Where the checkpoint is and the size and mtime of every shard: what resume states and
@@ -179,7 +195,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                 f"linears the checkpoint does not store ({', '.join(missing[:3])})",
                 hint=f"families llmq knows by name: {', '.join(sorted(FAMILY_LAYOUT))}",
             )
-    return Checkpoint(path=folder, config=config, layout=layout, tensors=tensors)
+    experts = per_expert_tensors(tensors, layout, int(config.get("num_hidden_layers") or 0))
+    return Checkpoint(
+        path=folder, config=config, layout=layout, tensors=experts.shown, fused=experts.fused,
+        expert_slices=experts.slices,
+    )  # fmt: skip
 
 
 def checkpoint_folder(path: str | Path) -> Path:

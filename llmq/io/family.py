@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from llmq.errors import UnsupportedModelError
-from llmq.io.layout import DecoderLayout, Experts, StructuredRoles
+from llmq.io.layout import EXPERT, DecoderLayout, Experts, StructuredRoles
 
 _ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _MLP_IN = ("mlp.gate_proj", "mlp.up_proj")
@@ -137,6 +137,20 @@ _DEEPSEEK_V3 = _mixture(
     dense=_DEEPSEEK_DENSE,
 )  # fmt: skip
 
+# GPT-OSS: biased attention with sinks (run by its own eager attention), sliding-window layers,
+# biased experts stored fused (`Experts.fused_gate_up`), routed by `mlp.router`. Its experts'
+# activation, (clamp(up) + 1) · glu(clamp(gate)), is not linear in up, so no scale folds from
+# up_proj into down_proj: the MLP's norm is its only pairing.
+_GPT_OSS_EXPERTS = Experts(
+    module="mlp.experts", router="mlp.router", gate="gate_proj", up="up_proj", down="down_proj",
+    fused_gate_up="gate_up_proj", fused_down="down_proj",
+)  # fmt: skip
+_GPT_OSS_MIXTURE = _mixture(_GPT_OSS_EXPERTS)
+_GPT_OSS = replace(
+    _GPT_OSS_MIXTURE,
+    smooth=tuple(pair for pair in _GPT_OSS_MIXTURE.smooth if EXPERT not in pair[0]),
+)
+
 # Gemma 2 and 3: four norms a layer (the two before the attention and the MLP feed the linears;
 # the two after scale the blocks' outputs), norms of (1 + weight), Llama's linears. Structured
 # pruning would have to slice the post-norms and q/k norms too: not supported.
@@ -183,6 +197,7 @@ FAMILY_LAYOUT: dict[str, DecoderLayout] = {
     "gemma3_text": _GEMMA,
     "phi3": _PHI3,
     "deepseek_v3": _DEEPSEEK_V3,
+    "gpt_oss": _GPT_OSS,
 }
 
 
@@ -209,6 +224,23 @@ def layout_for_config(config: dict[str, Any]) -> DecoderLayout:
 
         return discover_layout(config, sorted(FAMILY_LAYOUT))
     return layout.for_config(config)
+
+
+def stores_fused_experts(config: dict[str, Any]) -> bool:
+    """Whether the family of `config` stores its experts fused (GPT-OSS): only the layer
+    pipeline splits them into linears and writes them back."""
+    return transposed_weights(config) is not None
+
+
+def transposed_weights(config: dict[str, Any]) -> re.Pattern[str] | None:
+    """The names of the weights `config`'s family stores as the transpose of a linear's,
+    [..., in, out] (GPT-OSS's fused float experts); None where it stores none."""
+    layout = FAMILY_LAYOUT.get(str(config.get("model_type")))
+    experts = None if layout is None else layout.experts
+    if layout is None or experts is None or not experts.stored_fused:
+        return None
+    fused = "|".join(re.escape(str(name)) for name in (experts.fused_gate_up, experts.fused_down))
+    return re.compile(rf"{re.escape(layout.layers)}\.\d+\.{re.escape(experts.module)}\.({fused})")
 
 
 def layout_for(model_type: str | None) -> DecoderLayout:

@@ -68,6 +68,13 @@ class Experts:
     loaded_as: str | None = None
     # transformers 5 writes `num_local_experts` where hub Qwen3-MoE configs say `num_experts`
     count_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
+    # GPT-OSS stores a layer's experts fused, as transformers holds them: `{module}.{fused_gate_up}`
+    # [E, in, 2 x out] (gate and up interleaved in its columns), `{module}.{fused_down}`
+    # [E, in, out], each with a `_bias`; its hub releases hold them MXFP4 (`_blocks`, `_scales`).
+    # llmq reads them as the per-expert linears above and writes them back fused
+    # (llmq.io.fused_experts); None: every expert's linears stored under their own names.
+    fused_gate_up: str | None = None
+    fused_down: str | None = None
 
     def count(self, config: dict[str, Any]) -> int:
         for key in self.count_keys:
@@ -76,6 +83,10 @@ class Experts:
         raise UnsupportedModelError(
             f"config.json names no expert count ({', '.join(self.count_keys)})"
         )
+
+    @property
+    def stored_fused(self) -> bool:
+        return self.fused_gate_up is not None
 
     def linear(self, role: str) -> str:
         """The layout's name of one role's linear (gate, up or down), EXPERT for the index."""

@@ -11,10 +11,12 @@ from typing import Any
 from pydantic import ValidationError
 from torch import Tensor
 
-from llmq.config import QuantArgs
+from llmq.config import QuantArgs, get_scheme
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
-from llmq.pack.format import decompress, input_scale_name
+from llmq.io.fused_experts import ROLES
+from llmq.io.layout import DecoderLayout
+from llmq.pack.format import PackFormat, decompress, input_scale_name, quantization_config
 from llmq.quant.kvcache import KV_SCALE_NAMES, KVQuantizer
 
 _ARG_FIELDS = (
@@ -62,6 +64,8 @@ class QuantizedView:
 
     def __init__(self, ckpt: Checkpoint) -> None:
         config = ckpt.quantization_config or {}
+        if ckpt.expert_slices and config.get("quant_method") == "mxfp4":
+            config = _mxfp4_release_view(ckpt.layout)
         if config and config.get("quant_method") != "compressed-tensors":
             raise InputError(
                 f"{ckpt.path}: quant_method {config.get('quant_method')!r} is not supported",
@@ -148,6 +152,22 @@ class QuantizedView:
         if not ckpt.has(name):
             raise InputError(f"{ckpt.path}: {name} is missing", hint="the checkpoint is incomplete")
         return ckpt.read(name).float().reshape(1)
+
+
+def _mxfp4_release_view(layout: DecoderLayout) -> dict[str, Any]:
+    """A GPT-OSS MXFP4 release's config as the compressed-tensors config it amounts to: its
+    experts' linears mxfp4a16 (the checkpoint shows them per expert as mxfp4-pack-quantized
+    tensors, llmq.io.fused_experts), everything else in 16 bits."""
+    experts = layout.experts
+    assert experts is not None
+    targets = [
+        rf"re:.*{re.escape(experts.module)}\.\d+\.{re.escape(getattr(experts, role))}$"
+        for role in ROLES
+    ]
+    fmt = PackFormat.MXFP4_PACK_QUANTIZED
+    return quantization_config(
+        [(get_scheme("mxfp4a16").weights, None, targets)], ignore=[], fmt=fmt
+    )  # type: ignore[list-item]
 
 
 def _is_exact(target: str) -> bool:

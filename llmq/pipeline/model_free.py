@@ -53,7 +53,7 @@ from llmq.io.checkpoint import (
     stored_tensors,
     torch_dtype,
 )
-from llmq.io.family import is_linear_weight, layout_for_config
+from llmq.io.family import is_linear_weight, layout_for_config, stores_fused_experts
 from llmq.io.record import OutputRecord
 from llmq.pack.format import PackFormat, compress, quantization_config, scheme_format
 from llmq.pack.loaders import check_required_loaders
@@ -86,8 +86,11 @@ SHARD_BYTES = 1 << 30
 CHUNK_BYTES = 2 << 20
 
 
-def model_free_refusal(recipe: Recipe, inputs: JobInputs) -> str | None:
-    """Why converting with `recipe` needs the model and its activations (None: it does not)."""
+def model_free_refusal(recipe: Recipe, inputs: JobInputs, config: dict[str, Any]) -> str | None:
+    """Why converting the model of `config` with `recipe` needs the model and its activations
+    (None: it does not)."""
+    if stores_fused_experts(config):
+        return f"model_type {config.get('model_type')!r} stores its experts fused: the layer pipeline splits them into linears"  # fmt: skip
     if recipe.weight_args is None or recipe.sparsity is not None or recipe.pattern is not None:
         return f"--method {recipe.method} prunes on the layers' activations"
     if recipe.method != "rtn":
@@ -112,19 +115,24 @@ def model_free_refusal(recipe: Recipe, inputs: JobInputs) -> str | None:
 
 
 def converts_model_free(
-    recipe: Recipe, inputs: JobInputs, model_free: bool | None, calibration: list[str]
+    recipe: Recipe,
+    inputs: JobInputs,
+    model_free: bool | None,
+    calibration: list[str],
+    config: dict[str, Any],
 ) -> bool:
-    """Whether the run converts model-free: by default when the recipe allows it and no
-    calibration option was given (`calibration`: their names; they ask for the layer pipeline's
-    per-layer check); `model_free` True or False forces it. Forcing it for a recipe that needs
-    data, or with calibration options it would not read, is refused in one line."""
+    """Whether the run converts the model of `config` model-free: by default when the recipe
+    and the family allow it and no calibration option was given (`calibration`: their names;
+    they ask for the layer pipeline's per-layer check); `model_free` True or False forces it.
+    Forcing it where it cannot run, or with calibration options it would not read, is refused
+    in one line."""
     if recipe.targets and model_free is False:
         raise InputError(
             "--targets chooses the tensors of model-free conversion: drop --no-model-free",
             hint="the model path quantizes the family's linears: use --ignore to keep some",
         )
     forced = "--model-free" if model_free else "--targets (model-free)" if recipe.targets else None
-    refusal = model_free_refusal(recipe, inputs)
+    refusal = model_free_refusal(recipe, inputs, config)
     if forced and refusal:
         raise InputError(f"{forced}: {refusal}", hint="drop --model-free and --targets")
     if forced and calibration:

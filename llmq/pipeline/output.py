@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from llmq.config import Recipe
 from llmq.io.atomic import write_json, write_record
 from llmq.io.checkpoint import Checkpoint, side_files, torch_dtype
+from llmq.io.fused_experts import mxfp4_release_config
 from llmq.io.record import OutputRecord
 from llmq.pack.format import PackFormat, quantization_config, scheme_format
 from llmq.pipeline.plan import LinearPlan, Plan, config_groups
@@ -70,7 +71,10 @@ def finalize(
     quantization (or pruning) run."""
     config = dict(ckpt.config)
     fmt = scheme_format(recipe.scheme)
-    if fmt is not PackFormat.DENSE:  # pruned alone: a plain checkpoint every loader reads
+    if ckpt.layout.experts is not None and ckpt.layout.experts.stored_fused:
+        if fmt is PackFormat.MXFP4_PACK_QUANTIZED:  # GPT-OSS's own MXFP4 experts
+            config["quantization_config"] = mxfp4_release_config(ckpt.layout)
+    elif fmt is not PackFormat.DENSE:  # pruned alone: a plain checkpoint every loader reads
         config["quantization_config"] = quantization_config(
             config_groups(plan), ignore=plan.ignored, fmt=fmt, kv_cache=recipe.kv_cache_args
         )

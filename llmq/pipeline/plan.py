@@ -71,16 +71,53 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe) -> Plan:
     """The plan of the layer pipeline: the family layout's linears, layer by layer."""
     refuse_quantized(ckpt.path, ckpt.config)
     layers = [ckpt.layout.linear_names(index) for index in range(ckpt.num_layers)]
-    return plan_linears(ckpt.path, ckpt.tensors, layers, recipe, lm_head=ckpt.layout.lm_head)
+    plan = plan_linears(ckpt.path, ckpt.tensors, layers, recipe, lm_head=ckpt.layout.lm_head)
+    return _experts_only(ckpt, recipe, plan)
 
 
 def refuse_quantized(folder: Path, config: dict[str, Any]) -> None:
     quantized = config.get("quantization_config")
     if quantized:
         raise InputError(
-            f"{folder}: already quantized ({quantized.get('format')})",
+            f"{folder}: already quantized "
+            f"({quantized.get('format') or quantized.get('quant_method')})",
             hint="quantize the original float checkpoint",
         )
+
+
+MXFP4_RELEASE_SCHEME = "mxfp4a16"
+
+
+def _experts_only(ckpt: Checkpoint, recipe: Recipe, plan: Plan) -> Plan:
+    """GPT-OSS (experts stored fused): the only quantized checkpoint transformers and vLLM load
+    is its own release format, every expert MXFP4 and everything else in 16 bits. So its
+    quantization takes that scheme, quantizes every expert and keeps the other linears
+    (attention) as they are; pruning alone plans as any family does."""
+    experts = ckpt.layout.experts
+    if experts is None or not experts.stored_fused or recipe.weight_args is None:
+        return plan
+    family = f"model_type {ckpt.config.get('model_type')!r}"
+    if recipe.scheme.name.lower() != MXFP4_RELEASE_SCHEME:
+        raise InputError(
+            f"--scheme {recipe.scheme.name.lower()}: {family} stores its experts fused, and its quantized "
+            "checkpoints hold them MXFP4 (its own release format), everything else in 16 bits",
+            hint=f"use --scheme {MXFP4_RELEASE_SCHEME}",
+        )
+    if recipe.kv_cache_args is not None:
+        raise InputError(f"--kv-cache: {family}'s MXFP4 release format holds only its experts quantized")  # fmt: skip
+    in_experts = re.compile(rf"{re.escape(ckpt.layout.layers)}\.\d+\.{re.escape(experts.module)}\.")
+    kept = [name for name in plan.ignored if in_experts.match(name)]
+    if kept:
+        raise InputError(
+            f"{kept[0]}: kept in full precision (--ignore or --fallback), but {family}'s MXFP4 "
+            "release format quantizes every expert of a layer together",
+            hint="drop the --ignore or --fallback that names experts",
+        )
+    layers = [
+        [linear for linear in layer if in_experts.match(linear.name)] for layer in plan.layers
+    ]
+    others = [linear.name for layer in plan.layers for linear in layer if not in_experts.match(linear.name)]  # fmt: skip
+    return Plan(layers=layers, ignored=[*plan.ignored, *others], adjustments=plan.adjustments)
 
 
 def plan_linears(

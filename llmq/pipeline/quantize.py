@@ -35,6 +35,7 @@ from llmq.heap import ReusedBuffers
 from llmq.io.atomic import publish, save_safetensors, staging_path
 from llmq.io.checkpoint import Checkpoint
 from llmq.io.discover import describe_layout
+from llmq.io.fused_experts import fuse_experts
 from llmq.io.layout import DecoderLayout
 from llmq.io.record import OutputRecord
 from llmq.mixed.choose import written_bits
@@ -219,6 +220,7 @@ def _quantize_layer(
         check_finite(done.output, f"the output of layer {index}")
     tensors = {f"{prefix}{key}": value for key, value in done.tensors.items()}
     tensors.update(other_layer_tensors(stream.ckpt, layer.module, prefix, local))
+    tensors = fuse_experts(tensors, stream.layout_of(layer.module), prefix)
     report = LayerReport(
         index, done.error, time.perf_counter() - layer.started, done.linears, done.rtn_error,
         done.scales, done.expert_tokens,

@@ -142,4 +142,4 @@ def test_gpu_causal_attention_equals_transformers_sdpa(kv_heads: int) -> None:
     expected, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.25)
     got = gpu_causal_attention(query, key, value, 0.25)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    assert not gpu_causal_applies(module, query, key, None, None)  # CPU tensors: not served
+    assert not gpu_causal_applies(module, query, key, None, {})  # CPU tensors: not served

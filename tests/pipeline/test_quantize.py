@@ -239,7 +239,8 @@ def test_compressed_tensors_decompressors_agree(
     assert checked == 7
 
 
-@pytest.mark.parametrize("family", sorted(set(FAMILY_LAYOUT) - {"llama"}))
+# GPT-OSS writes its experts in its own MXFP4 format only: tests/pipeline/test_gpt_oss.py
+@pytest.mark.parametrize("family", sorted(set(FAMILY_LAYOUT) - {"llama", "gpt_oss"}))
 def test_other_families_quantize_and_reload(
     tmp_path: Path, default_model: Path, family: str
 ) -> None:

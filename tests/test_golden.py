@@ -56,6 +56,27 @@ DATA_FREE = ("rtn-w4a16", "fp8-block", "model-free-w4a16", "model-free-fp8-block
 RECORD_FILE = "llmq.json"  # how and when it was made: not part of the checkpoint's bytes
 
 
+def cpu_model() -> str:
+    """This machine's CPU model name. A calibrated case's bytes are the machine's: its BLAS
+    sums a Hessian in an order of its own, which flips a few rounding decisions (measured: an
+    AMD EPYC writes other GPTQ, AWQ, SparseGPT and Wanda files than the Intel machine the
+    hashes were first recorded on, from the same commit). So golden.json holds those cases'
+    hashes per CPU (`by_cpu`), besides the first machine's (`cases`)."""
+    for line in (
+        Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    ):
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def expected(golden: dict, case: str) -> dict[str, str]:
+    """CASE's recorded hashes: this CPU's where golden.json has them (calibrated cases)."""
+    return golden.get("by_cpu", {}).get(cpu_model(), {}).get(case, golden["cases"][case])
+
+
 def written(case: str, out: Path) -> dict[str, str]:
     """Write CASE's checkpoint of the default model at OUT; the SHA-256 of every file in it."""
     command, *options = CASES[case]
@@ -81,23 +102,35 @@ def test_the_files_written_are_unchanged(case: str, tmp_path: Path, default_mode
     golden = json.loads(GOLDEN.read_text())
     if golden["torch"] != torch.__version__:
         pytest.skip(f"hashes recorded with torch {golden['torch']}, this is {torch.__version__}")
-    assert written(case, tmp_path / case) == golden["cases"][case]
+    assert written(case, tmp_path / case) == expected(golden, case)
 
 
-def record(folder: Path, only: list[str]) -> None:
-    """Record every case's hashes again, or only the cases named (the others kept as they are)."""
+def record(folder: Path, only: list[str], *, this_cpu: bool = False) -> None:
+    """Record every case's hashes again, or only the cases named (the others kept as they
+    are); `this_cpu`: the calibrated cases, as this CPU writes them (`by_cpu`)."""
     import torch
 
-    golden = json.loads(GOLDEN.read_text()) if only else {"cases": {}}
-    if only and golden["torch"] != torch.__version__:
+    golden = json.loads(GOLDEN.read_text()) if only or this_cpu else {"cases": {}}
+    if (only or this_cpu) and golden["torch"] != torch.__version__:
         raise SystemExit(f"the other cases were recorded with torch {golden['torch']}: record all")
-    cases = {**golden["cases"], **{case: written(case, folder / case) for case in only or sorted(CASES)}}  # fmt: skip
-    cases = dict(sorted(cases.items()))
-    GOLDEN.write_text(json.dumps({"torch": torch.__version__, "cases": cases}, indent=2) + "\n")
+    names = only or sorted(set(CASES) - set(DATA_FREE) if this_cpu else CASES)
+    hashes = {case: written(case, folder / case) for case in names}
+    by_cpu = golden.get("by_cpu", {})
+    if this_cpu:
+        by_cpu[cpu_model()] = dict(sorted({**by_cpu.get(cpu_model(), {}), **hashes}.items()))
+    else:
+        golden["cases"] = dict(sorted({**golden["cases"], **hashes}.items()))
+    recorded = {"torch": torch.__version__, "cases": golden["cases"], **({"by_cpu": by_cpu} if by_cpu else {})}  # fmt: skip
+    GOLDEN.write_text(json.dumps(recorded, indent=2) + "\n")
 
 
 if __name__ == "__main__":
     import tempfile
 
+    arguments = sys.argv[1:]
     with tempfile.TemporaryDirectory() as scratch:
-        record(Path(scratch), sys.argv[1:])
+        record(
+            Path(scratch),
+            [a for a in arguments if a != "--this-cpu"],
+            this_cpu="--this-cpu" in arguments,
+        )

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 import llmq
 from llmq.cli.main import app
 from llmq.io.checkpoint import open_checkpoint
+from llmq.runtime.load import load_quantized
 from tests.conftest import assert_bad_input, make_tiny
 
 EXPERTS = 4
@@ -109,7 +110,7 @@ def test_mxfp4_experts_are_written_as_gpt_oss_releases_them_and_transformers_rea
         assert all(layer.output_rel_rmse < layer.rtn_output_rel_rmse for layer in result.layers)
 
 
-def test_a_release_reads_as_mxfp4_linears_and_is_not_quantized_again(
+def test_a_release_reads_as_mxfp4_linears_runs_on_llmqs_kernels_and_is_not_quantized_again(
     tmp_path: Path, tiny_gpt_oss: Path
 ) -> None:
     release = tmp_path / "release"
@@ -120,6 +121,8 @@ def test_a_release_reads_as_mxfp4_linears_and_is_not_quantized_again(
     packed = ckpt.read(f"{EXPERTS_0}.3.up_proj.weight_packed")  # expert 3's odd rows
     assert torch.equal(packed, blocks[3, 1::2].flatten(1))
     assert torch.equal(ckpt.read(f"{EXPERTS_0}.3.up_proj.weight_scale"), stored[f"{EXPERTS_0}.gate_up_proj_scales"][3, 1::2])  # fmt: skip
+    on_kernels = load_quantized(ckpt, device="cpu", dtype=torch.float32, kernels="torch")
+    torch.testing.assert_close(logits(on_kernels), logits(llmq.load_dequantized(release)), rtol=1e-4, atol=1e-4)  # fmt: skip
     from typer.testing import CliRunner
 
     again = CliRunner().invoke(app, ["quantize", str(release), "-o", str(tmp_path / "again"), "--scheme", "mxfp4a16"])  # fmt: skip

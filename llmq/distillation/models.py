@@ -21,7 +21,9 @@ _SAME_TOKENIZER = (
 
 
 def check_trainable(ckpt: Checkpoint, role: str) -> None:
-    if ckpt.quantization_config:
+    """A float checkpoint transformers loads as stored (not an FP8 release, which llmq reads
+    as bfloat16 one layer at a time, and transformers would load as its FP8 codes)."""
+    if ckpt.quantization_config or ckpt.views:
         raise InputError(
             f"{ckpt.path}: the {role} is quantized",
             hint="distill float checkpoints; quantize the student afterwards (`llmq quantize`)",

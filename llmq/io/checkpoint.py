@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmq.errors import InputError, UnsupportedModelError
-from llmq.io.family import FAMILY_LAYOUT, layout_for_config
-from llmq.io.fused_experts import ExpertSlice, per_expert_tensors
+from llmq.io.family import BUILT_AS, FAMILY_LAYOUT, layout_for_config
+from llmq.io.fp8_release import show_bfloat16
+from llmq.io.fused_experts import show_per_expert
 from llmq.io.layout import DecoderLayout
 from llmq.io.record import RECORD_FILE, OutputRecord
+from llmq.io.views import ShownTensors, TensorView
 
 if TYPE_CHECKING:
     import torch
@@ -97,11 +99,10 @@ class Checkpoint:
     path: Path
     config: dict[str, Any]
     layout: DecoderLayout
-    tensors: dict[str, TensorInfo]
-    # GPT-OSS's fused experts: `tensors` shows each expert's weight and bias, read as slices of
-    # these (llmq.io.fused_experts)
-    fused: dict[str, TensorInfo] = field(default_factory=dict)
-    expert_slices: dict[str, ExpertSlice] = field(default_factory=dict)
+    tensors: dict[str, TensorInfo]  # as shown: stored, or views over hidden ones
+    # stored tensors shown through views (llmq.io.views): GPT-OSS's fused experts, FP8 codes
+    hidden: dict[str, TensorInfo] = field(default_factory=dict)
+    views: dict[str, TensorView] = field(default_factory=dict)
     _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -123,30 +124,36 @@ class Checkpoint:
 
     def model_config(self) -> Any:
         """The transformers config of the architecture, without `quantization_config`: llmq
-        builds plain float modules and applies (or simulates) the quantization itself."""
+        builds plain float modules and applies (or simulates) the quantization itself; a
+        model_type of `BUILT_AS` as the architecture transformers knows (no remote code)."""
         from transformers import AutoConfig
 
-        plain = {k: v for k, v in self.config.items() if k != "quantization_config"}
+        plain = {
+            k: v for k, v in self.config.items() if k not in ("quantization_config", "auto_map")
+        }
+        plain["model_type"] = BUILT_AS.get(plain.get("model_type"), plain.get("model_type"))
         return AutoConfig.for_model(**plain)
 
     def has(self, name: str) -> bool:
         return name in self.tensors
 
     def read(self, name: str) -> torch.Tensor:
-        """One tensor, as stored, read from the memory-mapped shard (one expert's share of
-        GPT-OSS's fused experts, llmq.io.fused_experts)."""
-        where = self.expert_slices.get(name)
-        if where is not None:
-            return where.read(self._read_expert)
-        try:
-            info = self.tensors[name]
-        except KeyError:
-            raise InputError(f"{self.path}: tensor {name!r} is missing") from None
-        return self._handle(info.shard).get_tensor(name)
+        """One tensor as shown: as stored, read from the memory-mapped shard, or computed by
+        its view from the stored ones (llmq.io.views)."""
+        view = self.views.get(name)
+        if view is not None:
+            return view.read(self._read_stored)
+        if name not in self.tensors:
+            raise InputError(f"{self.path}: tensor {name!r} is missing")
+        return self._read_stored(name)
 
-    def _read_expert(self, fused: str, expert: int) -> torch.Tensor:
-        """Expert `expert` of a fused tensor (its first index), read alone."""
-        return self._handle(self.fused[fused].shard).get_slice(fused)[expert : expert + 1][0]
+    def _read_stored(self, name: str, index: int | None = None) -> torch.Tensor:
+        """Stored tensor `name`, or only its entry `index` along the first dimension."""
+        info = self.hidden.get(name) or self.tensors[name]
+        handle = self._handle(info.shard)
+        if index is None:
+            return handle.get_tensor(name)
+        return handle.get_slice(name)[index : index + 1][0]
 
     def _handle(self, shard: Path) -> Any:
         handle = self._handles.get(shard)
@@ -195,10 +202,12 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                 f"linears the checkpoint does not store ({', '.join(missing[:3])})",
                 hint=f"families llmq knows by name: {', '.join(sorted(FAMILY_LAYOUT))}",
             )
-    experts = per_expert_tensors(tensors, layout, int(config.get("num_hidden_layers") or 0))
+    shown = ShownTensors(tensors)
+    config = show_bfloat16(shown, config)
+    show_per_expert(shown, layout, int(config.get("num_hidden_layers") or 0))
     return Checkpoint(
-        path=folder, config=config, layout=layout, tensors=experts.shown, fused=experts.fused,
-        expert_slices=experts.slices,
+        path=folder, config=config, layout=layout, tensors=shown.shown, hidden=shown.hidden,
+        views=shown.views,
     )  # fmt: skip
 
 

@@ -198,7 +198,12 @@ FAMILY_LAYOUT: dict[str, DecoderLayout] = {
     "phi3": _PHI3,
     "deepseek_v3": _DEEPSEEK_V3,
     "gpt_oss": _GPT_OSS,
+    "kimi_k2": _DEEPSEEK_V3,
 }
+# model_types whose config.json asks for remote code though transformers knows the architecture:
+# llmq builds them as that architecture (vLLM serves Kimi K2 as DeepseekV3ForCausalLM too); the
+# checkpoint written keeps its own model_type.
+BUILT_AS = {"kimi_k2": "deepseek_v3"}
 
 
 # The last name part of a 2-D weight's module that is not a linear to quantize, in a family

@@ -18,12 +18,12 @@ into the checkpoint's own form, which transformers and vLLM read as GPT-OSS.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from llmq.errors import InputError
 from llmq.io.layout import DecoderLayout
+from llmq.io.views import ShownTensors, StoredReader
 
 if TYPE_CHECKING:  # torch is imported where tensors are read or written: `--help` needs none
     from torch import Tensor
@@ -47,9 +47,9 @@ class ExpertSlice:
     expert: int
     role: str
 
-    def read(self, read_expert: Callable[[str, int], Tensor]) -> Tensor:
-        """The tensor [out, ...]; `read_expert(name, e)` reads expert e of a stored tensor."""
-        tensor = read_expert(self.stored, self.expert)
+    def read(self, stored: StoredReader) -> Tensor:
+        """The expert's tensor [out, ...], its own entry of the fused one read alone."""
+        tensor = stored(self.stored, self.expert)
         rows = {"gate": slice(0, None, 2), "up": slice(1, None, 2)}.get(self.role, slice(None))
         if self.stored.endswith(_BLOCKS):  # [out, in / 32, 16] -> weight_packed [out, in / 2]
             return tensor[rows].flatten(1).contiguous()
@@ -58,24 +58,12 @@ class ExpertSlice:
         return tensor[:, rows].T.contiguous()  # a float weight, stored [in, out]
 
 
-@dataclass(frozen=True, slots=True)
-class ExpertTensors:
-    """What `per_expert_tensors` makes of a checkpoint's tensors: the per-expert names shown
-    (with every other tensor), the fused tensors they come from, and where each one lives."""
-
-    shown: dict[str, TensorInfo]
-    fused: dict[str, TensorInfo]
-    slices: dict[str, ExpertSlice]
-
-
-def per_expert_tensors(
-    tensors: dict[str, TensorInfo], layout: DecoderLayout, num_layers: int
-) -> ExpertTensors:
-    """`tensors` with each layer's fused experts shown as per-expert linears' tensors."""
+def show_per_expert(tensors: ShownTensors, layout: DecoderLayout, num_layers: int) -> None:
+    """Show each layer's fused experts as per-expert linears' tensors (in place)."""
     experts = layout.experts
     if experts is None or not experts.stored_fused:
-        return ExpertTensors(tensors, {}, {})
-    shown, slices = dict(tensors), {}
+        return
+    shown, slices = tensors.shown, {}
     for index in range(num_layers):
         if layout.at(index).experts is None:
             continue
@@ -87,9 +75,8 @@ def per_expert_tensors(
                     name = f"{base}{e}.{getattr(experts, role)}.{leaf}"
                     shown[name] = dataclasses.replace(stored, shape=shape)
                     slices[name] = ExpertSlice(stored_name(fused, leaf), e, role)
-    fused_names = {where.stored for where in slices.values()}
-    fused = {name: shown.pop(name) for name in fused_names}
-    return ExpertTensors(shown, fused, slices)
+    tensors.hide({where.stored for where in slices.values()})
+    tensors.views.update(slices)
 
 
 _STORED_AS = {_WEIGHT: "", _PACKED: _BLOCKS, _SCALE: _SCALES, "bias": _BIAS}

@@ -47,10 +47,11 @@ WHOLE_MODEL_FACTOR = 4
 
 def resolved_sensitivity(ckpt: Checkpoint, sensitivity: str, device: str | None) -> str:
     """`auto`: gradient (the better predictor: benchmarks/RESULTS.md) where the whole model fits
-    in half the free memory of the device and is dense; output (one layer at a time) elsewhere."""
+    in half the free memory of the device, is dense and is stored as transformers reads it (not
+    an FP8 release read as bfloat16); output (one layer at a time) elsewhere."""
     if sensitivity != "auto":
         return sensitivity
-    if ckpt.layout.experts is not None:
+    if ckpt.layout.experts is not None or ckpt.views:
         return "output"
     weights = sum(math.prod(info.shape) for info in ckpt.tensors.values())
     return "gradient" if WHOLE_MODEL_FACTOR * 4 * weights <= _free_memory(device) / 2 else "output"
@@ -228,12 +229,15 @@ def _whole_model(ckpt: Checkpoint, device: str | None) -> nn.Module:
 
     from llmq.calib.stream import resolve_device
 
+    hint = "use --sensitivity output (measured one layer at a time)"
     if ckpt.layout.experts is not None:
         raise InputError(
             "--sensitivity fisher and gradient: transformers holds a mixture's experts fused, "
             "not as the checkpoint's linears",
-            hint="use --sensitivity output (measured one layer at a time)",
+            hint=hint,
         )
+    if ckpt.views:
+        raise InputError("--sensitivity fisher and gradient: transformers would load this FP8 release's codes, not the bfloat16 weights llmq reads", hint=hint)  # fmt: skip
 
     model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
     model.to(resolve_device(device)).eval()

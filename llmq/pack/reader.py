@@ -64,7 +64,7 @@ class QuantizedView:
 
     def __init__(self, ckpt: Checkpoint) -> None:
         config = ckpt.quantization_config or {}
-        if ckpt.expert_slices and config.get("quant_method") == "mxfp4":
+        if ckpt.views and config.get("quant_method") == "mxfp4":
             config = _mxfp4_release_view(ckpt.layout)
         if config and config.get("quant_method") != "compressed-tensors":
             raise InputError(

@@ -54,6 +54,7 @@ from llmq.io.checkpoint import (
     torch_dtype,
 )
 from llmq.io.family import is_linear_weight, layout_for_config, stores_fused_experts
+from llmq.io.fp8_release import fp8_block_size
 from llmq.io.record import OutputRecord
 from llmq.pack.format import PackFormat, compress, quantization_config, scheme_format
 from llmq.pack.loaders import check_required_loaders
@@ -91,6 +92,8 @@ def model_free_refusal(recipe: Recipe, inputs: JobInputs, config: dict[str, Any]
     (None: it does not)."""
     if stores_fused_experts(config):
         return f"model_type {config.get('model_type')!r} stores its experts fused: the layer pipeline splits them into linears"  # fmt: skip
+    if fp8_block_size(config) is not None:
+        return "an FP8 block release is read as bfloat16 by the layer pipeline"
     if recipe.weight_args is None or recipe.sparsity is not None or recipe.pattern is not None:
         return f"--method {recipe.method} prunes on the layers' activations"
     if recipe.method != "rtn":

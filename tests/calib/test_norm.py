@@ -12,7 +12,7 @@ from torch import nn
 from llmq.calib.norm import FUSED_RMS_NORMS, OWN_FORWARD_NORMS, fuse_rms_norms
 from llmq.calib.stream import LayerStream
 from llmq.io.checkpoint import open_checkpoint
-from llmq.io.family import FAMILY_LAYOUT
+from llmq.io.family import BUILT_AS, FAMILY_LAYOUT
 
 
 def _family_norm_classes() -> dict[str, type[nn.Module]]:
@@ -22,7 +22,7 @@ def _family_norm_classes() -> dict[str, type[nn.Module]]:
     classes = {}
     for model_type in FAMILY_LAYOUT:
         config = AutoConfig.for_model(
-            model_type, num_hidden_layers=1, vocab_size=64, pad_token_id=0
+            BUILT_AS.get(model_type, model_type), num_hidden_layers=1, vocab_size=64, pad_token_id=0
         )
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)

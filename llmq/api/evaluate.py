@@ -133,9 +133,33 @@ def verify(
     from llmq.eval.verify import check_loaders, installed_loaders
     from llmq.eval.verify import verify as run
 
+    if Path(path).is_file():
+        return _verify_gguf(Path(path), loaders, against, progress, device)
     names = check_loaders(list(loaders)) if loaders else installed_loaders()
     folder = resolve_model(path, progress=progress)
     if not folder.is_dir():
-        raise InputError(f"{path}: not a folder", hint="verify reads a checkpoint folder")
+        raise InputError(f"{path}: not a folder", hint="verify reads a checkpoint folder or a GGUF file")  # fmt: skip
     original = _open(against, progress) if against is not None else None
     return run(folder, loaders=names, against=original, progress=progress, device=device)
+
+
+def _verify_gguf(
+    path: Path,
+    loaders: list[str] | None,
+    against: str | Path | None,
+    progress: Progress,
+    device: str | None,
+) -> VerifyResult:
+    """A GGUF file, held to the model its tensors define on its source's architecture (the
+    checkpoint it records, or `against`)."""
+    from llmq.eval.verify_gguf import gguf_loaders, verify_gguf
+    from llmq.gguf.read import is_gguf, recorded_source
+
+    if not is_gguf(path):
+        raise InputError(f"{path}: not a folder or a GGUF file", hint="verify reads a checkpoint folder or a GGUF file")  # fmt: skip
+    names = gguf_loaders(loaders)
+    source = against if against is not None else recorded_source(path)
+    if source is None:
+        raise InputError(f"{path}: records no source checkpoint (not written by llmq)", hint="name it: --baseline MODEL")  # fmt: skip
+    original = _open(source, progress)
+    return verify_gguf(path, original, loaders=names, against=original if against is not None else None, progress=progress, device=device)  # fmt: skip

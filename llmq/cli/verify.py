@@ -46,7 +46,8 @@ def verify(
 
     Loads MODEL with each loader, runs the prompts its llmq.json records and compares the
     log-probabilities with the reference llmq computed from the files it wrote; checks the
-    files against their recorded SHA-256. A loader ends as ok, does not load (the reason), or
+    files against their recorded SHA-256. A GGUF file is held to the model its tensors define
+    on its source's architecture (the one it records, or --baseline). A loader ends as ok, does not load (the reason), or
     wrong logits (how far off). Exit codes: 0 every loader ok and no file changed, 1 a loader
     failed or a file changed, 2 bad input. See docs/verify.md.
     """

@@ -140,22 +140,39 @@ def verify(
     results = []
     for name in loaders:
         with progress.stage(f"loading with {name}"):
-            results.append(_run_loader(name, folder, ckpt, reference, device))
+            results.append(run_loader(name, _LOADERS[name], folder, ckpt, reference, device))
     result = VerifyResult(str(folder), source, results, changed)
     if against is not None:
-        with progress.stage(f"scoring the original model {against.path.name}"):
-            original = distance(reference.prompts, evaluator_log_probs(against, reference.input_ids, device=device))  # fmt: skip
-        result.against = {"model": str(against.path), **asdict(original)}
+        result.against = distance_from(against, reference, progress, device)
     return result
 
 
-def _run_loader(
-    name: str, folder: Path, ckpt: Checkpoint, reference: Reference, device: str | None
+def distance_from(
+    original: Checkpoint, reference: Reference, progress: Progress, device: str | None
+) -> dict[str, Any]:
+    """How far the original model is from the reference (what quantization moved)."""
+    with progress.stage(f"scoring the original model {original.path.name}"):
+        log_probs = evaluator_log_probs(original, reference.input_ids, device=device)
+    return {"model": str(original.path), **asdict(distance(reference.prompts, log_probs))}
+
+
+Loader = Callable[[Path, Checkpoint, Reference, str | None], Comparison]
+"""Loads the checkpoint at a path as one runtime does and compares its log-probabilities."""
+
+
+def run_loader(
+    name: str,
+    load: Loader,
+    path: Path,
+    ckpt: Checkpoint,
+    reference: Reference,
+    device: str | None,
 ) -> LoaderResult:
+    """`load`'s verdict on the checkpoint at `path`: ok, does not load, or wrong logits."""
     started = time.perf_counter()
     try:
         with _captured_output() as captured:
-            measured = _LOADERS[name](folder, ckpt, reference, device)
+            measured = load(path, ckpt, reference, device)
     except Exception as exc:  # any failure of a third-party loader is its verdict, in one line
         reason = _load_report_problem(captured) or _one_line(exc)
         return LoaderResult(name, "does not load", reason, None, time.perf_counter() - started)
@@ -236,7 +253,7 @@ def _transformers(folder: Path, ckpt: Checkpoint, reference: Reference, device: 
     for module in model.modules():
         if hasattr(module, "quantization_scheme"):
             module.quantization_enabled = False
-    log_probs = _model_log_probs(model.to(resolve_device(device)), reference.input_ids)
+    log_probs = model_log_probs(model.to(resolve_device(device)), reference.input_ids)
     return Comparison(distance(reference.weights(), log_probs), LOGPROB_TOLERANCE, "weights alone")
 
 
@@ -252,7 +269,7 @@ def _llmq(folder: Path, ckpt: Checkpoint, reference: Reference, device: str | No
             raise
         log_probs = evaluator_log_probs(ckpt, reference.input_ids, device=device)
         return Comparison(distance(reference.prompts, log_probs), LOGPROB_TOLERANCE, "as the format runs")  # fmt: skip
-    log_probs = _model_log_probs(model, reference.input_ids)
+    log_probs = model_log_probs(model, reference.input_ids)
     return _as_run(distance(reference.prompts, log_probs), reference)
 
 
@@ -264,7 +281,7 @@ def _as_run(measured: Distance, reference: Reference) -> Comparison:
 
 
 @torch.inference_mode()
-def _model_log_probs(model: Any, ids: list[list[int]]) -> list[Tensor]:
+def model_log_probs(model: Any, ids: list[list[int]]) -> list[Tensor]:
     device = next(model.parameters()).device
     logits = model(padded(ids).to(device)).logits.float()
     return unpadded(torch.log_softmax(logits, dim=-1).cpu(), ids)
@@ -300,7 +317,7 @@ def vllm_top_values(reference: Reference, outputs: list[Any]) -> list[Tensor]:
     return values
 
 
-_LOADERS: dict[str, Callable[[Path, Checkpoint, Reference, str | None], Comparison]] = {
+_LOADERS: dict[str, Loader] = {
     "transformers": _transformers,
     "vllm": _vllm,
     "llmq": _llmq,

@@ -35,6 +35,7 @@ from llmq.io.checkpoint import Checkpoint
 from llmq.progress import NO_PROGRESS, Progress
 
 QUANTIZED_BY = "llmq"
+SOURCE_KEY = "llmq.source_model"  # the checkpoint a file was written from (llmq.gguf.read)
 _FLOAT = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}
 
 
@@ -95,6 +96,7 @@ def export_gguf(
             writer = gguf.GGUFWriter(partial, gguf.MODEL_ARCH_NAMES[arch.arch])
             writer.add_name(ckpt.path.name)
             writer.add_quantized_by(QUANTIZED_BY)
+            writer.add_string(SOURCE_KEY, str(ckpt.path.resolve()))  # for `llmq verify`
             write_hyperparameters(writer, ckpt.model_config())
             writer.add_file_type(scheme.file_type)
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -113,29 +115,45 @@ def export_gguf(
     )
 
 
-def plan_tensors(
-    ckpt: Checkpoint, scheme: GGUFScheme, overrides: tuple[tuple[str, Any], ...] = ()
-) -> list[PlannedTensor]:
-    """Every tensor of the checkpoint with its GGUF name and type, in the checkpoint's order."""
+@dataclass(frozen=True, slots=True)
+class NamedTensor:
+    source: str  # the checkpoint's name
+    name: str  # the GGUF name
+    shape: tuple[int, ...]
+    rotary_heads: int | None  # q/k rows to permute for the architecture's rotary layout
+
+
+def named_tensors(ckpt: Checkpoint) -> list[NamedTensor]:
+    """Every tensor of the checkpoint with its GGUF name, in the checkpoint's order."""
     arch = gguf_arch(ckpt.config)
-    layers = ckpt.num_layers
-    names = TensorNames(arch, layers)
+    names = TensorNames(arch, ckpt.num_layers)
     config = ckpt.config
     heads = int(config["num_attention_heads"])
     rotary = {"attn_q": heads, "attn_k": int(config.get("num_key_value_heads") or heads)}
-    output = "token_embd.weight" if ckpt.tied_embeddings else "output.weight"
-    plan = []
+    named = []
     for source, info in ckpt.tensors.items():
         if source.endswith("rotary_emb.inv_freq"):
             continue
         name = names.gguf_name(source)
-        shape = tuple(info.shape)
-        qtype = choose_type(
-            scheme, name, shape, layers, is_output=name == output, overrides=overrides
-        )
         kind = name.split(".")[-2] if name.startswith("blk.") else ""
         heads_here = rotary.get(kind) if arch.permute_rotary and name.endswith(".weight") else None
-        plan.append(PlannedTensor(source, name, shape, qtype, heads_here))
+        named.append(NamedTensor(source, name, tuple(info.shape), heads_here))
+    return named
+
+
+def plan_tensors(
+    ckpt: Checkpoint, scheme: GGUFScheme, overrides: tuple[tuple[str, Any], ...] = ()
+) -> list[PlannedTensor]:
+    """Every tensor of the checkpoint with its GGUF name and type, in the checkpoint's order."""
+    output = "token_embd.weight" if ckpt.tied_embeddings else "output.weight"
+    layers = ckpt.num_layers
+    plan = []
+    for t in named_tensors(ckpt):
+        is_output = t.name == output
+        qtype = choose_type(
+            scheme, t.name, t.shape, layers, is_output=is_output, overrides=overrides
+        )
+        plan.append(PlannedTensor(t.source, t.name, t.shape, qtype, t.rotary_heads))
     return plan
 
 

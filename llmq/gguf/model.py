@@ -94,6 +94,13 @@ def permute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """`permute_rotary_rows`' inverse: each head's rotary halves back in Hugging Face's order."""
+    rows = weight.shape[0]
+    half = rows // heads // 2
+    return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
 def write_hyperparameters(writer: gguf.GGUFWriter, config: Any) -> None:
     """The architecture's hyperparameters, from the transformers config."""
     heads = config.num_attention_heads

@@ -67,6 +67,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "llmq.calib",
         "llmq.pack",
         "llmq.runtime",
+        "llmq.gguf",  # verify reads a GGUF file back as its source's tensors
     ),
     # mixed precision: measures the float model's linears (calib), counts packed bytes (pack)
     "mixed": (*BASE, "llmq.config", "llmq.io", "llmq.quant", "llmq.calib", "llmq.pack"),

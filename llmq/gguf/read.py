@@ -1,0 +1,89 @@
+"""A GGUF file read back as its source checkpoint's tensors (for `llmq verify`).
+
+A GGUF file is held to the model its tensors define: the source checkpoint's architecture
+(config, tensor names, anything the file does not hold) with each tensor the file holds as the
+`gguf` package's reference code decodes it, q/k rows put back in Hugging Face's order. So llmq's
+evaluator computes what the file means, and each runtime that loads the file (transformers'
+GGUF reader) is compared with that. The file names its source (`SOURCE_KEY`, written by
+`export_gguf`); `--baseline` names it for a file llmq did not write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from torch import Tensor
+
+from llmq.errors import InputError
+from llmq.gguf.export import SOURCE_KEY, named_tensors
+from llmq.gguf.model import read_field, unpermute_rotary_rows
+from llmq.io.checkpoint import Checkpoint
+
+
+def is_gguf(path: Path) -> bool:
+    """A GGUF file (by its magic bytes)."""
+    try:
+        with path.open("rb") as file:
+            return path.is_file() and file.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def recorded_source(path: Path) -> str | None:
+    """The checkpoint llmq wrote the file from; None for another tool's file."""
+    source = read_field(path, SOURCE_KEY)
+    return None if source is None else str(source)
+
+
+@lru_cache(maxsize=2)
+def _tensors(path: Path) -> dict[str, Any]:
+    """The file's tensors by name (memory-mapped: read when decoded)."""
+    try:
+        return {tensor.name: tensor for tensor in gguf.GGUFReader(path).tensors}
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: not a readable GGUF file ({exc})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedTensor:
+    """A source tensor as the GGUF file holds it, decoded by the gguf package."""
+
+    file: Path
+    name: str  # the GGUF name
+    rotary_heads: int | None
+
+    def read(self, stored: Any) -> Tensor:
+        tensor = _tensors(self.file)[self.name]
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        values = values.reshape([int(n) for n in reversed(tensor.shape)])
+        if self.rotary_heads is not None:
+            values = unpermute_rotary_rows(values, self.rotary_heads)
+        return torch.from_numpy(
+            np.array(values, dtype=np.float32)
+        )  # a copy: the file is mapped read-only
+
+
+def gguf_as_checkpoint(source: Checkpoint, path: Path) -> Checkpoint:
+    """`source` with every tensor the GGUF file holds shown as the file decodes it (float32);
+    InputError when the file lacks one of the source's tensors or holds another shape."""
+    held = _tensors(path)
+    shown, views = dict(source.tensors), {}
+    for tensor in named_tensors(source):
+        stored = held.get(tensor.name)
+        if stored is None:
+            raise InputError(f"{path}: holds no {tensor.name} ({tensor.source} of {source.path})", hint="verify a GGUF file against the checkpoint it was written from (--baseline)")  # fmt: skip
+        shape = tuple(int(n) for n in reversed(stored.shape))
+        if shape != tensor.shape:
+            raise InputError(f"{path}: {tensor.name} is {list(shape)}, {tensor.source} of {source.path} is {list(tensor.shape)}")  # fmt: skip
+        shown[tensor.source] = dataclasses.replace(source.tensors[tensor.source], dtype="F32")
+        views[tensor.source] = DecodedTensor(path, tensor.name, tensor.rotary_heads)
+    return Checkpoint(
+        path=source.path, config=source.config, layout=source.layout, tensors=shown, views=views
+    )

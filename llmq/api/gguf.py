@@ -41,6 +41,11 @@ def quantize_gguf(
     overrides = parse_tensor_types(recipe.tensor_types)
     ckpt = _open(model, progress)
     plan = plan_tensors(ckpt, scheme, overrides)  # an unmapped family or tensor: refused now
+    if recipe.method == "gptq" and any(len(tensor.sources) > 1 for tensor in plan):
+        raise InputError(
+            "--method gptq: GPTQ's error feedback on GGUF's stacked experts is not built yet",
+            hint="drop --method gptq: the experts' block scales are still searched against the importance matrix",
+        )  # fmt: skip
     refuse_inputs(out, [("model", ckpt.path), ("imatrix", recipe.imatrix)])
     check_gguf_output(out, overwrite=overwrite)
     imatrix, source, hessians = None, None, None

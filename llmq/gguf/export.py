@@ -23,6 +23,7 @@ from llmq.gguf.gptq import gptq_codes
 from llmq.gguf.grids import choose_grid
 from llmq.gguf.mix import GGUFScheme, choose_type
 from llmq.gguf.model import (
+    EXPERT_INDEX,
     TensorNames,
     gguf_arch,
     permute_rotary_rows,
@@ -41,9 +42,9 @@ _FLOAT = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F
 
 @dataclass(frozen=True, slots=True)
 class PlannedTensor:
-    source: str  # the checkpoint's name
+    sources: tuple[str, ...]  # the checkpoint's names: one, or each expert's (stacked, in order)
     name: str  # the GGUF name
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # [rows, cols]; stacked experts [experts, rows, cols]
     qtype: gguf.GGMLQuantizationType
     rotary_heads: int | None  # q/k rows to permute for the architecture's rotary layout
 
@@ -52,7 +53,7 @@ class PlannedTensor:
         if self.qtype in _FLOAT:
             return int(np.prod(self.shape)) * np.dtype(_FLOAT[self.qtype]).itemsize
         spec = SPECS[self.qtype]
-        return self.shape[0] * self.shape[1] // spec.block_size * spec.type_size
+        return int(np.prod(self.shape[:-1])) * self.shape[-1] // spec.block_size * spec.type_size
 
 
 @dataclass(slots=True)
@@ -117,27 +118,33 @@ def export_gguf(
 
 @dataclass(frozen=True, slots=True)
 class NamedTensor:
-    source: str  # the checkpoint's name
+    sources: tuple[str, ...]  # the checkpoint's names: one, or each expert's (stacked, in order)
     name: str  # the GGUF name
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # stacked experts: [experts, rows, cols]
     rotary_heads: int | None  # q/k rows to permute for the architecture's rotary layout
 
 
 def named_tensors(ckpt: Checkpoint) -> list[NamedTensor]:
-    """Every tensor of the checkpoint with its GGUF name, in the checkpoint's order."""
+    """Every tensor of the checkpoint with its GGUF name, in the checkpoint's order; a mixture's
+    experts of one role (per layer) stacked in one tensor, as llama.cpp's converter writes them."""
     arch = gguf_arch(ckpt.config)
     names = TensorNames(arch, ckpt.num_layers)
     config = ckpt.config
     heads = int(config["num_attention_heads"])
     rotary = {"attn_q": heads, "attn_k": int(config.get("num_key_value_heads") or heads)}
+    grouped: dict[str, list[str]] = {}
+    for source in ckpt.tensors:
+        if not source.endswith("rotary_emb.inv_freq"):
+            grouped.setdefault(names.gguf_name(source), []).append(source)
     named = []
-    for source, info in ckpt.tensors.items():
-        if source.endswith("rotary_emb.inv_freq"):
-            continue
-        name = names.gguf_name(source)
+    for name, sources in grouped.items():
+        shape = tuple(ckpt.tensors[sources[0]].shape)
+        if len(sources) > 1:  # experts, by index
+            sources.sort(key=lambda source: int(EXPERT_INDEX.search(source).group(1)))  # type: ignore[union-attr]
+            shape = (len(sources), *shape)
         kind = name.split(".")[-2] if name.startswith("blk.") else ""
         heads_here = rotary.get(kind) if arch.permute_rotary and name.endswith(".weight") else None
-        named.append(NamedTensor(source, name, tuple(info.shape), heads_here))
+        named.append(NamedTensor(tuple(sources), name, shape, heads_here))
     return named
 
 
@@ -153,7 +160,7 @@ def plan_tensors(
         qtype = choose_type(
             scheme, t.name, t.shape, layers, is_output=is_output, overrides=overrides
         )
-        plan.append(PlannedTensor(t.source, t.name, t.shape, qtype, t.rotary_heads))
+        plan.append(PlannedTensor(t.sources, t.name, t.shape, qtype, t.rotary_heads))
     return plan
 
 
@@ -178,16 +185,23 @@ def _write_tensors(
     errors = {}
     with progress.stage("encoding and writing tensors", total=len(plan)) as step:
         for tensor in plan:
-            weight = ckpt.read(tensor.source).float().numpy()
-            ckpt.close()
-            if tensor.rotary_heads is not None:
-                weight = permute_rotary_rows(weight, tensor.rotary_heads)
-            data, error = encode(
-                tensor, weight, importance.get(tensor.name), hessians.get(tensor.name)
-            )
-            if error is not None:
-                errors[tensor.name] = error
-            writer.write_tensor_data(data)
+            parts, part_errors = [], []
+            for expert, source in enumerate(tensor.sources):  # one at a time: stacked experts
+                weight = ckpt.read(source).float().numpy()
+                ckpt.close()
+                if tensor.rotary_heads is not None:
+                    weight = permute_rotary_rows(weight, tensor.rotary_heads)
+                weights_importance = importance.get(tensor.name)
+                if weights_importance is not None and weights_importance.ndim == 2:  # per expert
+                    weights_importance = weights_importance[expert]
+                data, error = encode(tensor, weight, weights_importance, hessians.get(tensor.name))  # fmt: skip
+                parts.append(data)
+                part_errors.append(error)
+            if part_errors[0] is not None:
+                errors[tensor.name] = max(
+                    e for e in part_errors if e is not None
+                )  # the worst expert's
+            writer.write_tensor_data(parts[0] if len(parts) == 1 else np.concatenate(parts))
             step(1)
     writer.close()
     return errors
@@ -213,7 +227,7 @@ def encode(
 
 def _byte_shape(tensor: PlannedTensor) -> tuple[int, ...]:
     spec = SPECS[tensor.qtype]
-    return (tensor.shape[0], tensor.shape[1] // spec.block_size * spec.type_size)
+    return (*tensor.shape[:-1], tensor.shape[-1] // spec.block_size * spec.type_size)
 
 
 def _weights_bytes(ckpt: Checkpoint) -> int:

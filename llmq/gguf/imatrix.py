@@ -20,7 +20,7 @@ from torch import Tensor
 from llmq.calib.stats import CalibStats
 from llmq.config import CalibConfig
 from llmq.errors import InputError
-from llmq.gguf.model import TensorNames, gguf_arch, read_field
+from llmq.gguf.model import EXPERT_INDEX, TensorNames, gguf_arch, read_field
 from llmq.io.atomic import check_output_file, partial_file
 from llmq.io.checkpoint import Checkpoint
 from llmq.progress import NO_PROGRESS, Progress
@@ -28,10 +28,12 @@ from llmq.progress import NO_PROGRESS, Progress
 
 @dataclass(slots=True)
 class Imatrix:
-    """Sums of squared inputs and token counts, by GGUF weight name."""
+    """Sums of squared inputs and token counts, by GGUF weight name. A mixture's stacked
+    experts have one row of sums and one count per expert ([experts, cols], [experts]), as
+    llama.cpp's files hold them."""
 
     sums: dict[str, np.ndarray]
-    counts: dict[str, float]
+    counts: dict[str, np.ndarray]  # [1] for a plain weight, [experts] for stacked ones
     arch: str = ""  # the model's GGUF architecture, when known
     datasets: tuple[str, ...] = ()
     chunk_count: int = 0
@@ -39,10 +41,12 @@ class Imatrix:
 
     def importance(self) -> dict[str, np.ndarray]:
         """Each weight's mean squared input per channel (what the scale search weighs by)."""
-        return {
-            name: (total / max(self.counts[name], 1.0)).astype(np.float32)
-            for name, total in self.sums.items()
-        }
+        importance = {}
+        for name, total in self.sums.items():
+            counts = np.maximum(self.counts[name], 1.0)
+            per_row = total / counts[:, None] if total.ndim == 2 else total / counts[0]
+            importance[name] = per_row.astype(np.float32)
+        return importance
 
 
 def imatrix_from_calibration(
@@ -93,12 +97,18 @@ def imatrix_from_stats(ckpt: Checkpoint, stats: CalibStats, calibration: CalibCo
     under the GGUF names of `ckpt`'s weights."""
     arch = gguf_arch(ckpt.config)
     names = TensorNames(arch, ckpt.num_layers)
-    sums, counts = {}, {}
+    rows: dict[str, dict[int, tuple[np.ndarray, float]]] = {}  # per GGUF name, per expert
     for linear, observed in stats.inputs.items():
         assert observed.sq_sum is not None
-        name = names.gguf_name(f"{linear}.weight")
-        sums[name] = observed.sq_sum.double().cpu().numpy()
-        counts[name] = float(observed.num_tokens)
+        expert = EXPERT_INDEX.search(linear)
+        row = (observed.sq_sum.double().cpu().numpy(), float(observed.num_tokens))
+        rows.setdefault(names.gguf_name(f"{linear}.weight"), {})[int(expert.group(1)) if expert else -1] = row  # fmt: skip
+    sums, counts = {}, {}
+    for name, by_expert in rows.items():
+        ordered = [by_expert[e] for e in sorted(by_expert)]
+        stacked = -1 not in by_expert
+        sums[name] = np.stack([r[0] for r in ordered]) if stacked else ordered[0][0]
+        counts[name] = np.array([r[1] for r in ordered])
     return Imatrix(
         sums, counts, gguf.MODEL_ARCH_NAMES[arch.arch], datasets=(calibration.text,),
         chunk_count=calibration.num_samples, chunk_size=calibration.seq_len,
@@ -113,9 +123,10 @@ def save_imatrix(path: Path, imatrix: Imatrix) -> None:
         writer.add_array(gguf.Keys.IMatrix.DATASETS, list(imatrix.datasets))
         writer.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, imatrix.chunk_count)
         writer.add_uint32(gguf.Keys.IMatrix.CHUNK_SIZE, imatrix.chunk_size)
-        for name in sorted(imatrix.sums):
-            writer.add_tensor(f"{name}.in_sum2", imatrix.sums[name].astype(np.float32)[None, :])
-            writer.add_tensor(f"{name}.counts", np.array([[imatrix.counts[name]]], np.float32))
+        for name in sorted(imatrix.sums):  # [matrices, cols] and [matrices, 1]: one, or experts
+            sums = imatrix.sums[name].astype(np.float32)
+            writer.add_tensor(f"{name}.in_sum2", sums.reshape(-1, sums.shape[-1]))
+            writer.add_tensor(f"{name}.counts", imatrix.counts[name].astype(np.float32)[:, None])
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -148,8 +159,10 @@ def read_imatrix(path: Path) -> Imatrix:
             count = tensors.get(f"{name}.counts")
             if count is None:
                 raise InputError(f"{path}: {name} has sums but no counts")
-            if count.size != 1:
-                raise InputError(f"{path}: {name} is per expert; llmq reads dense imatrices")
-            sums[name], counts[name] = data.reshape(-1), float(count.reshape(-1)[0])
+            if data.size % count.size:
+                raise InputError(f"{path}: {name} has {data.size} sums for {count.size} counts")
+            per_row = data.reshape(count.size, -1)  # one row per expert of a stacked weight
+            sums[name] = per_row[0] if count.size == 1 else per_row
+            counts[name] = count.reshape(-1)
     datasets = reader.get_field(gguf.Keys.IMatrix.DATASETS)
     return Imatrix(sums, counts, datasets=() if datasets is None else tuple(datasets.contents()))

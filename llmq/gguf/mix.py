@@ -118,13 +118,15 @@ def _scheme_type(
     if layer is None:
         return scheme.main
     index = int(layer.group(1))
-    raised = ".attn_v." in name or ".ffn_down." in name
+    # llama.cpp matches "ffn_down" anywhere in the name: a mixture's stacked ffn_down_exps too
+    ffn_down = ".ffn_down." in name or ".ffn_down_exps." in name
+    raised = ".attn_v." in name or ffn_down
     if raised and scheme.more_bits is not None and _more_bits(index, num_layers):
         return scheme.more_bits
     if scheme.early_bits is not None:
         if ".attn_v." in name and index < 4:
             return scheme.early_bits
-        if ".ffn_down." in name and index < num_layers // 8:
+        if ffn_down and index < num_layers // 8:
             return scheme.early_bits
     return scheme.main
 

@@ -12,6 +12,7 @@ llama.cpp too ("NEOX" rope), so they are written as stored.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,12 @@ ARCHS = {
     "mistral": GGUFArch(gguf.MODEL_ARCH.LLAMA, permute_rotary=True),
     "qwen2": GGUFArch(gguf.MODEL_ARCH.QWEN2, permute_rotary=False),
     "qwen3": GGUFArch(gguf.MODEL_ARCH.QWEN3, permute_rotary=False),
+    # experts stacked in one 3-D tensor per role (ffn_gate_exps [experts, rows, cols] ...)
+    "qwen3_moe": GGUFArch(gguf.MODEL_ARCH.QWEN3MOE, permute_rotary=False),
 }
+# Where a checkpoint's per-expert name holds the expert's index (`mlp.experts.3.up_proj`): GGUF
+# stacks the experts of a role into one tensor, named as the name without it.
+EXPERT_INDEX = re.compile(r"(?<=\.experts)\.(\d+)(?=\.)")
 # llama.cpp names a BPE tokenizer's pre-tokenizer (how text is split before merges) rather than
 # storing its regex; these are the splits that tell the common ones apart, tried in order.
 # A plain byte-level tokenizer (GPT-2's split, as SmolLM2's) is "gpt-2".
@@ -53,6 +59,11 @@ def gguf_arch(config: dict[str, Any]) -> GGUFArch:
         raise InputError(
             f"model_type {model_type!r}: no GGUF mapping in llmq yet",
             hint=f"llmq writes GGUF for {', '.join(ARCHS)}",
+        )
+    if model_type == "qwen3_moe" and not config.get("norm_topk_prob"):
+        raise InputError(
+            "norm_topk_prob false: llama.cpp's qwen3moe always renormalizes the chosen experts' "
+            "weights, so the GGUF file would compute another model"
         )
     scaling = config.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type") or (config.get("rope_parameters") or {}).get("rope_type")
@@ -71,7 +82,8 @@ class TensorNames:
         self._map = gguf.get_tensor_name_map(arch.arch, num_layers)
 
     def gguf_name(self, hf_name: str) -> str:
-        name = self._map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        """The GGUF name of a tensor (of the stacked tensor, for one expert's)."""
+        name = self._map.get_name(EXPERT_INDEX.sub("", hf_name), try_suffixes=(".weight", ".bias"))
         if name is None:
             raise InputError(f"{hf_name}: no GGUF tensor name for it in this architecture")
         return name
@@ -115,6 +127,11 @@ def write_hyperparameters(writer: gguf.GGUFWriter, config: Any) -> None:
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    experts = getattr(config, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     # stated even where it is hidden / heads: readers take a family's default head size
     # otherwise (transformers' Qwen3 assumes 128)
     writer.add_key_length(head_dim)

@@ -58,11 +58,15 @@ class DecodedTensor:
     file: Path
     name: str  # the GGUF name
     rotary_heads: int | None
+    expert: int | None = None  # one expert's share of a stacked tensor
 
     def read(self, stored: Any) -> Tensor:
         tensor = _tensors(self.file)[self.name]
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        values = values.reshape([int(n) for n in reversed(tensor.shape)])
+        shape = [int(n) for n in reversed(tensor.shape)]
+        data = tensor.data
+        if self.expert is not None:
+            data, shape = data[self.expert], shape[1:]
+        values = gguf.quants.dequantize(data, tensor.tensor_type).reshape(shape)
         if self.rotary_heads is not None:
             values = unpermute_rotary_rows(values, self.rotary_heads)
         return torch.from_numpy(
@@ -77,13 +81,16 @@ def gguf_as_checkpoint(source: Checkpoint, path: Path) -> Checkpoint:
     shown, views = dict(source.tensors), {}
     for tensor in named_tensors(source):
         stored = held.get(tensor.name)
+        first = tensor.sources[0]
         if stored is None:
-            raise InputError(f"{path}: holds no {tensor.name} ({tensor.source} of {source.path})", hint="verify a GGUF file against the checkpoint it was written from (--baseline)")  # fmt: skip
+            raise InputError(f"{path}: holds no {tensor.name} ({first} of {source.path})", hint="verify a GGUF file against the checkpoint it was written from (--baseline)")  # fmt: skip
         shape = tuple(int(n) for n in reversed(stored.shape))
         if shape != tensor.shape:
-            raise InputError(f"{path}: {tensor.name} is {list(shape)}, {tensor.source} of {source.path} is {list(tensor.shape)}")  # fmt: skip
-        shown[tensor.source] = dataclasses.replace(source.tensors[tensor.source], dtype="F32")
-        views[tensor.source] = DecodedTensor(path, tensor.name, tensor.rotary_heads)
+            raise InputError(f"{path}: {tensor.name} is {list(shape)}, {first} of {source.path} is {list(tensor.shape)}")  # fmt: skip
+        stacked = len(tensor.sources) > 1
+        for expert, name in enumerate(tensor.sources):
+            shown[name] = dataclasses.replace(source.tensors[name], dtype="F32")
+            views[name] = DecodedTensor(path, tensor.name, tensor.rotary_heads, expert if stacked else None)  # fmt: skip
     return Checkpoint(
         path=source.path, config=source.config, layout=source.layout, tensors=shown, views=views
     )

@@ -82,7 +82,7 @@ def test_transformers_loads_the_model_llmq_meant(
     float_model = AutoModelForCausalLM.from_pretrained(source).eval()
     config = float_model.config
     ckpt = open_checkpoint(source)
-    names = {t.source: t.name for t in plan_tensors(ckpt, get_gguf_scheme(scheme))}
+    names = {t.sources[0]: t.name for t in plan_tensors(ckpt, get_gguf_scheme(scheme))}
     reference = _reference_weights(
         out, config.num_attention_heads, config.num_key_value_heads, model_type == "llama"
     )
@@ -142,14 +142,24 @@ def test_permuted_rows_interleave_each_heads_halves() -> None:
 
 
 def test_imatrix_files_round_trip(tmp_path: Path) -> None:
-    sums = {"blk.0.attn_q.weight": np.array([1.0, 4.0, 9.0]), "output.weight": np.ones(5)}
-    written = Imatrix(sums, {"blk.0.attn_q.weight": 2.0, "output.weight": 5.0}, "llama", ("t",))
-    save_imatrix(tmp_path / "m.imatrix", written)
+    """Plain weights and stacked experts (a row of sums and a count per expert, as llama.cpp
+    writes a mixture's): the file holds what was written, each row divided by its count."""
+    experts = "blk.0.ffn_down_exps.weight"
+    sums = {
+        "blk.0.attn_q.weight": np.array([1.0, 4.0, 9.0]), "output.weight": np.ones(5),
+        experts: np.array([[2.0, 4.0], [3.0, 9.0]]),
+    }  # fmt: skip
+    counts = {"blk.0.attn_q.weight": np.array([2.0]), "output.weight": np.array([5.0]), experts: np.array([2.0, 3.0])}  # fmt: skip
+    save_imatrix(tmp_path / "m.imatrix", Imatrix(sums, counts, "llama", ("t",)))
     read = read_imatrix(tmp_path / "m.imatrix")
-    assert read.counts == written.counts and read.datasets == ("t",)
+    assert read.datasets == ("t",) and sorted(read.counts) == sorted(counts)
+    for name in counts:
+        np.testing.assert_array_equal(read.counts[name], counts[name])
+        np.testing.assert_array_equal(read.sums[name], sums[name])
     importance = read.importance()
     np.testing.assert_array_equal(importance["blk.0.attn_q.weight"], [0.5, 2.0, 4.5])
     np.testing.assert_array_equal(importance["output.weight"], np.full(5, 0.2, np.float32))
+    np.testing.assert_array_equal(importance[experts], [[1.0, 2.0], [1.0, 3.0]])
 
 
 @pytest.mark.integration
@@ -167,7 +177,7 @@ def test_importance_from_calibration_weighs_the_export(tmp_path: Path, default_m
         for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     )  # fmt: skip
     assert all((values > 0).all() for values in imatrix.sums.values())
-    assert set(imatrix.counts.values()) == {64.0}  # 2 windows of 32 tokens
+    assert all(c.tolist() == [64.0] for c in imatrix.counts.values())  # 2 windows of 32 tokens
     again = llmq.quantize(source, tmp_path / "b.gguf", format="gguf", imatrix=str(imatrix_file))
     assert made.importance is not None and again.importance == str(imatrix_file)
     assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
@@ -265,7 +275,7 @@ def test_bad_imatrix_files_and_formats_exit_2_and_stay_unchanged(
     text.write_text("not an imatrix")
     other = tmp_path / "other.imatrix"
     save_imatrix(
-        other, Imatrix({"blk.99.attn_q.weight": np.ones(3)}, {"blk.99.attn_q.weight": 1.0})
+        other, Imatrix({"blk.99.attn_q.weight": np.ones(3)}, {"blk.99.attn_q.weight": np.ones(1)})
     )
     other_bytes = other.read_bytes()
     cases = [

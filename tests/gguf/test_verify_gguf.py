@@ -1,18 +1,21 @@
 """`llmq verify FILE.gguf`: transformers' GGUF reader is held to the model the file's tensors
-define on its source's architecture; a file whose metadata misstates the model fails."""
+define on its source's architecture; a file whose metadata misstates the model fails. Mixtures of
+experts (Qwen3-MoE) are written with each role's experts stacked, as llama.cpp reads them."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import gguf
 import pytest
 from typer.testing import CliRunner
 
 import llmq
 from llmq.cli.main import app
 from llmq.gguf import model as gguf_model
-from tests.conftest import assert_bad_input, make_tiny, sharpen
+from llmq.gguf.imatrix import read_imatrix
+from tests.conftest import TINY_EXPERTS, assert_bad_input, make_tiny, sharpen
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +74,46 @@ def test_what_verify_cannot_hold_a_gguf_file_to_is_one_line(tmp_path: Path, sour
     other.mkdir()
     make_tiny(other / "llama", source, hidden=192)
     assert_bad_input(runner.invoke(app, ["verify", str(out), "--baseline", str(other / "llama")]), "token_embd.weight is [49152, 256], model.embed_tokens.weight")  # fmt: skip
+
+
+def tiny_qwen3_moe(folder: Path, default_model: Path, **fields: object) -> Path:
+    """4 experts of 768 (transformers' GGUF reader takes Qwen3-MoE's expert width from its
+    default, 768, not from the file), renormalized top-2 routing (as llama.cpp's qwen3moe)."""
+    experts = {**TINY_EXPERTS["qwen3_moe"], "moe_intermediate_size": 768, "norm_topk_prob": True}
+    return make_tiny(folder, default_model, model_type="qwen3_moe", hidden=256, heads=4, kv_heads=2, head_dim=128, **{**experts, **fields})  # fmt: skip
+
+
+@pytest.mark.integration
+def test_a_mixtures_experts_are_stacked_per_role_and_transformers_reads_them(
+    tmp_path: Path, default_model: Path
+) -> None:
+    """Each layer's experts of a role in one 3-D tensor, in expert order (transformers splits
+    them its own way and computes the reference), block scales searched against a per-expert
+    importance matrix (a row and a count per expert, as llama.cpp's imatrix files hold them)."""
+    source = tiny_qwen3_moe(tmp_path / "moe", default_model)
+    imatrix_file = tmp_path / "moe.imatrix"
+    llmq.calibrate(source, imatrix_file, imatrix=True, num_samples=2, seq_len=32)
+    imatrix = read_imatrix(imatrix_file)
+    assert imatrix.sums["blk.0.ffn_down_exps.weight"].shape == (4, 768)
+    assert imatrix.counts["blk.0.ffn_gate_exps.weight"].tolist() == [64.0] * 4  # every token
+    out = tmp_path / "moe.gguf"
+    llmq.quantize(source, out, format="gguf", scheme="q4_k_m", imatrix=str(imatrix_file))
+    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    assert [int(n) for n in reversed(tensors["blk.0.ffn_gate_exps.weight"].shape)] == [4, 768, 256]
+    assert [int(n) for n in reversed(tensors["blk.1.ffn_down_exps.weight"].shape)] == [4, 256, 768]
+    # raised where llama.cpp raises ffn_down: the last eighth of the layers (here layer 1)
+    down_types = [tensors[f"blk.{i}.ffn_down_exps.weight"].tensor_type.name for i in range(2)]
+    assert down_types == ["Q4_K", "Q6_K"]
+    code, report = verified(str(out))
+    assert code == 0 and report["loaders"][0]["status"] == "ok"
+
+
+def test_what_a_gguf_mixture_cannot_be_is_refused_in_one_line(tmp_path: Path, default_model: Path) -> None:  # fmt: skip
+    runner = CliRunner()
+    source = tiny_qwen3_moe(tmp_path / "moe", default_model)
+    gptq = runner.invoke(app, ["quantize", str(source), "-o", str(tmp_path / "a.gguf"), "--format", "gguf", "--method", "gptq"])  # fmt: skip
+    assert_bad_input(gptq, "--method gptq: GPTQ's error feedback on GGUF's stacked experts")
+    unnormalized = tiny_qwen3_moe(tmp_path / "plain", default_model, norm_topk_prob=False)
+    routed = runner.invoke(app, ["quantize", str(unnormalized), "-o", str(tmp_path / "b.gguf"), "--format", "gguf"])  # fmt: skip
+    assert_bad_input(routed, "norm_topk_prob false")
+    assert not any(tmp_path.glob("*.gguf"))

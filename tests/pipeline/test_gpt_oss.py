@@ -190,3 +190,25 @@ def test_fallback_scan_groups_the_fused_experts_along_their_inputs(
     as_stored.mkdir()
     save_file({name: fused}, as_stored / "experts.safetensors")
     assert scanned(as_stored) != scanned(linear_major)
+
+
+def test_an_interrupted_run_resumes_to_the_same_release(
+    tmp_path: Path, default_model: Path
+) -> None:
+    """GPTQ stopped after two of four layers, resumed from there: the fused experts written by
+    the first run and the second are the bytes of one uninterrupted run."""
+    from tests.pipeline.test_quantize import InterruptAfter, checkpoint_bytes
+
+    model = make_tiny(
+        tmp_path / "model", default_model, model_type="gpt_oss", layers=4, num_local_experts=EXPERTS,
+        num_experts_per_tok=2, intermediate_size=128, layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=8,
+    )  # fmt: skip
+    job = {"scheme": "mxfp4a16", "method": "gptq", **CALIBRATION}
+    llmq.quantize(model, tmp_path / "whole", **job)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        llmq.quantize(model, out, progress=InterruptAfter(2), resume_every_s=0, **job)
+    resumed = llmq.quantize(model, out, resume=True, **job)
+    assert resumed.resumed_layers == 2
+    assert checkpoint_bytes(out) == checkpoint_bytes(tmp_path / "whole")

@@ -53,14 +53,31 @@ def random_tensor(*shape: int, generator: torch.Generator) -> torch.Tensor:
     return (torch.randn(*shape, generator=generator) * 0.02).to(torch.bfloat16)
 
 
-def gpt_oss_layer_tensors(index: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    shapes = GPT_OSS_SHAPES
+def attention_tensors(
+    index: int, shapes: dict, generator: torch.Generator, *, bias: bool
+) -> dict[str, torch.Tensor]:
+    """A layer's two norms and q/k/v/o projections (with biases where the family has them)."""
     h, heads, kv, d = (shapes[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))  # fmt: skip
-    experts, inter = shapes["num_local_experts"], shapes["intermediate_size"]
     p = f"model.layers.{index}."
     tensors = {
         f"{p}input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
         f"{p}post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+    }
+    for name, rows, columns in (("q", heads * d, h), ("k", kv * d, h), ("v", kv * d, h), ("o", h, heads * d)):  # fmt: skip
+        tensors[f"{p}self_attn.{name}_proj.weight"] = random_tensor(rows, columns, generator=generator)  # fmt: skip
+        if bias:
+            tensors[f"{p}self_attn.{name}_proj.bias"] = random_tensor(rows, generator=generator)
+    return tensors
+
+
+def gpt_oss_layer_tensors(index: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Sinks, a biased router, and the experts fused as GPT-OSS stores them."""
+    shapes = GPT_OSS_SHAPES
+    h, heads = shapes["hidden_size"], shapes["num_attention_heads"]
+    experts, inter = shapes["num_local_experts"], shapes["intermediate_size"]
+    p = f"model.layers.{index}."
+    return {
+        **attention_tensors(index, shapes, generator, bias=True),
         f"{p}self_attn.sinks": random_tensor(heads, generator=generator),
         f"{p}mlp.router.weight": random_tensor(experts, h, generator=generator) * 25,
         f"{p}mlp.router.bias": random_tensor(experts, generator=generator),
@@ -69,23 +86,15 @@ def gpt_oss_layer_tensors(index: int, generator: torch.Generator) -> dict[str, t
         f"{p}mlp.experts.down_proj": random_tensor(experts, inter, h, generator=generator),
         f"{p}mlp.experts.down_proj_bias": random_tensor(experts, h, generator=generator),
     }
-    for name, rows, columns in (("q", heads * d, h), ("k", kv * d, h), ("v", kv * d, h), ("o", h, heads * d)):  # fmt: skip
-        tensors[f"{p}self_attn.{name}_proj.weight"] = random_tensor(rows, columns, generator=generator)  # fmt: skip
-        tensors[f"{p}self_attn.{name}_proj.bias"] = random_tensor(rows, generator=generator)
-    return tensors
 
 
 def layer_tensors(index: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    h, heads, kv, d = (SHAPES[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))  # fmt: skip
+    """q/k norms, a router, and every expert's linears under its own name (Qwen3-MoE)."""
+    h, d = SHAPES["hidden_size"], SHAPES["head_dim"]
     experts, inter = SHAPES["num_experts"], SHAPES["moe_intermediate_size"]
     p = f"model.layers.{index}."
     tensors = {
-        f"{p}input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-        f"{p}post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-        f"{p}self_attn.q_proj.weight": random_tensor(heads * d, h, generator=generator),
-        f"{p}self_attn.k_proj.weight": random_tensor(kv * d, h, generator=generator),
-        f"{p}self_attn.v_proj.weight": random_tensor(kv * d, h, generator=generator),
-        f"{p}self_attn.o_proj.weight": random_tensor(h, heads * d, generator=generator),
+        **attention_tensors(index, SHAPES, generator, bias=False),
         f"{p}self_attn.q_norm.weight": torch.ones(d, dtype=torch.bfloat16),
         f"{p}self_attn.k_norm.weight": torch.ones(d, dtype=torch.bfloat16),
         f"{p}mlp.gate.weight": random_tensor(experts, h, generator=generator) * 25,

@@ -18,9 +18,9 @@ from llmq.cli.main import app
 from llmq.io.checkpoint import open_checkpoint
 from llmq.runtime.load import load_quantized
 from tests.conftest import assert_bad_input, make_tiny
+from tests.pipeline.test_moe import logits
 
 EXPERTS = 4
-IDS = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
 EXPERTS_0 = "model.layers.0.mlp.experts"
 CALIBRATION = {"num_samples": 4, "seq_len": 32}
 # the hub releases' quantization_config (openai/gpt-oss-20b's config.json)
@@ -48,11 +48,6 @@ def tiny_gpt_oss(tmp_path_factory: pytest.TempPathFactory, default_model: Path) 
             tensors[name] = torch.randn(tensor.shape, generator=generator) * 0.5
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
-
-
-def logits(model: torch.nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(IDS).logits
 
 
 def test_llmq_computes_gpt_oss_as_transformers_does(tiny_gpt_oss: Path) -> None:
@@ -190,25 +185,3 @@ def test_fallback_scan_groups_the_fused_experts_along_their_inputs(
     as_stored.mkdir()
     save_file({name: fused}, as_stored / "experts.safetensors")
     assert scanned(as_stored) != scanned(linear_major)
-
-
-def test_an_interrupted_run_resumes_to_the_same_release(
-    tmp_path: Path, default_model: Path
-) -> None:
-    """GPTQ stopped after two of four layers, resumed from there: the fused experts written by
-    the first run and the second are the bytes of one uninterrupted run."""
-    from tests.pipeline.test_quantize import InterruptAfter, checkpoint_bytes
-
-    model = make_tiny(
-        tmp_path / "model", default_model, model_type="gpt_oss", layers=4, num_local_experts=EXPERTS,
-        num_experts_per_tok=2, intermediate_size=128, layer_types=["sliding_attention", "full_attention"] * 2,
-        sliding_window=8,
-    )  # fmt: skip
-    job = {"scheme": "mxfp4a16", "method": "gptq", **CALIBRATION}
-    llmq.quantize(model, tmp_path / "whole", **job)
-    out = tmp_path / "out"
-    with pytest.raises(KeyboardInterrupt):
-        llmq.quantize(model, out, progress=InterruptAfter(2), resume_every_s=0, **job)
-    resumed = llmq.quantize(model, out, resume=True, **job)
-    assert resumed.resumed_layers == 2
-    assert checkpoint_bytes(out) == checkpoint_bytes(tmp_path / "whole")

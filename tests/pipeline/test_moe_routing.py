@@ -106,14 +106,24 @@ def test_routed_calibration_refuses_a_scale_search_over_all_experts(moe: Path, t
     assert not (tmp_path / "o").exists()
 
 
+GPT_OSS = {
+    "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 8,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("family", "scheme", "fields"),
+    [("qwen3_moe", "w4a16", {}), ("gpt_oss", "mxfp4a16", GPT_OSS)],  # GPT-OSS: fused back
+)
 def test_an_interrupted_mixture_of_experts_run_resumes_to_the_same_files(
-    tmp_path: Path, default_model: Path
+    tmp_path: Path, default_model: Path, family: str, scheme: str, fields: dict
 ) -> None:
     """GPTQ with the coverage count: stopped after two of four layers, resumed from there."""
     from tests.pipeline.test_quantize import InterruptAfter, checkpoint_bytes
 
-    model = make_tiny(tmp_path / "model", default_model, model_type="qwen3_moe", layers=4)
-    job = {"scheme": "w4a16", "method": "gptq", **CALIBRATION}
+    model = make_tiny(tmp_path / "model", default_model, model_type=family, layers=4, **fields)
+    job = {"scheme": scheme, "method": "gptq", **CALIBRATION}
     whole = llmq.quantize(model, tmp_path / "whole", **job)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):

@@ -24,6 +24,7 @@ from llmq.gguf.grids import choose_grid
 from llmq.gguf.mix import GGUFScheme, choose_type
 from llmq.gguf.model import (
     EXPERT_INDEX,
+    VECTORS,
     TensorNames,
     gguf_arch,
     permute_rotary_rows,
@@ -139,6 +140,8 @@ def named_tensors(ckpt: Checkpoint) -> list[NamedTensor]:
     named = []
     for name, sources in grouped.items():
         shape = tuple(ckpt.tensors[sources[0]].shape)
+        if name.endswith(VECTORS):
+            shape = shape[-1:]
         if len(sources) > 1:  # experts, by index
             sources.sort(key=lambda source: int(EXPERT_INDEX.search(source).group(1)))  # type: ignore[union-attr]
             shape = (len(sources), *shape)
@@ -187,7 +190,8 @@ def _write_tensors(
         for tensor in plan:
             parts, part_errors = [], []
             for expert, source in enumerate(tensor.sources):  # one at a time: stacked experts
-                weight = ckpt.read(source).float().numpy()
+                shape = tensor.shape[1:] if len(tensor.sources) > 1 else tensor.shape
+                weight = ckpt.read(source).float().numpy().reshape(shape)
                 ckpt.close()
                 if tensor.rotary_heads is not None:
                     weight = permute_rotary_rows(weight, tensor.rotary_heads)

@@ -39,7 +39,13 @@ ARCHS = {
     "qwen3": GGUFArch(gguf.MODEL_ARCH.QWEN3, permute_rotary=False),
     # experts stacked in one 3-D tensor per role (ffn_gate_exps [experts, rows, cols] ...)
     "qwen3_moe": GGUFArch(gguf.MODEL_ARCH.QWEN3MOE, permute_rotary=False),
+    "qwen2_moe": GGUFArch(gguf.MODEL_ARCH.QWEN2MOE, permute_rotary=False),  # + a shared expert
 }
+# Whether llama.cpp renormalizes the chosen experts' weights (norm_topk_prob) for the family: a
+# checkpoint that says otherwise would compute another model there.
+_RENORMALIZES = {"qwen3_moe": True, "qwen2_moe": False}
+# Weights llama.cpp reads as vectors: Qwen2-MoE's shared-expert gate, [1, hidden] in the checkpoint
+VECTORS = ("ffn_gate_inp_shexp.weight",)
 # Where a checkpoint's per-expert name holds the expert's index (`mlp.experts.3.up_proj`): GGUF
 # stacks the experts of a role into one tensor, named as the name without it.
 EXPERT_INDEX = re.compile(r"(?<=\.experts)\.(\d+)(?=\.)")
@@ -60,10 +66,13 @@ def gguf_arch(config: dict[str, Any]) -> GGUFArch:
             f"model_type {model_type!r}: no GGUF mapping in llmq yet",
             hint=f"llmq writes GGUF for {', '.join(ARCHS)}",
         )
-    if model_type == "qwen3_moe" and not config.get("norm_topk_prob"):
+    renormalizes = _RENORMALIZES.get(str(model_type))
+    if renormalizes is not None and bool(config.get("norm_topk_prob")) != renormalizes:
         raise InputError(
-            "norm_topk_prob false: llama.cpp's qwen3moe always renormalizes the chosen experts' "
-            "weights, so the GGUF file would compute another model"
+            f"norm_topk_prob {str(not renormalizes).lower()}: llama.cpp's "
+            f"{gguf.MODEL_ARCH_NAMES[ARCHS[model_type].arch]} "
+            f"{'always' if renormalizes else 'never'} renormalizes the chosen experts' weights, so "
+            "the GGUF file would compute another model"
         )
     scaling = config.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type") or (config.get("rope_parameters") or {}).get("rope_type")
@@ -132,6 +141,9 @@ def write_hyperparameters(writer: gguf.GGUFWriter, config: Any) -> None:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    shared = getattr(config, "shared_expert_intermediate_size", None)
+    if shared:
+        writer.add_expert_shared_feed_forward_length(shared)
     # stated even where it is hidden / heads: readers take a family's default head size
     # otherwise (transformers' Qwen3 assumes 128)
     writer.add_key_length(head_dim)

@@ -58,6 +58,7 @@ class DecodedTensor:
     file: Path
     name: str  # the GGUF name
     rotary_heads: int | None
+    shape: tuple[int, ...]  # the checkpoint's (a vector GGUF holds 1-D may be [1, n] there)
     expert: int | None = None  # one expert's share of a stacked tensor
 
     def read(self, stored: Any) -> Tensor:
@@ -69,9 +70,8 @@ class DecodedTensor:
         values = gguf.quants.dequantize(data, tensor.tensor_type).reshape(shape)
         if self.rotary_heads is not None:
             values = unpermute_rotary_rows(values, self.rotary_heads)
-        return torch.from_numpy(
-            np.array(values, dtype=np.float32)
-        )  # a copy: the file is mapped read-only
+        copied = np.array(values, dtype=np.float32)  # a copy: the file is mapped read-only
+        return torch.from_numpy(copied.reshape(self.shape))
 
 
 def gguf_as_checkpoint(source: Checkpoint, path: Path) -> Checkpoint:
@@ -90,7 +90,8 @@ def gguf_as_checkpoint(source: Checkpoint, path: Path) -> Checkpoint:
         stacked = len(tensor.sources) > 1
         for expert, name in enumerate(tensor.sources):
             shown[name] = dataclasses.replace(source.tensors[name], dtype="F32")
-            views[name] = DecodedTensor(path, tensor.name, tensor.rotary_heads, expert if stacked else None)  # fmt: skip
+            shape = tuple(source.tensors[name].shape)
+            views[name] = DecodedTensor(path, tensor.name, tensor.rotary_heads, shape, expert if stacked else None)  # fmt: skip
     return Checkpoint(
         path=source.path, config=source.config, layout=source.layout, tensors=shown, views=views
     )

@@ -76,44 +76,75 @@ def test_what_verify_cannot_hold_a_gguf_file_to_is_one_line(tmp_path: Path, sour
     assert_bad_input(runner.invoke(app, ["verify", str(out), "--baseline", str(other / "llama")]), "token_embd.weight is [49152, 256], model.embed_tokens.weight")  # fmt: skip
 
 
-def tiny_qwen3_moe(folder: Path, default_model: Path, **fields: object) -> Path:
-    """4 experts of 768 (transformers' GGUF reader takes Qwen3-MoE's expert width from its
-    default, 768, not from the file), renormalized top-2 routing (as llama.cpp's qwen3moe)."""
-    experts = {**TINY_EXPERTS["qwen3_moe"], "moe_intermediate_size": 768, "norm_topk_prob": True}
-    return make_tiny(folder, default_model, model_type="qwen3_moe", hidden=256, heads=4, kv_heads=2, head_dim=128, **{**experts, **fields})  # fmt: skip
+# transformers' GGUF reader takes a mixture's expert widths from its config defaults, not from
+# the file: the tiny mixtures use them (Qwen3-MoE 768; Qwen2-MoE 1408, its shared expert 5632),
+# and llama.cpp's routing: renormalized top-2 for qwen3moe, not for qwen2moe
+MIXTURES = {
+    "qwen3_moe": {
+        **TINY_EXPERTS["qwen3_moe"],
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "head_dim": 128,
+    },
+    "qwen2_moe": {
+        **TINY_EXPERTS["qwen2_moe"],
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "head_dim": 64,
+    },
+}
+
+
+def tiny_mixture(folder: Path, default_model: Path, family: str = "qwen3_moe", **fields: object) -> Path:  # fmt: skip
+    config = {**MIXTURES[family], **fields}
+    return make_tiny(folder, default_model, model_type=family, hidden=256, heads=4, kv_heads=2, **config)  # fmt: skip
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("family", sorted(MIXTURES))
 def test_a_mixtures_experts_are_stacked_per_role_and_transformers_reads_them(
-    tmp_path: Path, default_model: Path
+    tmp_path: Path, default_model: Path, family: str
 ) -> None:
     """Each layer's experts of a role in one 3-D tensor, in expert order (transformers splits
     them its own way and computes the reference), block scales searched against a per-expert
-    importance matrix (a row and a count per expert, as llama.cpp's imatrix files hold them)."""
-    source = tiny_qwen3_moe(tmp_path / "moe", default_model)
+    importance matrix (a row and a count per expert, as llama.cpp's imatrix files hold them);
+    Qwen2-MoE's shared expert as its own tensors, its gate a vector."""
+    source = tiny_mixture(tmp_path / "moe", default_model, family)
+    width = MIXTURES[family]["moe_intermediate_size"]
     imatrix_file = tmp_path / "moe.imatrix"
     llmq.calibrate(source, imatrix_file, imatrix=True, num_samples=2, seq_len=32)
     imatrix = read_imatrix(imatrix_file)
-    assert imatrix.sums["blk.0.ffn_down_exps.weight"].shape == (4, 768)
+    assert imatrix.sums["blk.0.ffn_down_exps.weight"].shape == (4, width)
     assert imatrix.counts["blk.0.ffn_gate_exps.weight"].tolist() == [64.0] * 4  # every token
     out = tmp_path / "moe.gguf"
     llmq.quantize(source, out, format="gguf", scheme="q4_k_m", imatrix=str(imatrix_file))
     tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
-    assert [int(n) for n in reversed(tensors["blk.0.ffn_gate_exps.weight"].shape)] == [4, 768, 256]
-    assert [int(n) for n in reversed(tensors["blk.1.ffn_down_exps.weight"].shape)] == [4, 256, 768]
-    # raised where llama.cpp raises ffn_down: the last eighth of the layers (here layer 1)
+    assert [int(n) for n in reversed(tensors["blk.0.ffn_gate_exps.weight"].shape)] == [
+        4,
+        width,
+        256,
+    ]
+    assert [int(n) for n in reversed(tensors["blk.1.ffn_down_exps.weight"].shape)] == [
+        4,
+        256,
+        width,
+    ]
+    if family == "qwen2_moe":
+        assert [int(n) for n in tensors["blk.0.ffn_gate_inp_shexp.weight"].shape] == [256]
+    # raised where llama.cpp raises ffn_down: the last eighth of the layers (here layer 1);
+    # 1408 columns are not whole K-quant super-blocks: llama.cpp's fallbacks
     down_types = [tensors[f"blk.{i}.ffn_down_exps.weight"].tensor_type.name for i in range(2)]
-    assert down_types == ["Q4_K", "Q6_K"]
+    assert down_types == (["Q4_K", "Q6_K"] if width % 256 == 0 else ["Q5_0", "Q8_0"])
     code, report = verified(str(out))
     assert code == 0 and report["loaders"][0]["status"] == "ok"
 
 
 def test_what_a_gguf_mixture_cannot_be_is_refused_in_one_line(tmp_path: Path, default_model: Path) -> None:  # fmt: skip
     runner = CliRunner()
-    source = tiny_qwen3_moe(tmp_path / "moe", default_model)
+    source = tiny_mixture(tmp_path / "moe", default_model)
     gptq = runner.invoke(app, ["quantize", str(source), "-o", str(tmp_path / "a.gguf"), "--format", "gguf", "--method", "gptq"])  # fmt: skip
     assert_bad_input(gptq, "--method gptq: GPTQ's error feedback on GGUF's stacked experts")
-    unnormalized = tiny_qwen3_moe(tmp_path / "plain", default_model, norm_topk_prob=False)
+    unnormalized = tiny_mixture(tmp_path / "plain", default_model, norm_topk_prob=False)
     routed = runner.invoke(app, ["quantize", str(unnormalized), "-o", str(tmp_path / "b.gguf"), "--format", "gguf"])  # fmt: skip
     assert_bad_input(routed, "norm_topk_prob false")
     assert not any(tmp_path.glob("*.gguf"))

@@ -100,8 +100,10 @@ def choose_type(
     is_output: bool,
     overrides: tuple[tuple[str, GGMLQuantizationType], ...] = (),
 ) -> GGMLQuantizationType:
-    """The type of GGUF tensor `name` [rows, cols] (gguf's names) under `scheme`."""
-    if len(shape) < 2:
+    """The type of GGUF tensor `name` [rows, cols] (gguf's names) under `scheme`. Routers
+    (`ffn_gate_inp`, a shared expert's gate too) stay F32 whatever is asked, as llama.cpp's
+    quantizer keeps them: a rounded router picks other experts."""
+    if len(shape) < 2 or ".ffn_gate_inp" in name:
         return _Q.F32
     wanted = next((t for pattern, t in overrides if fnmatch.fnmatchcase(name, pattern)), None)
     if wanted is None:

@@ -46,6 +46,9 @@ ARCHS = {
 _RENORMALIZES = {"qwen3_moe": True, "qwen2_moe": False}
 # Weights llama.cpp reads as vectors: Qwen2-MoE's shared-expert gate, [1, hidden] in the checkpoint
 VECTORS = ("ffn_gate_inp_shexp.weight",)
+# Architectures whose llama.cpp loader needs its own output.weight (no tied embedding):
+# found by llama.cpp 11434 refusing a tied Qwen2-MoE file ("tensor 'output.weight' not found")
+_SEPARATE_OUTPUT = ("qwen2_moe",)
 # Where a checkpoint's per-expert name holds the expert's index (`mlp.experts.3.up_proj`): GGUF
 # stacks the experts of a role into one tensor, named as the name without it.
 EXPERT_INDEX = re.compile(r"(?<=\.experts)\.(\d+)(?=\.)")
@@ -65,6 +68,12 @@ def gguf_arch(config: dict[str, Any]) -> GGUFArch:
         raise InputError(
             f"model_type {model_type!r}: no GGUF mapping in llmq yet",
             hint=f"llmq writes GGUF for {', '.join(ARCHS)}",
+        )
+    if model_type in _SEPARATE_OUTPUT and config.get("tie_word_embeddings"):
+        raise InputError(
+            f"tie_word_embeddings true: llama.cpp's "
+            f"{gguf.MODEL_ARCH_NAMES[ARCHS[model_type].arch]} reads a separate output.weight",
+            hint="its released checkpoints have their own lm_head; a tied one is not converted",
         )
     renormalizes = _RENORMALIZES.get(str(model_type))
     if renormalizes is not None and bool(config.get("norm_topk_prob")) != renormalizes:

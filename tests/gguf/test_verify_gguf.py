@@ -86,8 +86,9 @@ MIXTURES = {
         "norm_topk_prob": True,
         "head_dim": 128,
     },
-    "qwen2_moe": {
+    "qwen2_moe": {  # llama.cpp's qwen2moe reads its own output.weight: untied
         **TINY_EXPERTS["qwen2_moe"],
+        "tied": False,
         "moe_intermediate_size": 1408,
         "shared_expert_intermediate_size": 5632,
         "head_dim": 64,
@@ -133,6 +134,9 @@ def test_a_mixtures_experts_are_stacked_per_role_and_transformers_reads_them(
         assert [int(n) for n in tensors["blk.0.ffn_gate_inp_shexp.weight"].shape] == [256]
     # raised where llama.cpp raises ffn_down: the last eighth of the layers (here layer 1);
     # 1408 columns are not whole K-quant super-blocks: llama.cpp's fallbacks
+    assert (
+        tensors["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    )  # the router, as llama.cpp
     down_types = [tensors[f"blk.{i}.ffn_down_exps.weight"].tensor_type.name for i in range(2)]
     assert down_types == (["Q4_K", "Q6_K"] if width % 256 == 0 else ["Q5_0", "Q8_0"])
     code, report = verified(str(out))
@@ -147,4 +151,9 @@ def test_what_a_gguf_mixture_cannot_be_is_refused_in_one_line(tmp_path: Path, de
     unnormalized = tiny_mixture(tmp_path / "plain", default_model, norm_topk_prob=False)
     routed = runner.invoke(app, ["quantize", str(unnormalized), "-o", str(tmp_path / "b.gguf"), "--format", "gguf"])  # fmt: skip
     assert_bad_input(routed, "norm_topk_prob false")
+    tied = tiny_mixture(tmp_path / "tied", default_model, "qwen2_moe", tied=True)
+    no_head = runner.invoke(app, ["quantize", str(tied), "-o", str(tmp_path / "c.gguf"), "--format", "gguf"])  # fmt: skip
+    assert_bad_input(
+        no_head, "tie_word_embeddings true: llama.cpp's qwen2moe reads a separate output.weight"
+    )
     assert not any(tmp_path.glob("*.gguf"))

@@ -234,16 +234,18 @@ def layout_for_config(config: dict[str, Any]) -> DecoderLayout:
 def stores_fused_experts(config: dict[str, Any]) -> bool:
     """Whether the family of `config` stores its experts fused (GPT-OSS): only the layer
     pipeline splits them into linears and writes them back."""
-    return transposed_weights(config) is not None
+    layout = FAMILY_LAYOUT.get(str(config.get("model_type")))
+    return layout is not None and layout.experts is not None and layout.experts.stored_fused
 
 
 def transposed_weights(config: dict[str, Any]) -> re.Pattern[str] | None:
     """The names of the weights `config`'s family stores as the transpose of a linear's,
     [..., in, out] (GPT-OSS's fused float experts); None where it stores none."""
-    layout = FAMILY_LAYOUT.get(str(config.get("model_type")))
-    experts = None if layout is None else layout.experts
-    if layout is None or experts is None or not experts.stored_fused:
+    if not stores_fused_experts(config):
         return None
+    layout = FAMILY_LAYOUT[str(config.get("model_type"))]
+    experts = layout.experts
+    assert experts is not None
     fused = "|".join(re.escape(str(name)) for name in (experts.fused_gate_up, experts.fused_down))
     return re.compile(rf"{re.escape(layout.layers)}\.\d+\.{re.escape(experts.module)}\.({fused})")
 

@@ -74,7 +74,7 @@ def show_per_expert(tensors: ShownTensors, layout: DecoderLayout, num_layers: in
                 for e in range(stored.shape[0]):
                     name = f"{base}{e}.{getattr(experts, role)}.{leaf}"
                     shown[name] = dataclasses.replace(stored, shape=shape)
-                    slices[name] = ExpertSlice(stored_name(fused, leaf), e, role)
+                    slices[name] = ExpertSlice(_stored_name(fused, leaf), e, role)
     tensors.hide({where.stored for where in slices.values()})
     tensors.views.update(slices)
 
@@ -82,7 +82,7 @@ def show_per_expert(tensors: ShownTensors, layout: DecoderLayout, num_layers: in
 _STORED_AS = {_WEIGHT: "", _PACKED: _BLOCKS, _SCALE: _SCALES, "bias": _BIAS}
 
 
-def stored_name(fused: str, leaf: str) -> str:
+def _stored_name(fused: str, leaf: str) -> str:
     """The fused tensor a per-expert linear's `leaf` (weight, bias, ...) is stored in."""
     return fused + _STORED_AS[leaf]
 

@@ -16,6 +16,7 @@ Tensors of one quantized linear `P` (e.g. `model.layers.0.mlp.down_proj`):
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from llmq.config import QuantArgs, Scheme
+from llmq.io.layout import EXPERT
 from llmq.pack.layout import E2M1_MAGNITUDES
 from llmq.quant.floats import E8M0_DTYPE
 from llmq.quant.primitives import DenseWeight, QuantizedWeight, dequantize, scale_codes
@@ -161,6 +163,12 @@ def _dequantize_by_group_index(
 ) -> Tensor:
     """Older GPTQ checkpoints (actorder "group") name each input column's group in g_idx."""
     return scale_codes(codes, scale[:, g_idx], None if zero is None else zero[:, g_idx])
+
+
+def config_target(suffix: str) -> str:
+    """A config group's regex target for a module-name suffix (`mlp.experts.*.up_proj`): any
+    expert index where it says EXPERT."""
+    return "re:.*" + re.escape(suffix).replace(re.escape(f".{EXPERT}."), r"\.\d+\.") + "$"
 
 
 def quantization_config(

@@ -16,7 +16,13 @@ from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
 from llmq.io.fused_experts import ROLES
 from llmq.io.layout import DecoderLayout
-from llmq.pack.format import PackFormat, decompress, input_scale_name, quantization_config
+from llmq.pack.format import (
+    PackFormat,
+    config_target,
+    decompress,
+    input_scale_name,
+    quantization_config,
+)
 from llmq.quant.kvcache import KV_SCALE_NAMES, KVQuantizer
 
 _ARG_FIELDS = (
@@ -160,10 +166,7 @@ def _mxfp4_release_view(layout: DecoderLayout) -> dict[str, Any]:
     tensors, llmq.io.fused_experts), everything else in 16 bits."""
     experts = layout.experts
     assert experts is not None
-    targets = [
-        rf"re:.*{re.escape(experts.module)}\.\d+\.{re.escape(getattr(experts, role))}$"
-        for role in ROLES
-    ]
+    targets = [config_target(experts.linear(role)) for role in ROLES]
     fmt = PackFormat.MXFP4_PACK_QUANTIZED
     return quantization_config(
         [(get_scheme("mxfp4a16").weights, None, targets)], ignore=[], fmt=fmt

@@ -15,6 +15,7 @@ from llmq.errors import InputError
 from llmq.io.atomic import folder_size
 from llmq.io.checkpoint import Checkpoint, TensorInfo, side_files, torch_dtype
 from llmq.io.layout import EXPERT
+from llmq.pack.format import config_target
 from llmq.pipeline.state import resume_point_bytes
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -252,7 +253,7 @@ def config_groups(plan: Plan) -> list[tuple[QuantArgs, QuantArgs | None, list[st
     for linear in plan.linears:
         suffix, key = _suffix(linear.name), (linear.args, linear.input_args)
         if len(suffix_args[suffix]) == 1:
-            target = _target(suffix)
+            target = config_target(suffix)
             if target not in targets[key]:
                 targets[key].append(target)
         else:
@@ -264,11 +265,6 @@ def _suffix(name: str) -> str:
     """`self_attn.q_proj` from `model.layers.12.self_attn.q_proj`; `mlp.experts.*.up_proj` from
     `model.layers.12.mlp.experts.3.up_proj` (every expert of a role in one target)."""
     return re.sub(r"\.\d+\.", f".{EXPERT}.", re.sub(r"^.*?\.\d+\.", "", name))
-
-
-def _target(suffix: str) -> str:
-    """A config group's regex target for a suffix: any expert index where it says EXPERT."""
-    return "re:.*" + re.escape(suffix).replace(re.escape(f".{EXPERT}."), r"\.\d+\.") + "$"
 
 
 _ENTRY_BYTES = 256  # a tensor's header entry in its shard and its line in the index, at most

@@ -154,13 +154,12 @@ def make_tiny(
     torch.manual_seed(0)
     config = AutoConfig.for_model(
         model_type,
-        vocab_size=49152,
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         max_position_embeddings=512,
         tie_word_embeddings=tied,
-        **{"num_key_value_heads": kv_heads, "head_dim": 64, "intermediate_size": 512, **TINY_EXPERTS.get(model_type, {}),
+        **{"vocab_size": 49152, "num_key_value_heads": kv_heads, "head_dim": 64, "intermediate_size": 512, **TINY_EXPERTS.get(model_type, {}),
            **config_fields},
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -157,9 +157,9 @@ def _verify_gguf(
 
     if not is_gguf(path):
         raise InputError(f"{path}: not a folder or a GGUF file", hint="verify reads a checkpoint folder or a GGUF file")  # fmt: skip
-    names = gguf_loaders(loaders)
     source = against if against is not None else recorded_source(path)
     if source is None:
         raise InputError(f"{path}: records no source checkpoint (not written by llmq)", hint="name it: --baseline MODEL")  # fmt: skip
     original = _open(source, progress)
+    names = gguf_loaders(loaders, original)
     return verify_gguf(path, original, loaders=names, against=original if against is not None else None, progress=progress, device=device)  # fmt: skip

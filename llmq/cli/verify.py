@@ -17,7 +17,7 @@ from llmq.cli.console import (
 )
 from llmq.cli.options import Device, JsonFlag, ModelArg, names, renamed
 
-_STYLE = {"ok": "green", "does not load": "bold red", "wrong logits": "bold red"}
+_STYLE = {"ok": "green", "does not load": "bold red", "wrong logits": "bold red", "wrong tokens": "bold red"}  # fmt: skip
 
 
 def verify(
@@ -27,8 +27,8 @@ def verify(
         typer.Option(
             *renamed("--loader", "--loaders"),
             metavar="NAMES",
-            help="Loaders to check: transformers, vllm, llmq (commas or repeat; default: every "
-            "installed one).",
+            help="Loaders to check: transformers, vllm, llmq; a GGUF file: transformers, llama.cpp "
+            "($LLMQ_LLAMA_CPP or PATH) (commas or repeat; default: every installed one).",
         ),
     ] = None,
     baseline: Annotated[
@@ -47,8 +47,8 @@ def verify(
     Loads MODEL with each loader, runs the prompts its llmq.json records and compares the
     log-probabilities with the reference llmq computed from the files it wrote; checks the
     files against their recorded SHA-256. A GGUF file is held to the model its tensors define
-    on its source's architecture (the one it records, or --baseline). A loader ends as ok, does not load (the reason), or
-    wrong logits (how far off). Exit codes: 0 every loader ok and no file changed, 1 a loader
+    on its source's architecture (the one it records, or --baseline). A loader ends as ok, does not load (the reason),
+    wrong logits (how far off) or wrong tokens. Exit codes: 0 every loader ok and no file changed, 1 a loader
     failed or a file changed, 2 bad input. See docs/verify.md.
     """
     quiet_libraries()

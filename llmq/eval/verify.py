@@ -45,7 +45,7 @@ from llmq.pack.format import DECOMPRESSED_TO_BFLOAT16
 from llmq.pack.loaders import LOADERS
 from llmq.progress import NO_PROGRESS, Progress
 
-Status = Literal["ok", "does not load", "wrong logits"]
+Status = Literal["ok", "does not load", "wrong logits", "wrong tokens"]
 _REASON_CHARS = 240
 # Loaders that quantize activations differ from the reference by up to about the activation
 # quantization's own effect (1.22 and 1.37 against 2.16 and 1.42 on the default model's W8A8
@@ -60,10 +60,12 @@ class Comparison:
     distance: Distance
     tolerance: float
     reference: str  # "weights alone" or "as the format runs"
+    measure: Literal["max", "mean"] = "max"  # which |Δ log-prob| the tolerance bounds
 
     @property
     def matches(self) -> bool:
-        return self.distance.max_abs <= self.tolerance
+        held = self.distance.max_abs if self.measure == "max" else self.distance.mean_abs
+        return held <= self.tolerance
 
 
 @dataclass(slots=True)
@@ -156,6 +158,10 @@ def distance_from(
     return {"model": str(original.path), **asdict(distance(reference.prompts, log_probs))}
 
 
+class WrongTokens(Exception):
+    """A loader reads the text into other token ids than the checkpoint's tokenizer does."""
+
+
 Loader = Callable[[Path, Checkpoint, Reference, str | None], Comparison]
 """Loads the checkpoint at a path as one runtime does and compares its log-probabilities."""
 
@@ -173,13 +179,15 @@ def run_loader(
     try:
         with _captured_output() as captured:
             measured = load(path, ckpt, reference, device)
+    except WrongTokens as exc:
+        return LoaderResult(name, "wrong tokens", str(exc), None, time.perf_counter() - started)
     except Exception as exc:  # any failure of a third-party loader is its verdict, in one line
         reason = _load_report_problem(captured) or _one_line(exc)
         return LoaderResult(name, "does not load", reason, None, time.perf_counter() - started)
     seconds = time.perf_counter() - started
     d = measured.distance
     detail = (
-        f"max |Δ log-prob| {d.max_abs:.2g} (mean {d.mean_abs:.2g}, tolerance {measured.tolerance:.2g}) "
+        f"max |Δ log-prob| {d.max_abs:.2g} (mean {d.mean_abs:.2g}, {measured.measure} tolerance {measured.tolerance:.2g}) "
         f"on the reference's top {TOP_K} tokens, {measured.reference}; its first token first at "
         f"{d.top1_agreement:.0%} of positions"
     )  # fmt: skip

@@ -25,6 +25,14 @@ from llmq.eval.verify import (
     model_log_probs,
     run_loader,
 )
+from llmq.eval.verify_llamacpp import (
+    LLAMA_CPP_ENV,
+    PERPLEXITY,
+    find_llama_perplexity,
+    llama_cpp_loader,
+    require_llama_perplexity,
+)
+from llmq.gguf.model import gguf_arch
 from llmq.io.checkpoint import Checkpoint
 from llmq.progress import NO_PROGRESS, Progress
 
@@ -38,15 +46,29 @@ def _transformers(path: Path, ckpt: Checkpoint, reference: Reference, device: st
     return Comparison(distance(reference.prompts, log_probs), LOGPROB_TOLERANCE, "weights alone")
 
 
-GGUF_LOADERS: dict[str, Loader] = {"transformers": _transformers}
+GGUF_LOADERS: dict[str, Loader] = {"transformers": _transformers, "llama.cpp": llama_cpp_loader}
 
 
-def gguf_loaders(requested: list[str] | None) -> list[str]:
-    """The loaders a GGUF file is verified with; another one asked for is refused."""
+def gguf_loaders(requested: list[str] | None, source: Checkpoint) -> list[str]:
+    """The loaders a GGUF file is verified with: by default transformers where its GGUF reader
+    builds the family, and llama.cpp when its binaries are found; another one asked for is
+    refused, llama.cpp without its binaries too (and nothing left to verify with)."""
     for name in requested or []:
         if name not in GGUF_LOADERS:
-            raise InputError(f"--loader {name}: a GGUF file is verified with {', '.join(GGUF_LOADERS)}", hint="llama.cpp runs GGUF files; llmq and vLLM loaders read compressed-tensors folders")  # fmt: skip
-    return list(requested or GGUF_LOADERS)
+            raise InputError(f"--loader {name}: a GGUF file is verified with {', '.join(GGUF_LOADERS)}", hint="llmq and vLLM loaders read compressed-tensors folders")  # fmt: skip
+        if name == "llama.cpp":
+            require_llama_perplexity()
+    if requested:
+        return list(requested)
+    loaders = ["transformers"] if gguf_arch(source.config).transformers_reads else []
+    if find_llama_perplexity():
+        loaders.append("llama.cpp")
+    if not loaders:
+        raise InputError(
+            f"{source.config.get('model_type')}: transformers' GGUF reader does not build this family, and llama.cpp's {PERPLEXITY} is not found",
+            hint=f"build llama.cpp (benchmarks/peers/setup_llamacpp.sh) and set {LLAMA_CPP_ENV} to its bin folder",
+        )  # fmt: skip
+    return loaders
 
 
 def verify_gguf(

@@ -29,9 +29,10 @@ from llmq.gguf.model import (
     gguf_arch,
     permute_rotary_rows,
     read_field,
+    rope_of,
     write_hyperparameters,
-    write_tokenizer,
 )
+from llmq.gguf.tokenizer import write_tokenizer
 from llmq.io.atomic import check_output_file, claim_output, partial_file
 from llmq.io.checkpoint import Checkpoint
 from llmq.progress import NO_PROGRESS, Progress
@@ -48,6 +49,7 @@ class PlannedTensor:
     shape: tuple[int, ...]  # [rows, cols]; stacked experts [experts, rows, cols]
     qtype: gguf.GGMLQuantizationType
     rotary_heads: int | None  # q/k rows to permute for the architecture's rotary layout
+    offset: float = 0.0  # added to the stored values (Gemma's norms of 1 + weight)
 
     @property
     def nbytes(self) -> int:
@@ -91,6 +93,8 @@ def export_gguf(
     with GPTQ's error feedback on the searched grid (`gptq_codes`) instead of the nearest."""
     started = time.perf_counter()
     arch = gguf_arch(ckpt.config)
+    config = ckpt.model_config()
+    rope_of(config)  # refused before anything is written
     plan = plan_tensors(ckpt, scheme, overrides)
     with claim_output(out, inputs=[("model", ckpt.path)]):
         check_gguf_output(out, overwrite=overwrite)
@@ -99,10 +103,11 @@ def export_gguf(
             writer.add_name(ckpt.path.name)
             writer.add_quantized_by(QUANTIZED_BY)
             writer.add_string(SOURCE_KEY, str(ckpt.path.resolve()))  # for `llmq verify`
-            write_hyperparameters(writer, ckpt.model_config())
+            write_hyperparameters(writer, config)
             writer.add_file_type(scheme.file_type)
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-            write_tokenizer(writer, ckpt.path, int(ckpt.config["vocab_size"]))
+            vocab_size = int(ckpt.config["vocab_size"])
+            write_tokenizer(writer, ckpt.path, vocab_size, spaces_user_defined=arch.spaces_user_defined)  # fmt: skip
             errors = _write_tensors(writer, ckpt, plan, importance or {}, hessians or {}, progress)
     worst = sorted(errors.items(), key=lambda item: -item[1])[:5]
     return GGUFResult(
@@ -123,11 +128,14 @@ class NamedTensor:
     name: str  # the GGUF name
     shape: tuple[int, ...]  # stacked experts: [experts, rows, cols]
     rotary_heads: int | None  # q/k rows to permute for the architecture's rotary layout
+    offset: float = 0.0  # added to the stored values (Gemma's norms of 1 + weight)
 
 
 def named_tensors(ckpt: Checkpoint) -> list[NamedTensor]:
     """Every tensor of the checkpoint with its GGUF name, in the checkpoint's order; a mixture's
-    experts of one role (per layer) stacked in one tensor, as llama.cpp's converter writes them."""
+    experts of one role (per layer) stacked in one tensor, as llama.cpp's converter writes them.
+    A family whose norms compute (offset + weight) has the offset added to its norms' values, as
+    llama.cpp multiplies by the stored weight (its converter's rule: names ending norm.weight)."""
     arch = gguf_arch(ckpt.config)
     names = TensorNames(arch, ckpt.num_layers)
     config = ckpt.config
@@ -147,7 +155,8 @@ def named_tensors(ckpt: Checkpoint) -> list[NamedTensor]:
             shape = (len(sources), *shape)
         kind = name.split(".")[-2] if name.startswith("blk.") else ""
         heads_here = rotary.get(kind) if arch.permute_rotary and name.endswith(".weight") else None
-        named.append(NamedTensor(tuple(sources), name, shape, heads_here))
+        offset = ckpt.layout.norm_weight_offset if sources[0].endswith("norm.weight") else 0.0
+        named.append(NamedTensor(tuple(sources), name, shape, heads_here, offset))
     return named
 
 
@@ -163,7 +172,7 @@ def plan_tensors(
         qtype = choose_type(
             scheme, t.name, t.shape, layers, is_output=is_output, overrides=overrides
         )
-        plan.append(PlannedTensor(t.sources, t.name, t.shape, qtype, t.rotary_heads))
+        plan.append(PlannedTensor(t.sources, t.name, t.shape, qtype, t.rotary_heads, t.offset))
     return plan
 
 
@@ -195,6 +204,7 @@ def _write_tensors(
                 ckpt.close()
                 if tensor.rotary_heads is not None:
                     weight = permute_rotary_rows(weight, tensor.rotary_heads)
+                weight = weight + tensor.offset if tensor.offset else weight
                 weights_importance = importance.get(tensor.name)
                 if weights_importance is not None and weights_importance.ndim == 2:  # per expert
                     weights_importance = weights_importance[expert]

@@ -11,7 +11,6 @@ llama.cpp too ("NEOX" rope), so they are written as stored.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +24,13 @@ from llmq.errors import InputError
 
 @dataclass(frozen=True, slots=True)
 class GGUFArch:
-    """How one Hugging Face family is written: its GGUF architecture and whether q/k rows are
-    permuted."""
+    """How one Hugging Face family is written: its GGUF architecture, whether q/k rows are
+    permuted, and whether its runs of spaces are user-defined tokens (Gemma's tokenizer)."""
 
     arch: gguf.MODEL_ARCH
     permute_rotary: bool
+    spaces_user_defined: bool = False
+    transformers_reads: bool = True  # transformers' GGUF reader builds this family's model
 
 
 ARCHS = {
@@ -37,29 +38,34 @@ ARCHS = {
     "mistral": GGUFArch(gguf.MODEL_ARCH.LLAMA, permute_rotary=True),
     "qwen2": GGUFArch(gguf.MODEL_ARCH.QWEN2, permute_rotary=False),
     "qwen3": GGUFArch(gguf.MODEL_ARCH.QWEN3, permute_rotary=False),
+    # Gemma: norms of (1 + weight), stored with the 1 added (llama.cpp multiplies by the weight);
+    # sliding-window layers with their own rotary base; Gemma 2 soft-caps its logits
+    "gemma2": GGUFArch(gguf.MODEL_ARCH.GEMMA2, permute_rotary=False, spaces_user_defined=True),
+    "gemma3_text": GGUFArch(gguf.MODEL_ARCH.GEMMA3, permute_rotary=False, spaces_user_defined=True),
     # experts stacked in one 3-D tensor per role (ffn_gate_exps [experts, rows, cols] ...)
     "qwen3_moe": GGUFArch(gguf.MODEL_ARCH.QWEN3MOE, permute_rotary=False),
     "qwen2_moe": GGUFArch(gguf.MODEL_ARCH.QWEN2MOE, permute_rotary=False),  # + a shared expert
+    # transformers reads a llama file as a dense Llama and has no olmoe: llama.cpp verifies these
+    "mixtral": GGUFArch(gguf.MODEL_ARCH.LLAMA, permute_rotary=True, transformers_reads=False),
+    "olmoe": GGUFArch(gguf.MODEL_ARCH.OLMOE, permute_rotary=False, transformers_reads=False),
 }
 # Whether llama.cpp renormalizes the chosen experts' weights (norm_topk_prob) for the family: a
-# checkpoint that says otherwise would compute another model there.
-_RENORMALIZES = {"qwen3_moe": True, "qwen2_moe": False}
+# checkpoint that says otherwise would compute another model there. (Mixtral's transformers
+# code always renormalizes, as llama.cpp's llama does: it has no such field.)
+_RENORMALIZES = {"qwen3_moe": True, "qwen2_moe": False, "olmoe": False}
 # Weights llama.cpp reads as vectors: Qwen2-MoE's shared-expert gate, [1, hidden] in the checkpoint
 VECTORS = ("ffn_gate_inp_shexp.weight",)
 # Architectures whose llama.cpp loader needs its own output.weight (no tied embedding):
-# found by llama.cpp 11434 refusing a tied Qwen2-MoE file ("tensor 'output.weight' not found")
-_SEPARATE_OUTPUT = ("qwen2_moe",)
+# found by llama.cpp 11434 refusing tied Qwen2-MoE and OLMoE files ("tensor 'output.weight' not found")
+_SEPARATE_OUTPUT = ("qwen2_moe", "olmoe")
+# ... and those whose loader ignores one: llama.cpp's gemma2 always reads token_embd as the head
+_TIED_OUTPUT = ("gemma2",)
+# Layer counts llama.cpp takes for the 27B Gemmas, whose queries it scales by 1/sqrt(hidden /
+# heads) instead of 1/sqrt(head_dim) (llama.cpp's gemma2.cpp, gemma3.cpp)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 # Where a checkpoint's per-expert name holds the expert's index (`mlp.experts.3.up_proj`): GGUF
 # stacks the experts of a role into one tensor, named as the name without it.
 EXPERT_INDEX = re.compile(r"(?<=\.experts)\.(\d+)(?=\.)")
-# llama.cpp names a BPE tokenizer's pre-tokenizer (how text is split before merges) rather than
-# storing its regex; these are the splits that tell the common ones apart, tried in order.
-# A plain byte-level tokenizer (GPT-2's split, as SmolLM2's) is "gpt-2".
-PRE_TOKENIZER_SPLITS = (
-    ("gpt-4o", r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*"),
-    ("llama-bpe", r"\p{N}{1,3}"),
-    ("qwen2", r"|\p{N}|"),
-)
 
 
 def gguf_arch(config: dict[str, Any]) -> GGUFArch:
@@ -83,12 +89,17 @@ def gguf_arch(config: dict[str, Any]) -> GGUFArch:
             f"{'always' if renormalizes else 'never'} renormalizes the chosen experts' weights, so "
             "the GGUF file would compute another model"
         )
-    scaling = config.get("rope_scaling") or {}
-    rope_type = scaling.get("rope_type") or (config.get("rope_parameters") or {}).get("rope_type")
-    if rope_type not in (None, "default"):
+    if model_type in _TIED_OUTPUT and not config.get("tie_word_embeddings", True):
         raise InputError(
-            f"rope scaling {rope_type!r}: not written to GGUF by llmq yet",
-            hint="models with default rotary embeddings convert",
+            "tie_word_embeddings false: llama.cpp's gemma2 reads the embedding as the output "
+            "projection, so the GGUF file would compute another model"
+        )
+    _check_query_scale(str(model_type), config)
+    heads = config.get("num_attention_heads")
+    if model_type == "olmoe" and config.get("num_key_value_heads", heads) != heads:
+        raise InputError(
+            "num_key_value_heads differs from num_attention_heads: llama.cpp's olmoe normalizes "
+            "keys over as many heads as queries"
         )
     return ARCHS[model_type]
 
@@ -131,85 +142,109 @@ def unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """The rotary embedding as llama.cpp is told it: the base of full-attention layers, that of
+    sliding-window layers (None without them), and a linear scaling factor (None: unscaled)."""
+
+    theta: float
+    swa_theta: float | None = None
+    linear_factor: float | None = None
+
+
+def rope_of(config: Any) -> Rope:
+    """`config`'s rotary parameters (transformers' `rope_parameters`, per layer type where the
+    family has several); InputError for scalings llmq does not write."""
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    if not parameters or not all(isinstance(value, dict) for value in parameters.values()):
+        parameters = {"full_attention": parameters}
+    full = parameters.get("full_attention") or {}
+    sliding = parameters.get("sliding_attention")
+    for kind, part in parameters.items():
+        rope_type = part.get("rope_type", "default")
+        if rope_type != "default" and (rope_type, kind) != ("linear", "full_attention"):
+            raise InputError(
+                f"rope scaling {rope_type!r}{'' if kind == 'full_attention' else ' on ' + kind}: "
+                "not written to GGUF by llmq yet",
+                hint="default rotary embeddings convert, and linear scaling of full attention",
+            )
+    theta = full.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise InputError("the config gives no rope_theta")
+    factor = full.get("factor") if full.get("rope_type") == "linear" else None
+    swa_theta = None if sliding is None else float(sliding["rope_theta"])
+    return Rope(float(theta), swa_theta, None if factor is None else float(factor))
+
+
+def _check_query_scale(model_type: str, config: dict[str, Any]) -> None:
+    """Gemma scales queries by 1/sqrt(query_pre_attn_scalar); llama.cpp by a rule of its own
+    (1/sqrt(hidden / heads) for the 27B models it knows by layer count, else 1/sqrt(head_dim)):
+    a checkpoint the rule does not fit is refused."""
+    scalar = config.get("query_pre_attn_scalar")
+    if scalar is None or model_type not in _GEMMA_27B_LAYERS:
+        return
+    heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    big = int(config["num_hidden_layers"]) == _GEMMA_27B_LAYERS[model_type]
+    used = hidden / heads if big else head_dim
+    if float(scalar) != float(used):
+        raise InputError(
+            f"query_pre_attn_scalar {scalar}: llama.cpp scales this model's queries by "
+            f"1/sqrt({used:g}), so the GGUF file would compute another model"
+        )
+
+
 def write_hyperparameters(writer: gguf.GGUFWriter, config: Any) -> None:
     """The architecture's hyperparameters, from the transformers config."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = rope_of(config)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
-    writer.add_rope_freq_base(_rope_theta(config))
+    writer.add_rope_freq_base(rope.theta)
+    if rope.linear_factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope.linear_factor)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    experts = getattr(config, "num_experts", None)
-    if experts:
-        writer.add_expert_count(experts)
-        writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    shared = getattr(config, "shared_expert_intermediate_size", None)
-    if shared:
-        writer.add_expert_shared_feed_forward_length(shared)
+    _write_experts(writer, config)
+    _write_gemma(writer, config, rope)
     # stated even where it is hidden / heads: readers take a family's default head size
     # otherwise (transformers' Qwen3 assumes 128)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
 
 
-def _rope_theta(config: Any) -> float:
-    parameters = getattr(config, "rope_parameters", None) or {}
-    theta = parameters.get("rope_theta", getattr(config, "rope_theta", None))
-    if theta is None:
-        raise InputError("the config gives no rope_theta")
-    return float(theta)
+def _write_experts(writer: gguf.GGUFWriter, config: Any) -> None:
+    """A mixture's expert count, experts per token and expert width (Mixtral and OLMoE call
+    theirs intermediate_size); a shared expert's width."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        writer.add_expert_feed_forward_length(width)
+    shared = getattr(config, "shared_expert_intermediate_size", None)
+    if shared:
+        writer.add_expert_shared_feed_forward_length(shared)
 
 
-def pre_tokenizer_name(spec: dict[str, Any]) -> str:
-    """llama.cpp's name for the tokenizer's pre-tokenizer, from the split regex in its
-    tokenizer.json; "gpt-2" where it splits as GPT-2 does."""
-    node = spec.get("pre_tokenizer") or {}
-    parts = node.get("pretokenizers", [node]) if node.get("type") == "Sequence" else [node]
-    for part in parts:
-        regex = (part.get("pattern") or {}).get("Regex") if part.get("type") == "Split" else None
-        if regex is None:
-            continue
-        for name, marker in PRE_TOKENIZER_SPLITS:
-            if marker in regex:
-                return name
-        raise InputError(
-            "the tokenizer splits text with a regex llmq does not know a llama.cpp name for",
-            hint=f"known: {', '.join(name for name, _ in PRE_TOKENIZER_SPLITS)}, gpt-2",
-        )
-    return "gpt-2"
-
-
-def write_tokenizer(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer (tokenizer.json) as llama.cpp's "gpt2" model: every id's token
-    and type, the merges, special ids and the chat template (`gguf.SpecialVocab`)."""
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        raise InputError(f"{folder}: no tokenizer.json", hint="GGUF files carry the tokenizer")
-    spec = json.loads(path.read_text(encoding="utf-8"))
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE":
-        raise InputError(
-            f"{path}: a {model.get('type')} tokenizer; llmq writes byte-level BPE ones to GGUF"
-        )
-    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
-    types = [gguf.TokenType.UNUSED] * vocab_size
-    for token, index in model["vocab"].items():
-        if index < vocab_size:
-            tokens[index], types[index] = token, gguf.TokenType.NORMAL
-    for added in spec.get("added_tokens", []):
-        index = added["id"]
-        if index < vocab_size:
-            tokens[index] = added["content"]
-            types[index] = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED  # fmt: skip
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_tokenizer_name(spec))
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer)
+def _write_gemma(writer: gguf.GGUFWriter, config: Any, rope: Rope) -> None:
+    """Sliding-window layers (window, which layers, their rotary base) and soft-capping."""
+    layer_types = getattr(config, "layer_types", None) or []
+    if "sliding_attention" in layer_types:
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in layer_types])
+        writer.add_rope_freq_base_swa(rope.swa_theta if rope.swa_theta is not None else rope.theta)
+    for key, add in (
+        ("attn_logit_softcapping", writer.add_attn_logit_softcapping),
+        ("final_logit_softcapping", writer.add_final_logit_softcapping),
+    ):
+        value = getattr(config, key, None)
+        if value is not None:
+            add(float(value))

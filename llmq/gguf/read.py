@@ -60,6 +60,7 @@ class DecodedTensor:
     rotary_heads: int | None
     shape: tuple[int, ...]  # the checkpoint's (a vector GGUF holds 1-D may be [1, n] there)
     expert: int | None = None  # one expert's share of a stacked tensor
+    offset: float = 0.0  # what the writer added (Gemma's norms)
 
     def read(self, stored: Any) -> Tensor:
         tensor = _tensors(self.file)[self.name]
@@ -70,6 +71,8 @@ class DecodedTensor:
         values = gguf.quants.dequantize(data, tensor.tensor_type).reshape(shape)
         if self.rotary_heads is not None:
             values = unpermute_rotary_rows(values, self.rotary_heads)
+        if self.offset:
+            values = values - np.float32(self.offset)
         copied = np.array(values, dtype=np.float32)  # a copy: the file is mapped read-only
         return torch.from_numpy(copied.reshape(self.shape))
 
@@ -91,7 +94,7 @@ def gguf_as_checkpoint(source: Checkpoint, path: Path) -> Checkpoint:
         for expert, name in enumerate(tensor.sources):
             shown[name] = dataclasses.replace(source.tensors[name], dtype="F32")
             shape = tuple(source.tensors[name].shape)
-            views[name] = DecodedTensor(path, tensor.name, tensor.rotary_heads, shape, expert if stacked else None)  # fmt: skip
+            views[name] = DecodedTensor(path, tensor.name, tensor.rotary_heads, shape, expert if stacked else None, tensor.offset)  # fmt: skip
     return Checkpoint(
         path=source.path, config=source.config, layout=source.layout, tensors=shown, views=views
     )

@@ -239,13 +239,13 @@ QWEN2 = {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT.replace(r"\p{N}{1,3}
     ],
 )
 def test_the_pre_tokenizer_is_named_from_its_split(pre_tokenizer: dict, name: str) -> None:
-    from llmq.gguf.model import pre_tokenizer_name
+    from llmq.gguf.tokenizer import pre_tokenizer_name
 
     assert pre_tokenizer_name({"pre_tokenizer": pre_tokenizer}) == name
 
 
 def test_an_unknown_split_is_refused_not_guessed() -> None:
-    from llmq.gguf.model import pre_tokenizer_name
+    from llmq.gguf.tokenizer import pre_tokenizer_name
 
     with pytest.raises(InputError, match="regex llmq does not know"):
         pre_tokenizer_name({"pre_tokenizer": {"type": "Split", "pattern": {"Regex": r"\w+"}}})

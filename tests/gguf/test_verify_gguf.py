@@ -37,7 +37,7 @@ def test_a_file_llmq_wrote_passes_against_the_source_it_records(
 ) -> None:
     out = tmp_path / "model.gguf"
     llmq.quantize(source, out, format="gguf", scheme="q4_k_m", imatrix="none")
-    code, report = verified(str(out), "--baseline", str(source))
+    code, report = verified(str(out), "--baseline", str(source), "--loader", "transformers")
     assert code == 0 and report["passed"]
     [loader] = report["loaders"]
     assert loader["loader"] == "transformers" and loader["status"] == "ok"
@@ -52,11 +52,13 @@ def test_metadata_that_misstates_the_model_fails_with_wrong_logits(
     tmp_path: Path, source: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The rotary base written 100x too small: the tensors are right, the model is not."""
-    real = gguf_model._rope_theta
-    monkeypatch.setattr(gguf_model, "_rope_theta", lambda config: real(config) / 100)
+    real = gguf_model.rope_of
+    monkeypatch.setattr(
+        gguf_model, "rope_of", lambda config: gguf_model.Rope(real(config).theta / 100)
+    )
     out = tmp_path / "wrong-rope.gguf"
     llmq.quantize(source, out, format="gguf", scheme="q8_0", imatrix="none")
-    code, report = verified(str(out))
+    code, report = verified(str(out), "--loader", "transformers")
     assert code == 1 and not report["passed"]
     [loader] = report["loaders"]
     assert loader["status"] == "wrong logits"

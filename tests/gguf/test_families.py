@@ -1,0 +1,235 @@
+"""GGUF for Gemma 2 and 3 (SentencePiece tokenizers, norms of 1 + weight, sliding-window
+layers, soft-capping), Mixtral and OLMoE: transformers' GGUF reader computes the model llmq meant
+and reads the same token ids; llama.cpp does too when its binaries are found ($LLMQ_LLAMA_CPP);
+what llama.cpp would compute otherwise is refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import llmq
+from llmq.cli.main import app
+from llmq.eval.verify_llamacpp import LLAMA_CPP_ENV, find_llama_perplexity
+from tests.conftest import assert_bad_input, make_tiny
+
+SPACE = "\u2581"
+TEXT = "def quantize(model):\n    return  'GGUF'   + \" files\"  # 42 ünïcode ☃\n\n"
+needs_llama_cpp = pytest.mark.skipif(
+    find_llama_perplexity() is None, reason=f"llama.cpp's binaries not found (set {LLAMA_CPP_ENV})"
+)
+
+
+def sentencepiece_tokenizer(folder: Path) -> Path:
+    """A SentencePiece-style BPE tokenizer.json as Gemma's: spaces spelled "▁", byte fallback
+    tokens <0x00>..<0xFF> in the vocabulary, BOS added; trained on pydoc's lines with no
+    pre-tokenizer, so runs of spaces ("▁▁", "▁▁▁") are merged tokens as in Gemma's."""
+    import pydoc_data.topics
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    topics = pydoc_data.topics.topics
+    text = "\n\n".join(topics[k] for k in sorted(topics))[:200_000]
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    fallbacks = [f"<0x{i:02X}>" for i in range(256)]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tokenizer.normalizer = normalizers.Replace(" ", SPACE)
+    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=specials + fallbacks, show_progress=False)  # fmt: skip
+    tokenizer.train_from_iterator(text.splitlines(), trainer)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])  # fmt: skip
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])  # fmt: skip
+    spec = json.loads(tokenizer.to_str())
+    spec["added_tokens"] = [a for a in spec["added_tokens"] if a["content"] in specials]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>", "add_bos_token": True}  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def spm_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return sentencepiece_tokenizer(tmp_path_factory.mktemp("spm") / "tokenizer")
+
+
+def tiny(folder: Path, tokenizer: Path, family: str, **fields: object) -> Path:
+    """A tiny random model of `family` with 256-wide rows (whole K-quant super-blocks); Gemma's
+    head_dim 256 (= query_pre_attn_scalar, as transformers' GGUF reader assumes)."""
+    gemma = {"head_dim": 256, "vocab_size": 2000} if family.startswith("gemma") else {}
+    kv_heads = 4 if family == "olmoe" else 2  # llama.cpp's olmoe has no grouped keys
+    tied = family != "olmoe"
+    return make_tiny(folder, tokenizer, model_type=family, hidden=256, heads=4, kv_heads=kv_heads, tied=tied, **{**gemma, **fields})  # fmt: skip
+
+
+def verified(*args: str) -> tuple[int, dict]:
+    result = CliRunner().invoke(app, ["verify", *args, "--json"])
+    return result.exit_code, json.loads(result.stdout) if result.exit_code in (0, 1) else {}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma2"])
+def test_gemma_files_hold_its_norms_windows_and_sentencepiece_vocabulary(
+    tmp_path: Path, spm_tokenizer: Path, family: str
+) -> None:
+    """Norms stored as 1 + weight; the sliding-window layers, their rotary base and Gemma 2's
+    soft-caps in the metadata; the vocabulary as llama.cpp's "llama" model (bytes as BYTE,
+    scores falling with the id); transformers' reader computes the model the tensors define
+    and tokenizes text (BOS, runs of spaces, byte fallback) to the source tokenizer's ids."""
+    from transformers import AutoTokenizer
+
+    source = tiny(tmp_path / family, spm_tokenizer, family, layers=3, sliding_window=64)
+    out = tmp_path / f"{family}.gguf"
+    llmq.quantize(source, out, format="gguf", scheme="q4_k_m", imatrix="none")
+    reader = gguf.GGUFReader(out)
+    arch = reader.get_field("general.architecture").contents()
+    tensors = {t.name: t for t in reader.tensors}
+    weights = load_file(source / "model.safetensors")
+    stored = np.asarray(tensors["blk.0.post_ffw_norm.weight"].data)
+    np.testing.assert_array_equal(stored, weights["model.layers.0.post_feedforward_layernorm.weight"].numpy() + np.float32(1))  # fmt: skip
+    config = json.loads((source / "config.json").read_text())
+    pattern = reader.get_field(f"{arch}.attention.sliding_window_pattern").contents()
+    assert pattern == [kind == "sliding_attention" for kind in config["layer_types"]]
+    assert True in pattern and reader.get_field(f"{arch}.attention.sliding_window").contents() == 64
+    if family == "gemma2":
+        assert reader.get_field("gemma2.attn_logit_softcapping").contents() == config["attn_logit_softcapping"]  # fmt: skip
+    tokens = reader.get_field("tokenizer.ggml.tokens").contents()
+    types = reader.get_field("tokenizer.ggml.token_type").contents()
+    scores = np.array(reader.get_field("tokenizer.ggml.scores").contents())
+    assert reader.get_field("tokenizer.ggml.model").contents() == "llama"
+    assert [types[tokens.index(f"<0x{i:02X}>")] for i in (0, 255)] == [gguf.TokenType.BYTE] * 2
+    assert types[tokens.index("  ")] == gguf.TokenType.USER_DEFINED  # "▁▁", as Gemma's files
+    normal = [i for i, kind in enumerate(types) if kind == gguf.TokenType.NORMAL]
+    assert np.all(np.diff(scores[normal]) < 0)  # best first, as the vocabulary lists them
+
+    code, report = verified(str(out), "--loader", "transformers")
+    assert code == 0, report
+    loaded = AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)
+    expected = AutoTokenizer.from_pretrained(source)(TEXT)["input_ids"]
+    assert expected[0] == 2 and loaded(TEXT)["input_ids"] == expected
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_mixtral_and_olmoe_stack_their_experts_for_llama_cpp(
+    tmp_path: Path, default_model: Path, family: str
+) -> None:
+    """Experts stacked per role under llama.cpp's names, the router F32, the expert counts in
+    the metadata; q/k rows permuted for Mixtral (llama), not for OLMoE. transformers' reader
+    builds neither, so verify uses llama.cpp, and says so when it is not found."""
+    source = tiny(tmp_path / family, default_model, family)
+    out = tmp_path / f"{family}.gguf"
+    llmq.quantize(source, out, format="gguf", scheme="q8_0", imatrix="none")
+    reader = gguf.GGUFReader(out)
+    arch = reader.get_field("general.architecture").contents()
+    assert arch == ("llama" if family == "mixtral" else "olmoe")
+    assert reader.get_field(f"{arch}.expert_count").contents() == 4
+    tensors = {t.name: t for t in reader.tensors}
+    assert [int(n) for n in reversed(tensors["blk.1.ffn_down_exps.weight"].shape)] == [4, 256, 128]
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(LLAMA_CPP_ENV, str(tmp_path))  # no binaries there
+        result = CliRunner().invoke(app, ["verify", str(out)])
+    assert_bad_input(result, "does not build this family")
+
+
+@pytest.mark.integration
+@needs_llama_cpp
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "mixtral", "olmoe"])
+def test_llama_cpp_computes_the_model_the_file_defines(
+    tmp_path: Path, default_model: Path, spm_tokenizer: Path, family: str
+) -> None:
+    """llama-perplexity's saved log-probabilities of the file match llmq's evaluator on the
+    file's tensors, with the checkpoint tokenizer's ids."""
+    tokenizer = spm_tokenizer if family.startswith("gemma") else default_model
+    source = tiny(tmp_path / family, tokenizer, family)
+    out = tmp_path / f"{family}.gguf"
+    llmq.quantize(source, out, format="gguf", scheme="q4_k_m", imatrix="none")
+    code, report = verified(str(out), "--loader", "llama.cpp")
+    assert code == 0, report
+    [loader] = report["loaders"]
+    assert loader["comparison"]["distance"]["mean_abs"] < 0.05  # random weights: flat logits
+
+
+@pytest.mark.integration
+@needs_llama_cpp
+def test_llama_cpp_fails_a_file_that_misstates_the_model(
+    tmp_path: Path, default_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rotary base written 100x too small: llama.cpp computes another model."""
+    from llmq.gguf import model as gguf_model
+    from tests.conftest import sharpen
+
+    source = sharpen(tiny(tmp_path / "llama", default_model, "llama"))
+    real = gguf_model.rope_of
+    monkeypatch.setattr(gguf_model, "rope_of", lambda config: gguf_model.Rope(real(config).theta / 100))  # fmt: skip
+    out = tmp_path / "wrong-rope.gguf"
+    llmq.quantize(source, out, format="gguf", scheme="q8_0", imatrix="none")
+    code, report = verified(str(out), "--loader", "llama.cpp")
+    assert code == 1 and report["loaders"][0]["status"] == "wrong logits"
+
+
+@pytest.mark.parametrize(
+    ("family", "fields", "fragment"),
+    [
+        ("olmoe", {"num_key_value_heads": 2}, "llama.cpp's olmoe normalizes keys"),
+        ("olmoe", {"tie_word_embeddings": True}, "reads a separate output.weight"),
+        ("gemma2", {"tie_word_embeddings": False}, "reads the embedding as the output"),
+        ("gemma3_text", {"query_pre_attn_scalar": 128}, "query_pre_attn_scalar 128"),
+        (
+            "gemma3_text",
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                }
+            },
+            "rope scaling 'yarn'",
+        ),
+    ],
+    ids=["olmoe-gqa", "olmoe-tied", "gemma2-untied", "gemma-query-scale", "gemma-yarn"],
+)
+def test_what_llama_cpp_would_compute_otherwise_is_refused(
+    tmp_path: Path, default_model: Path, family: str, fields: dict, fragment: str
+) -> None:
+    source = tiny(tmp_path / family, default_model, family)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, **fields}))
+    out = tmp_path / "model.gguf"
+    result = CliRunner().invoke(app, ["quantize", str(source), "--out", str(out), "--format", "gguf", "--imatrix", "none"])  # fmt: skip
+    assert_bad_input(result, fragment)
+    assert not out.exists()
+
+
+def test_saved_log_probs_decode_within_half_a_code(tmp_path: Path) -> None:
+    """llama-perplexity's logits file as its source writes it (header, tokens, per position two
+    float32s and a uint16 per token: log-prob = lowest + scale x code, logits more than 16
+    below the largest at the lowest) decodes to the log-softmax within half a code step."""
+    from llmq.eval.verify_llamacpp import CONTEXT, read_saved_log_probs
+
+    rng = np.random.default_rng(0)
+    vocab, chunks, positions = 11, 2, CONTEXT - 1 - CONTEXT // 2
+    logits = rng.normal(0, 6, size=(chunks, positions, vocab))
+    tokens = rng.integers(0, vocab, size=(chunks, CONTEXT), dtype=np.int32)
+    parts = [b"_logits_", np.array([CONTEXT, vocab, chunks], np.int32).tobytes(), tokens.tobytes()]
+    for row in logits.reshape(-1, vocab):
+        top, low = row.max(), max(row.min(), row.max() - 16)
+        lse = np.log(np.exp(row - top).sum())
+        scale = (top - low) / 65535
+        codes = np.where(row > low, np.rint((row - low) / scale), 0).astype(np.uint16)
+        header = np.array([scale, low - top - lse], np.float32).view(np.uint16)
+        padding = np.zeros(2 * ((vocab + 1) // 2) - vocab, np.uint16)
+        parts.append(np.concatenate([header, codes, padding]).tobytes())
+    saved = read_saved_log_probs(b"".join(parts))
+    np.testing.assert_array_equal(saved.tokens, tokens)
+    for chunk in range(chunks):
+        expected = logits[chunk] - logits[chunk].max(-1, keepdims=True)
+        expected -= np.log(np.exp(expected).sum(-1, keepdims=True))
+        expected = np.maximum(expected, saved.floors[chunk][:, None])
+        step = (logits[chunk].max(-1) - np.maximum(logits[chunk].min(-1), logits[chunk].max(-1) - 16)) / 65535  # fmt: skip
+        assert np.all(np.abs(saved.log_probs[chunk] - expected) <= step[:, None] * 0.51 + 1e-5)

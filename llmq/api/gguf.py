@@ -28,7 +28,7 @@ def quantize_gguf(
     from llmq.gguf.export import check_gguf_output, export_gguf, plan_tensors
     from llmq.gguf.imatrix import (
         calibration_stats,
-        hessians_by_name,
+        hessians_by_weight,
         imatrix_from_stats,
         read_imatrix,
     )
@@ -41,11 +41,6 @@ def quantize_gguf(
     overrides = parse_tensor_types(recipe.tensor_types)
     ckpt = _open(model, progress)
     plan = plan_tensors(ckpt, scheme, overrides)  # an unmapped family or tensor: refused now
-    if recipe.method == "gptq" and any(len(tensor.sources) > 1 for tensor in plan):
-        raise InputError(
-            "--method gptq: GPTQ's error feedback on GGUF's stacked experts is not built yet",
-            hint="drop --method gptq: the experts' block scales are still searched against the importance matrix",
-        )  # fmt: skip
     refuse_inputs(out, [("model", ckpt.path), ("imatrix", recipe.imatrix)])
     check_gguf_output(out, overwrite=overwrite)
     imatrix, source, hessians = None, None, None
@@ -61,7 +56,7 @@ def quantize_gguf(
         gptq = recipe.method == "gptq"
         stats = calibration_stats(ckpt, cal, hessian=gptq, progress=progress, device=device)
         imatrix = imatrix_from_stats(ckpt, stats, cal)
-        hessians = hessians_by_name(ckpt, stats) if gptq else None
+        hessians = hessians_by_weight(stats) if gptq else None
         source = f"{cal.num_samples} x {cal.seq_len} tokens of {cal.text}"
     result = export_gguf(
         ckpt, out, scheme, overrides=overrides,

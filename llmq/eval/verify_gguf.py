@@ -62,7 +62,9 @@ def gguf_loaders(requested: list[str] | None, source: Checkpoint) -> list[str]:
         return list(requested)
     # transformers' reader builds neither Mixtral nor OLMoE, and ignores a linear rope scaling
     reads = gguf_arch(source.config).transformers_reads
-    loaders = ["transformers"] if reads and rope_of(source.model_config()).linear_factor is None else []
+    loaders = (
+        ["transformers"] if reads and rope_of(source.model_config()).linear_factor is None else []
+    )
     if find_llama_perplexity():
         loaders.append("llama.cpp")
     if not loaders:

@@ -89,8 +89,9 @@ def export_gguf(
     """Encode `ckpt` into the GGUF file `out` with `scheme`'s mix (and `overrides`, first
     match wins). `importance` maps a weight's GGUF name to the mean square of each of its
     inputs over calibration text (llama.cpp's importance matrix, `Imatrix.importance`): the
-    scale search weighs each weight's error by it. `hessians` (by GGUF name): codes chosen
-    with GPTQ's error feedback on the searched grid (`gptq_codes`) instead of the nearest."""
+    scale search weighs each weight's error by it. `hessians` (by the checkpoint's weight name,
+    one per expert of a stacked tensor): codes chosen with GPTQ's error feedback on the searched
+    grid (`gptq_codes`) instead of the nearest."""
     started = time.perf_counter()
     arch = gguf_arch(ckpt.config)
     config = ckpt.model_config()
@@ -208,7 +209,7 @@ def _write_tensors(
                 weights_importance = importance.get(tensor.name)
                 if weights_importance is not None and weights_importance.ndim == 2:  # per expert
                     weights_importance = weights_importance[expert]
-                data, error = encode(tensor, weight, weights_importance, hessians.get(tensor.name))  # fmt: skip
+                data, error = encode(tensor, weight, weights_importance, hessians.get(source))
                 parts.append(data)
                 part_errors.append(error)
             if part_errors[0] is not None:

@@ -82,11 +82,11 @@ def calibration_stats(
     )
 
 
-def hessians_by_name(ckpt: Checkpoint, stats: CalibStats) -> dict[str, Tensor]:
-    """Each linear's input Hessian (2·XᵀX / tokens) under its weight's GGUF name."""
-    names = TensorNames(gguf_arch(ckpt.config), ckpt.num_layers)
+def hessians_by_weight(stats: CalibStats) -> dict[str, Tensor]:
+    """Each linear's input Hessian (2·XᵀX / tokens) under its weight's checkpoint name: one per
+    expert of a mixture, whose experts GGUF stacks in one tensor."""
     return {
-        names.gguf_name(f"{linear}.weight"): observed.hessian.cpu()
+        f"{linear}.weight": observed.hessian.cpu()
         for linear, observed in stats.inputs.items()
         if observed.hessian is not None
     }

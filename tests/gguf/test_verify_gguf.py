@@ -147,9 +147,6 @@ def test_a_mixtures_experts_are_stacked_per_role_and_transformers_reads_them(
 
 def test_what_a_gguf_mixture_cannot_be_is_refused_in_one_line(tmp_path: Path, default_model: Path) -> None:  # fmt: skip
     runner = CliRunner()
-    source = tiny_mixture(tmp_path / "moe", default_model)
-    gptq = runner.invoke(app, ["quantize", str(source), "-o", str(tmp_path / "a.gguf"), "--format", "gguf", "--method", "gptq"])  # fmt: skip
-    assert_bad_input(gptq, "--method gptq: GPTQ's error feedback on GGUF's stacked experts")
     unnormalized = tiny_mixture(tmp_path / "plain", default_model, norm_topk_prob=False)
     routed = runner.invoke(app, ["quantize", str(unnormalized), "-o", str(tmp_path / "b.gguf"), "--format", "gguf"])  # fmt: skip
     assert_bad_input(routed, "norm_topk_prob false")
@@ -159,3 +156,41 @@ def test_what_a_gguf_mixture_cannot_be_is_refused_in_one_line(tmp_path: Path, de
         no_head, "tie_word_embeddings true: llama.cpp's qwen2moe reads a separate output.weight"
     )
     assert not any(tmp_path.glob("*.gguf"))
+
+
+@pytest.mark.integration
+def test_gptq_rounds_each_stacked_expert_with_its_own_hessian(tmp_path: Path, default_model: Path) -> None:  # fmt: skip
+    """--method gptq on a mixture: each expert's share of ffn_down_exps holds GPTQ's codes on its
+    own grid with the Hessian of its own inputs (llmq's calibration runs every token through
+    every expert, so gate/up share theirs; another expert's down Hessian gives other bytes), and
+    transformers' reader computes the file's model."""
+    import numpy as np
+
+    from llmq.config import CalibConfig
+    from llmq.gguf.blocks import pack
+    from llmq.gguf.grids import choose_grid
+    from llmq.gguf.gptq import gptq_codes
+    from llmq.gguf.imatrix import calibration_stats, hessians_by_weight, imatrix_from_stats
+    from llmq.io.checkpoint import open_checkpoint
+
+    source = tiny_mixture(tmp_path / "moe", default_model)
+    out = tmp_path / "moe-gptq.gguf"
+    llmq.quantize(source, out, format="gguf", scheme="q4_k_m", method="gptq", num_samples=4, seq_len=32)  # fmt: skip
+    ckpt = open_checkpoint(source)
+    calibration = CalibConfig(num_samples=4, seq_len=32)
+    stats = calibration_stats(ckpt, calibration, hessian=True)
+    hessians = hessians_by_weight(stats)
+    importance = imatrix_from_stats(ckpt, stats, calibration).importance()["blk.1.ffn_down_exps.weight"]  # fmt: skip
+    [stacked] = [t for t in gguf.GGUFReader(out).tensors if t.name == "blk.1.ffn_down_exps.weight"]
+
+    def expected(expert: int, hessian_of: int) -> np.ndarray:
+        weight = ckpt.read(f"model.layers.1.mlp.experts.{expert}.down_proj.weight").float().numpy()
+        grid = choose_grid(stacked.tensor_type, weight, importance[expert])
+        hessian = hessians[f"model.layers.1.mlp.experts.{hessian_of}.down_proj.weight"]
+        return pack(grid, gptq_codes(grid, weight, hessian))
+
+    for expert in range(4):
+        assert np.array_equal(np.asarray(stacked.data[expert]), expected(expert, expert)), expert
+    assert not np.array_equal(np.asarray(stacked.data[1]), expected(1, 0))
+    code, report = verified(str(out), "--loader", "transformers")
+    assert code == 0 and report["loaders"][0]["status"] == "ok"

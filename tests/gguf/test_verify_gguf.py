@@ -168,8 +168,8 @@ def test_gptq_rounds_each_stacked_expert_with_its_own_hessian(tmp_path: Path, de
 
     from llmq.config import CalibConfig
     from llmq.gguf.blocks import pack
-    from llmq.gguf.grids import choose_grid
     from llmq.gguf.gptq import gptq_codes
+    from llmq.gguf.grids import choose_grid
     from llmq.gguf.imatrix import calibration_stats, hessians_by_weight, imatrix_from_stats
     from llmq.io.checkpoint import open_checkpoint
 

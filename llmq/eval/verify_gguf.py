@@ -60,11 +60,9 @@ def gguf_loaders(requested: list[str] | None, source: Checkpoint) -> list[str]:
             require_llama_perplexity()
     if requested:
         return list(requested)
-    # transformers' reader builds neither Mixtral nor OLMoE, and ignores a linear rope scaling
+    # transformers' reader builds neither Mixtral nor OLMoE, and ignores rope scaling
     reads = gguf_arch(source.config).transformers_reads
-    loaders = (
-        ["transformers"] if reads and rope_of(source.model_config()).linear_factor is None else []
-    )
+    loaders = ["transformers"] if reads and rope_of(source.model_config()).scaling is None else []
     if find_llama_perplexity():
         loaders.append("llama.cpp")
     if not loaders:

@@ -27,6 +27,7 @@ from llmq.gguf.model import (
     VECTORS,
     TensorNames,
     gguf_arch,
+    llama3_rope_factors,
     permute_rotary_rows,
     read_field,
     rope_of,
@@ -95,7 +96,7 @@ def export_gguf(
     started = time.perf_counter()
     arch = gguf_arch(ckpt.config)
     config = ckpt.model_config()
-    rope_of(config)  # refused before anything is written
+    rope_of(config, arch)  # refused before anything is written
     plan = plan_tensors(ckpt, scheme, overrides)
     with claim_output(out, inputs=[("model", ckpt.path)]):
         check_gguf_output(out, overwrite=overwrite)
@@ -125,7 +126,8 @@ def export_gguf(
 
 @dataclass(frozen=True, slots=True)
 class NamedTensor:
-    sources: tuple[str, ...]  # the checkpoint's names: one, or each expert's (stacked, in order)
+    sources: tuple[str, ...]  # the checkpoint's names: one, each expert's (stacked, in order),
+    # or none for a tensor llama.cpp needs that the checkpoint derives from its config
     name: str  # the GGUF name
     shape: tuple[int, ...]  # stacked experts: [experts, rows, cols]
     rotary_heads: int | None  # q/k rows to permute for the architecture's rotary layout
@@ -158,7 +160,21 @@ def named_tensors(ckpt: Checkpoint) -> list[NamedTensor]:
         heads_here = rotary.get(kind) if arch.permute_rotary and name.endswith(".weight") else None
         offset = ckpt.layout.norm_weight_offset if sources[0].endswith("norm.weight") else 0.0
         named.append(NamedTensor(tuple(sources), name, shape, heads_here, offset))
+    for name, values in derived_tensors(ckpt).items():
+        named.append(NamedTensor((), name, values.shape, None))
     return named
+
+
+def derived_tensors(ckpt: Checkpoint) -> dict[str, np.ndarray]:
+    """Tensors llama.cpp reads that a checkpoint states in its config: Llama 3.1's rotary
+    factors (`rope_freqs.weight`), as llama.cpp's converter writes them."""
+    config = ckpt.model_config()
+    scaling = rope_of(config).scaling
+    if scaling is None or scaling["rope_type"] != "llama3":
+        return {}
+    return {
+        gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight": llama3_rope_factors(config)
+    }
 
 
 def plan_tensors(
@@ -196,8 +212,13 @@ def _write_tensors(
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     errors = {}
+    derived = derived_tensors(ckpt)
     with progress.stage("encoding and writing tensors", total=len(plan)) as step:
         for tensor in plan:
+            if not tensor.sources:
+                writer.write_tensor_data(derived[tensor.name])
+                step(1)
+                continue
             parts, part_errors = [], []
             for expert, source in enumerate(tensor.sources):  # one at a time: stacked experts
                 shape = tensor.shape[1:] if len(tensor.sources) > 1 else tensor.shape

@@ -145,35 +145,72 @@ def unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
 @dataclass(frozen=True, slots=True)
 class Rope:
     """The rotary embedding as llama.cpp is told it: the base of full-attention layers, that of
-    sliding-window layers (None without them), and a linear scaling factor (None: unscaled)."""
+    sliding-window layers (None without them), and the full-attention layers' scaling (their
+    `rope_parameters` when its type is linear, yarn or llama3; None: unscaled)."""
 
     theta: float
     swa_theta: float | None = None
-    linear_factor: float | None = None
+    scaling: dict[str, Any] | None = None
 
 
-def rope_of(config: Any) -> Rope:
+# YaRN parameters llama.cpp's rope does not take: DeepSeek's attention scales (mscale,
+# mscale_all_dim) and GPT-OSS's untruncated correction range
+_YARN_UNSUPPORTED = ("mscale", "mscale_all_dim")
+
+
+def rope_of(config: Any, arch: GGUFArch | None = None) -> Rope:
     """`config`'s rotary parameters (transformers' `rope_parameters`, per layer type where the
-    family has several); InputError for scalings llmq does not write."""
+    family has several); InputError for what llama.cpp would compute differently. Full-attention
+    layers may scale linearly, by YaRN, or as Llama 3.1 does (`arch` llama only: llama.cpp reads
+    Llama 3's per-frequency factors as a tensor)."""
     parameters = dict(getattr(config, "rope_parameters", None) or {})
     if not parameters or not all(isinstance(value, dict) for value in parameters.values()):
         parameters = {"full_attention": parameters}
     full = parameters.get("full_attention") or {}
     sliding = parameters.get("sliding_attention")
     for kind, part in parameters.items():
-        rope_type = part.get("rope_type", "default")
-        if rope_type != "default" and (rope_type, kind) != ("linear", "full_attention"):
-            raise InputError(
-                f"rope scaling {rope_type!r}{'' if kind == 'full_attention' else ' on ' + kind}: "
-                "not written to GGUF by llmq yet",
-                hint="default rotary embeddings convert, and linear scaling of full attention",
-            )
+        _check_rope(kind, part, arch)
     theta = full.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:
         raise InputError("the config gives no rope_theta")
-    factor = full.get("factor") if full.get("rope_type") == "linear" else None
+    scaled = full.get("rope_type", "default") != "default"
     swa_theta = None if sliding is None else float(sliding["rope_theta"])
-    return Rope(float(theta), swa_theta, None if factor is None else float(factor))
+    return Rope(float(theta), swa_theta, dict(full) if scaled else None)
+
+
+def _check_rope(kind: str, part: dict[str, Any], arch: GGUFArch | None) -> None:
+    rope_type = part.get("rope_type", "default")
+    llama3 = rope_type == "llama3" and (arch is None or arch.arch == gguf.MODEL_ARCH.LLAMA)
+    known = rope_type in ("default", "linear", "yarn") or llama3
+    where = "" if kind == "full_attention" else f" on {kind}"
+    if not known or (rope_type != "default" and kind != "full_attention"):
+        raise InputError(
+            f"rope scaling {rope_type!r}{where}: not written to GGUF by llmq yet",
+            hint="default, linear and YaRN rotary embeddings convert, and Llama 3's",
+        )
+    unsupported = [key for key in _YARN_UNSUPPORTED if part.get(key)]
+    if rope_type == "yarn" and (unsupported or part.get("truncate") is False):
+        what = ", ".join(unsupported) or "truncate false"
+        raise InputError(f"YaRN with {what}: llama.cpp's rope does not take it", hint="plain YaRN (Qwen's) converts")  # fmt: skip
+
+
+def llama3_rope_factors(config: Any) -> np.ndarray:
+    """Llama 3.1's rotary scaling as llama.cpp reads it (`rope_freqs.weight`, float32 [head_dim
+    / 2]): each frequency's divisor, 1 above the high-frequency band, `factor` below the low one
+    and a smooth blend between (transformers' `_compute_llama3_parameters`)."""
+    rope = rope_of(config)
+    scaling = rope.scaling or {}
+    heads = config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    freqs = 1.0 / (rope.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    context = float(scaling["original_max_position_embeddings"])
+    wavelength = 2 * np.pi / freqs
+    smooth = (context / wavelength - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    factors = np.where(wavelength < context / high, 1.0, np.where(wavelength > context / low, factor, blended))  # fmt: skip
+    return factors.astype(np.float32)
 
 
 def _check_query_scale(model_type: str, config: dict[str, Any]) -> None:
@@ -206,9 +243,7 @@ def write_hyperparameters(writer: gguf.GGUFWriter, config: Any) -> None:
     writer.add_head_count(heads)
     writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
     writer.add_rope_freq_base(rope.theta)
-    if rope.linear_factor is not None:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(rope.linear_factor)
+    _write_rope_scaling(writer, rope.scaling)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -218,6 +253,26 @@ def write_hyperparameters(writer: gguf.GGUFWriter, config: Any) -> None:
     # otherwise (transformers' Qwen3 assumes 128)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
+
+
+def _write_rope_scaling(writer: gguf.GGUFWriter, scaling: dict[str, Any] | None) -> None:
+    """Linear and YaRN scaling as llama.cpp's keys (Llama 3's is a tensor, `rope_freqs`)."""
+    kind = None if scaling is None else scaling["rope_type"]
+    if kind not in ("linear", "yarn"):
+        return
+    assert scaling is not None
+    writer.add_rope_scaling_type(gguf.RopeScalingType(kind))
+    writer.add_rope_scaling_factor(float(scaling["factor"]))
+    if kind == "linear":
+        return
+    writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    for key, add in (
+        ("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
+        ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+        ("beta_slow", writer.add_rope_scaling_yarn_beta_slow),
+    ):
+        if scaling.get(key) is not None:
+            add(float(scaling[key]))
 
 
 def _write_experts(writer: gguf.GGUFWriter, config: Any) -> None:

@@ -83,6 +83,8 @@ def gguf_as_checkpoint(source: Checkpoint, path: Path) -> Checkpoint:
     held = _tensors(path)
     shown, views = dict(source.tensors), {}
     for tensor in named_tensors(source):
+        if not tensor.sources:  # derived from the config (Llama 3's rotary factors)
+            continue
         stored = held.get(tensor.name)
         first = tensor.sources[0]
         if stored is None:

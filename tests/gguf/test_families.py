@@ -182,18 +182,21 @@ def test_llama_cpp_fails_a_file_that_misstates_the_model(
         ("olmoe", {"tie_word_embeddings": True}, "reads a separate output.weight"),
         ("gemma2", {"tie_word_embeddings": False}, "reads the embedding as the output"),
         ("gemma3_text", {"query_pre_attn_scalar": 128}, "query_pre_attn_scalar 128"),
-        (
-            "gemma3_text",
-            {
-                "rope_parameters": {
-                    "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0},
-                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                }
-            },
-            "rope scaling 'yarn'",
-        ),
+        ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "rope scaling 'dynamic'"),  # fmt: skip
+        ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6}, "sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}}, "rope scaling 'linear' on sliding_attention"),  # fmt: skip
+        ("qwen3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}, "rope scaling 'llama3'"),  # fmt: skip
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0}}, "YaRN with mscale, mscale_all_dim"),  # fmt: skip
     ],
-    ids=["olmoe-gqa", "olmoe-tied", "gemma2-untied", "gemma-query-scale", "gemma-yarn"],
+    ids=[
+        "olmoe-gqa",
+        "olmoe-tied",
+        "gemma2-untied",
+        "gemma-query-scale",
+        "gemma-dynamic",
+        "gemma-sliding-scaled",
+        "qwen3-llama3",
+        "deepseek-yarn",
+    ],
 )
 def test_what_llama_cpp_would_compute_otherwise_is_refused(
     tmp_path: Path, default_model: Path, family: str, fields: dict, fragment: str
@@ -236,23 +239,48 @@ def test_saved_log_probs_decode_within_half_a_code(tmp_path: Path) -> None:
         assert np.all(np.abs(saved.log_probs[chunk] - expected) <= step[:, None] * 0.51 + 1e-5)
 
 
-@pytest.mark.integration
-@needs_llama_cpp
-def test_linear_rope_scaling_of_full_attention_reaches_llama_cpp(
-    tmp_path: Path, spm_tokenizer: Path
-) -> None:
-    """Gemma 3's larger models scale their full-attention rotary positions linearly (factor 8):
-    llama.cpp applies the factor the file states (it matches llmq's evaluator 5x closer than
-    transformers' reader, which ignores it, so verify leaves transformers out by default)."""
-    rope = {
+SCALED_ROPES = {
+    # Gemma 3's larger models: linear on full attention, the sliding layers unscaled
+    "gemma3-linear": ("gemma3_text", {
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-    }
-    kinds = ["sliding_attention", "full_attention"]
-    source = tiny(tmp_path / "gemma", spm_tokenizer, "gemma3_text", rope_parameters=rope, layer_types=kinds, sliding_window=16)  # fmt: skip
-    out = tmp_path / "gemma.gguf"
+    }),
+    # Llama 3.1: per-frequency factors, written as the rope_freqs tensor
+    "llama3": ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                         "rope_theta": 5e5}),
+    # Qwen's long-context YaRN
+    "qwen3-yarn": ("qwen3", {"rope_type": "yarn", "factor": 4.0,
+                             "original_max_position_embeddings": 64, "rope_theta": 1e6}),
+}  # fmt: skip
+
+
+@pytest.mark.integration
+@needs_llama_cpp
+@pytest.mark.parametrize("case", sorted(SCALED_ROPES))
+def test_rope_scaling_reaches_llama_cpp(
+    tmp_path: Path, default_model: Path, spm_tokenizer: Path, case: str
+) -> None:
+    """A scaled rotary embedding (linear, YaRN, Llama 3's) is written as llama.cpp reads it:
+    llama.cpp matches llmq's evaluator at least 5x closer than transformers' reader, which
+    ignores the scaling (so verify leaves transformers out by default)."""
+    family, rope = SCALED_ROPES[case]
+    fields: dict[str, object] = {"rope_parameters": rope}
+    if family == "gemma3_text":
+        fields.update(layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+    if family == "qwen3":
+        fields["head_dim"] = 128  # transformers' Qwen3 GGUF reader assumes it
+    tokenizer = spm_tokenizer if family.startswith("gemma") else default_model
+    source = tiny(tmp_path / case, tokenizer, family, **fields)
+    out = tmp_path / f"{case}.gguf"
     llmq.quantize(source, out, format="gguf", scheme="q8_0", imatrix="none")
-    assert gguf.GGUFReader(out).get_field("gemma3.rope.scaling.factor").contents() == 8.0
+    reader = gguf.GGUFReader(out)
+    if case == "llama3":
+        factors = np.asarray(next(t for t in reader.tensors if t.name == "rope_freqs.weight").data)
+        assert factors[0] == 1.0 and factors[-1] == 8.0  # high frequencies kept, low ones / 8
+    else:
+        arch = reader.get_field("general.architecture").contents()
+        assert reader.get_field(f"{arch}.rope.scaling.type").contents() == rope.get("rope_type", "linear")  # fmt: skip
     code, report = verified(str(out))
     assert code == 0 and [r["loader"] for r in report["loaders"]] == ["llama.cpp"]
     llama_cpp = report["loaders"][0]["comparison"]["distance"]["mean_abs"]

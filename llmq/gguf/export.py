@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 from torch import Tensor
 
+from llmq.gguf import mla
 from llmq.gguf.blocks import SPECS, codes_for, dequantized, pack
 from llmq.gguf.gptq import gptq_codes
 from llmq.gguf.grids import choose_grid
@@ -51,6 +52,7 @@ class PlannedTensor:
     qtype: gguf.GGMLQuantizationType
     rotary_heads: int | None  # q/k rows to permute for the architecture's rotary layout
     offset: float = 0.0  # added to the stored values (Gemma's norms of 1 + weight)
+    part: str | None = None  # the share of DeepSeek's kv_b it holds (llmq.gguf.mla)
 
     @property
     def nbytes(self) -> int:
@@ -96,7 +98,7 @@ def export_gguf(
     started = time.perf_counter()
     arch = gguf_arch(ckpt.config)
     config = ckpt.model_config()
-    rope_of(config, arch)  # refused before anything is written
+    rope_of(config)  # refused before anything is written
     plan = plan_tensors(ckpt, scheme, overrides)
     with claim_output(out, inputs=[("model", ckpt.path)]):
         check_gguf_output(out, overwrite=overwrite)
@@ -105,7 +107,7 @@ def export_gguf(
             writer.add_name(ckpt.path.name)
             writer.add_quantized_by(QUANTIZED_BY)
             writer.add_string(SOURCE_KEY, str(ckpt.path.resolve()))  # for `llmq verify`
-            write_hyperparameters(writer, config)
+            write_hyperparameters(writer, config, arch)
             writer.add_file_type(scheme.file_type)
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
             vocab_size = int(ckpt.config["vocab_size"])
@@ -132,6 +134,7 @@ class NamedTensor:
     shape: tuple[int, ...]  # stacked experts: [experts, rows, cols]
     rotary_heads: int | None  # q/k rows to permute for the architecture's rotary layout
     offset: float = 0.0  # added to the stored values (Gemma's norms of 1 + weight)
+    part: str | None = None  # the share of DeepSeek's kv_b it holds (llmq.gguf.mla)
 
 
 def named_tensors(ckpt: Checkpoint) -> list[NamedTensor]:
@@ -159,6 +162,10 @@ def named_tensors(ckpt: Checkpoint) -> list[NamedTensor]:
         kind = name.split(".")[-2] if name.startswith("blk.") else ""
         heads_here = rotary.get(kind) if arch.permute_rotary and name.endswith(".weight") else None
         offset = ckpt.layout.norm_weight_offset if sources[0].endswith("norm.weight") else 0.0
+        if arch.arch == gguf.MODEL_ARCH.DEEPSEEK2 and name.endswith(mla.KV_B_SUFFIX):
+            for part, part_shape in mla.part_shapes(ckpt.model_config()).items():
+                named.append(NamedTensor(tuple(sources), mla.part_name(name, part), part_shape, None, part=part))  # fmt: skip
+            continue
         named.append(NamedTensor(tuple(sources), name, shape, heads_here, offset))
     for name, values in derived_tensors(ckpt).items():
         named.append(NamedTensor((), name, values.shape, None))
@@ -189,7 +196,7 @@ def plan_tensors(
         qtype = choose_type(
             scheme, t.name, t.shape, layers, is_output=is_output, overrides=overrides
         )
-        plan.append(PlannedTensor(t.sources, t.name, t.shape, qtype, t.rotary_heads, t.offset))
+        plan.append(PlannedTensor(t.sources, t.name, t.shape, qtype, t.rotary_heads, t.offset, t.part))  # fmt: skip
     return plan
 
 
@@ -213,6 +220,7 @@ def _write_tensors(
     writer.write_ti_data_to_file()
     errors = {}
     derived = derived_tensors(ckpt)
+    config = ckpt.model_config()
     with progress.stage("encoding and writing tensors", total=len(plan)) as step:
         for tensor in plan:
             if not tensor.sources:
@@ -222,15 +230,24 @@ def _write_tensors(
             parts, part_errors = [], []
             for expert, source in enumerate(tensor.sources):  # one at a time: stacked experts
                 shape = tensor.shape[1:] if len(tensor.sources) > 1 else tensor.shape
-                weight = ckpt.read(source).float().numpy().reshape(shape)
+                weight = ckpt.read(source).float().numpy()
+                weight = weight if tensor.part else weight.reshape(shape)
                 ckpt.close()
                 if tensor.rotary_heads is not None:
                     weight = permute_rotary_rows(weight, tensor.rotary_heads)
                 weight = weight + tensor.offset if tensor.offset else weight
                 weights_importance = importance.get(tensor.name)
+                hessian = hessians.get(source)
+                if (
+                    tensor.part is not None
+                ):  # a share of kv_b, reshaped: kv_b's Hessian does not fit
+                    weight = mla.split_kv_b(weight, tensor.part, config).reshape(
+                        -1, tensor.shape[-1]
+                    )
+                    weights_importance, hessian = None, None
                 if weights_importance is not None and weights_importance.ndim == 2:  # per expert
                     weights_importance = weights_importance[expert]
-                data, error = encode(tensor, weight, weights_importance, hessians.get(source))
+                data, error = encode(tensor, weight, weights_importance, hessian)
                 parts.append(data)
                 part_errors.append(error)
             if part_errors[0] is not None:

@@ -20,6 +20,7 @@ import gguf
 import numpy as np
 
 from llmq.errors import InputError
+from llmq.gguf.mla import write_latent_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,12 @@ ARCHS = {
     # transformers reads a llama file as a dense Llama and has no olmoe: llama.cpp verifies these
     "mixtral": GGUFArch(gguf.MODEL_ARCH.LLAMA, permute_rotary=True, transformers_reads=False),
     "olmoe": GGUFArch(gguf.MODEL_ARCH.OLMOE, permute_rotary=False, transformers_reads=False),
+    # latent attention, kv_b split for llama.cpp's MLA (llmq.gguf.mla); rope on interleaved pairs
+    # in both, so rows stay as stored
+    "deepseek_v3": GGUFArch(
+        gguf.MODEL_ARCH.DEEPSEEK2, permute_rotary=False, transformers_reads=False
+    ),
+    "kimi_k2": GGUFArch(gguf.MODEL_ARCH.DEEPSEEK2, permute_rotary=False, transformers_reads=False),
 }
 # Whether llama.cpp renormalizes the chosen experts' weights (norm_topk_prob) for the family: a
 # checkpoint that says otherwise would compute another model there. (Mixtral's transformers
@@ -112,7 +119,8 @@ class TensorNames:
 
     def gguf_name(self, hf_name: str) -> str:
         """The GGUF name of a tensor (of the stacked tensor, for one expert's)."""
-        name = self._map.get_name(EXPERT_INDEX.sub("", hf_name), try_suffixes=(".weight", ".bias"))
+        mapped = EXPERT_INDEX.sub("", hf_name).replace("_correction_bias", "_correction.bias")
+        name = self._map.get_name(mapped, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise InputError(f"{hf_name}: no GGUF tensor name for it in this architecture")
         return name
@@ -153,21 +161,23 @@ class Rope:
     scaling: dict[str, Any] | None = None
 
 
-# YaRN parameters llama.cpp's rope does not take: DeepSeek's attention scales (mscale,
-# mscale_all_dim) and GPT-OSS's untruncated correction range
+# YaRN parameters llama.cpp's rope does not take (but its deepseek2 takes DeepSeek's attention
+# scales when they are equal: then transformers' rope is unscaled and the softmax scale grows by
+# mscale_all_dim's factor squared), and GPT-OSS's untruncated correction range
 _YARN_UNSUPPORTED = ("mscale", "mscale_all_dim")
 
 
-def rope_of(config: Any, arch: GGUFArch | None = None) -> Rope:
+def rope_of(config: Any) -> Rope:
     """`config`'s rotary parameters (transformers' `rope_parameters`, per layer type where the
     family has several); InputError for what llama.cpp would compute differently. Full-attention
-    layers may scale linearly, by YaRN, or as Llama 3.1 does (`arch` llama only: llama.cpp reads
+    layers may scale linearly, by YaRN, or as Llama 3.1 does (the llama architecture only: llama.cpp reads
     Llama 3's per-frequency factors as a tensor)."""
     parameters = dict(getattr(config, "rope_parameters", None) or {})
     if not parameters or not all(isinstance(value, dict) for value in parameters.values()):
         parameters = {"full_attention": parameters}
     full = parameters.get("full_attention") or {}
     sliding = parameters.get("sliding_attention")
+    arch = ARCHS.get(getattr(config, "model_type", ""))
     for kind, part in parameters.items():
         _check_rope(kind, part, arch)
     theta = full.get("rope_theta", getattr(config, "rope_theta", None))
@@ -189,6 +199,9 @@ def _check_rope(kind: str, part: dict[str, Any], arch: GGUFArch | None) -> None:
             hint="default, linear and YaRN rotary embeddings convert, and Llama 3's",
         )
     unsupported = [key for key in _YARN_UNSUPPORTED if part.get(key)]
+    deepseek = arch is not None and arch.arch == gguf.MODEL_ARCH.DEEPSEEK2
+    if deepseek and part.get("mscale") == part.get("mscale_all_dim"):
+        unsupported = []
     if rope_type == "yarn" and (unsupported or part.get("truncate") is False):
         what = ", ".join(unsupported) or "truncate false"
         raise InputError(f"YaRN with {what}: llama.cpp's rope does not take it", hint="plain YaRN (Qwen's) converts")  # fmt: skip
@@ -231,7 +244,7 @@ def _check_query_scale(model_type: str, config: dict[str, Any]) -> None:
         )
 
 
-def write_hyperparameters(writer: gguf.GGUFWriter, config: Any) -> None:
+def write_hyperparameters(writer: gguf.GGUFWriter, config: Any, arch: GGUFArch) -> None:
     """The architecture's hyperparameters, from the transformers config."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -241,12 +254,15 @@ def write_hyperparameters(writer: gguf.GGUFWriter, config: Any) -> None:
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(heads)
-    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
     writer.add_rope_freq_base(rope.theta)
     _write_rope_scaling(writer, rope.scaling)
-    writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if arch.arch == gguf.MODEL_ARCH.DEEPSEEK2:
+        write_latent_attention(writer, config)
+        return
+    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
+    writer.add_rope_dimension_count(head_dim)
     _write_experts(writer, config)
     _write_gemma(writer, config, rope)
     # stated even where it is hidden / heads: readers take a family's default head size
@@ -273,6 +289,8 @@ def _write_rope_scaling(writer: gguf.GGUFWriter, scaling: dict[str, Any] | None)
     ):
         if scaling.get(key) is not None:
             add(float(scaling[key]))
+    if scaling.get("mscale_all_dim"):  # DeepSeek's softmax scale (llama.cpp's deepseek2)
+        writer.add_rope_scaling_yarn_log_mul(0.1 * float(scaling["mscale_all_dim"]))
 
 
 def _write_experts(writer: gguf.GGUFWriter, config: Any) -> None:

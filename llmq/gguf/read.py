@@ -23,6 +23,7 @@ from torch import Tensor
 
 from llmq.errors import InputError
 from llmq.gguf.export import SOURCE_KEY, named_tensors
+from llmq.gguf.mla import K_B, V_B, join_kv_b
 from llmq.gguf.model import read_field, unpermute_rotary_rows
 from llmq.io.checkpoint import Checkpoint
 
@@ -77,11 +78,25 @@ class DecodedTensor:
         return torch.from_numpy(copied.reshape(self.shape))
 
 
+@dataclass(frozen=True, slots=True)
+class DecodedLatent:
+    """DeepSeek's kv_b_proj joined back from the two shares llama.cpp's layout stores apart."""
+
+    k_b: DecodedTensor
+    v_b: DecodedTensor
+    shape: tuple[int, ...]
+
+    def read(self, stored: Any) -> Tensor:
+        joined = join_kv_b(self.k_b.read(stored).numpy(), self.v_b.read(stored).numpy())
+        return torch.from_numpy(np.ascontiguousarray(joined).reshape(self.shape))
+
+
 def gguf_as_checkpoint(source: Checkpoint, path: Path) -> Checkpoint:
     """`source` with every tensor the GGUF file holds shown as the file decodes it (float32);
     InputError when the file lacks one of the source's tensors or holds another shape."""
     held = _tensors(path)
     shown, views = dict(source.tensors), {}
+    shares: dict[str, DecodedTensor] = {}
     for tensor in named_tensors(source):
         if not tensor.sources:  # derived from the config (Llama 3's rotary factors)
             continue
@@ -92,6 +107,13 @@ def gguf_as_checkpoint(source: Checkpoint, path: Path) -> Checkpoint:
         shape = tuple(int(n) for n in reversed(stored.shape))
         if shape != tensor.shape:
             raise InputError(f"{path}: {tensor.name} is {list(shape)}, {first} of {source.path} is {list(tensor.shape)}")  # fmt: skip
+        if tensor.part is not None:  # a share of DeepSeek's kv_b: joined once both are seen
+            first_shape = tuple(source.tensors[first].shape)
+            shares[tensor.part] = DecodedTensor(path, tensor.name, None, tensor.shape)
+            shown[first] = dataclasses.replace(source.tensors[first], dtype="F32")
+            if len(shares) == 2:
+                views[first] = DecodedLatent(shares.pop(K_B), shares.pop(V_B), first_shape)
+            continue
         stacked = len(tensor.sources) > 1
         for expert, name in enumerate(tensor.sources):
             shown[name] = dataclasses.replace(source.tensors[name], dtype="F32")

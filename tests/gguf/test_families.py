@@ -63,8 +63,9 @@ def tiny(folder: Path, tokenizer: Path, family: str, **fields: object) -> Path:
     """A tiny random model of `family` with 256-wide rows (whole K-quant super-blocks); Gemma's
     head_dim 256 (= query_pre_attn_scalar, as transformers' GGUF reader assumes)."""
     gemma = {"head_dim": 256, "vocab_size": 2000} if family.startswith("gemma") else {}
-    kv_heads = 4 if family == "olmoe" else 2  # llama.cpp's olmoe has no grouped keys
-    tied = family != "olmoe"
+    # llama.cpp's olmoe has no grouped keys; DeepSeek's config says as many key heads as queries
+    kv_heads = 4 if family in ("olmoe", "deepseek_v3") else 2
+    tied = family not in ("olmoe", "deepseek_v3")
     return make_tiny(folder, tokenizer, model_type=family, hidden=256, heads=4, kv_heads=kv_heads, tied=tied, **{**gemma, **fields})  # fmt: skip
 
 
@@ -141,7 +142,7 @@ def test_mixtral_and_olmoe_stack_their_experts_for_llama_cpp(
 
 @pytest.mark.integration
 @needs_llama_cpp
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "mixtral", "olmoe", "deepseek_v3"])
 def test_llama_cpp_computes_the_model_the_file_defines(
     tmp_path: Path, default_model: Path, spm_tokenizer: Path, family: str
 ) -> None:
@@ -155,6 +156,60 @@ def test_llama_cpp_computes_the_model_the_file_defines(
     assert code == 0, report
     [loader] = report["loaders"]
     assert loader["comparison"]["distance"]["mean_abs"] < 0.05  # random weights: flat logits
+
+
+@pytest.mark.integration
+def test_deepseek_latent_attention_is_split_as_llama_cpp_runs_it(
+    tmp_path: Path, default_model: Path
+) -> None:
+    """kv_b_proj written as llama.cpp's attn_k_b [heads, kv_lora, qk_nope] (transposed) and
+    attn_v_b [heads, v_head, kv_lora], which join back to it exactly at F32; the experts' score
+    correction as exp_probs_b; the latent and routing hyperparameters as its converter writes
+    them. transformers has no GGUF reader for it: verify needs llama.cpp, and says so."""
+    from llmq.gguf.mla import join_kv_b
+
+    source = tiny(tmp_path / "deepseek", default_model, "deepseek_v3")
+    out = tmp_path / "deepseek.gguf"
+    llmq.quantize(source, out, format="gguf", scheme="q8_0", imatrix="none", tensor_type=("*=f32",))  # fmt: skip
+    reader = gguf.GGUFReader(out)
+    tensors = {t.name: t for t in reader.tensors}
+    config = json.loads((source / "config.json").read_text())
+    heads, latent = config["num_attention_heads"], config["kv_lora_rank"]
+    nope, value = config["qk_nope_head_dim"], config["v_head_dim"]
+    k_b, v_b = (np.asarray(tensors[f"blk.1.attn_{p}.weight"].data) for p in ("k_b", "v_b"))
+    assert k_b.shape == (heads, latent, nope) and v_b.shape == (heads, value, latent)
+    assert "blk.1.attn_kv_b.weight" not in tensors
+    weights = load_file(source / "model.safetensors")
+    np.testing.assert_array_equal(join_kv_b(k_b, v_b), weights["model.layers.1.self_attn.kv_b_proj.weight"].numpy())  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(tensors["blk.1.exp_probs_b.bias"].data), weights["model.layers.1.mlp.gate.e_score_correction_bias"].numpy())  # fmt: skip
+
+    def field(key: str) -> object:
+        return reader.get_field(f"deepseek2.{key}").contents()
+
+    assert (field("attention.key_length_mla"), field("attention.value_length_mla")) == (nope + config["qk_rope_head_dim"], value)  # fmt: skip
+    assert (field("attention.head_count_kv"), field("leading_dense_block_count")) == (1, 1)
+    assert field("expert_gating_func") == gguf.ExpertGatingFuncType.SIGMOID
+    assert field("expert_weights_scale") == pytest.approx(config["routed_scaling_factor"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(LLAMA_CPP_ENV, str(tmp_path))  # no binaries there
+        result = CliRunner().invoke(app, ["verify", str(out)])
+    assert_bad_input(result, "does not build this model")
+
+
+@pytest.mark.integration
+@needs_llama_cpp
+def test_llama_cpp_tells_a_misstated_routing_scale(
+    tmp_path: Path, default_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same DeepSeek file with its routed experts' scale written as 1: llama.cpp's distance
+    from llmq's evaluator grows past the bound the right file meets (the check can fail)."""
+    source = tiny(tmp_path / "deepseek", default_model, "deepseek_v3")
+    written = gguf.GGUFWriter.add_expert_weights_scale
+    monkeypatch.setattr(gguf.GGUFWriter, "add_expert_weights_scale", lambda self, value: written(self, 1.0))  # fmt: skip
+    out = tmp_path / "deepseek.gguf"
+    llmq.quantize(source, out, format="gguf", scheme="q8_0", imatrix="none")
+    _, report = verified(str(out), "--loader", "llama.cpp")
+    assert report["loaders"][0]["comparison"]["distance"]["mean_abs"] > 0.05
 
 
 @pytest.mark.integration
@@ -182,10 +237,54 @@ def test_llama_cpp_fails_a_file_that_misstates_the_model(
         ("olmoe", {"tie_word_embeddings": True}, "reads a separate output.weight"),
         ("gemma2", {"tie_word_embeddings": False}, "reads the embedding as the output"),
         ("gemma3_text", {"query_pre_attn_scalar": 128}, "query_pre_attn_scalar 128"),
-        ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "rope scaling 'dynamic'"),  # fmt: skip
-        ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6}, "sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}}, "rope scaling 'linear' on sliding_attention"),  # fmt: skip
-        ("qwen3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}, "rope scaling 'llama3'"),  # fmt: skip
-        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0}}, "YaRN with mscale, mscale_all_dim"),  # fmt: skip
+        (
+            "gemma3_text",
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                }
+            },
+            "rope scaling 'dynamic'",
+        ),
+        (
+            "gemma3_text",
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+                }
+            },
+            "rope scaling 'linear' on sliding_attention",
+        ),
+        (
+            "qwen3",
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 1e6,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "rope scaling 'llama3'",
+        ),
+        (
+            "llama",
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 1e4,
+                    "factor": 40.0,
+                    "original_max_position_embeddings": 64,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                }
+            },
+            "YaRN with mscale, mscale_all_dim",
+        ),
     ],
     ids=[
         "olmoe-gqa",
@@ -240,6 +339,10 @@ def test_saved_log_probs_decode_within_half_a_code(tmp_path: Path) -> None:
 
 
 SCALED_ROPES = {
+    # DeepSeek-V3's YaRN with equal attention scales (llama.cpp's yarn_log_multiplier)
+    "deepseek-yarn": ("deepseek_v3", {"rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                      "original_max_position_embeddings": 64, "rope_theta": 1e4}),
     # Gemma 3's larger models: linear on full attention, the sliding layers unscaled
     "gemma3-linear": ("gemma3_text", {
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
@@ -280,10 +383,14 @@ def test_rope_scaling_reaches_llama_cpp(
         assert factors[0] == 1.0 and factors[-1] == 8.0  # high frequencies kept, low ones / 8
     else:
         arch = reader.get_field("general.architecture").contents()
-        assert reader.get_field(f"{arch}.rope.scaling.type").contents() == rope.get("rope_type", "linear")  # fmt: skip
+        kind = rope.get("rope_type") or rope["full_attention"]["rope_type"]
+        assert reader.get_field(f"{arch}.rope.scaling.type").contents() == kind
     code, report = verified(str(out))
     assert code == 0 and [r["loader"] for r in report["loaders"]] == ["llama.cpp"]
     llama_cpp = report["loaders"][0]["comparison"]["distance"]["mean_abs"]
+    if family == "deepseek_v3":  # transformers has no GGUF reader for it
+        assert llama_cpp < 0.05
+        return
     _, ignoring = verified(str(out), "--loader", "transformers")
     assert 5 * llama_cpp < ignoring["loaders"][0]["comparison"]["distance"]["mean_abs"]
 

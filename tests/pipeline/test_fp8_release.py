@@ -122,3 +122,27 @@ def test_factors_that_do_not_cover_the_weight_are_refused_in_one_line(
     result = CliRunner().invoke(app, ["quantize", str(broken), "-o", str(tmp_path / "out")])
     assert_bad_input(result, f"{name} is [1, 2]; blocks of 128 x 128 over [512, 192] need [4, 2]")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.integration
+def test_a_release_converts_to_gguf_as_its_bfloat16_conversion_does(
+    tmp_path: Path, releases: dict[str, Path]
+) -> None:
+    """DeepSeek-V3's and Kimi K2's FP8 releases to GGUF with no converted copy on disk: every
+    tensor's bytes those the conversion's GGUF holds (the latent attention split for llama.cpp)."""
+    import gguf
+    import numpy as np
+
+    files = {}
+    for name in ("release", "converted", "kimi"):
+        files[name] = tmp_path / f"{name}.gguf"
+        llmq.quantize(releases[name], files[name], format="gguf", scheme="q8_0", imatrix="none")
+    tensors = {
+        name: {t.name: np.asarray(t.data) for t in gguf.GGUFReader(path).tensors}
+        for name, path in files.items()
+    }
+    assert "blk.1.attn_k_b.weight" in tensors["converted"]
+    for name in ("release", "kimi"):
+        assert tensors[name].keys() == tensors["converted"].keys()
+        for tensor, data in tensors["converted"].items():
+            assert np.array_equal(tensors[name][tensor], data), (name, tensor)

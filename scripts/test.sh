@@ -14,4 +14,10 @@ fi
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . "${LLMQ_VENV:-.venv}/bin/activate"
+# llama.cpp, when benchmarks/peers/setup_llamacpp.sh has built it here: the GGUF tests that run it
+# (`llmq verify --loader llama.cpp`) are skipped without it
+llama_cpp=benchmarks/.venvs/llamacpp/llama.cpp/build/bin
+if [ -z "${LLMQ_LLAMA_CPP:-}" ] && [ -x "$llama_cpp/llama-perplexity" ]; then
+    export LLMQ_LLAMA_CPP="$PWD/$llama_cpp"
+fi
 python -m pytest "${args[@]}" "$@"

@@ -173,15 +173,20 @@ def named_tensors(ckpt: Checkpoint) -> list[NamedTensor]:
 
 
 def derived_tensors(ckpt: Checkpoint) -> dict[str, np.ndarray]:
-    """Tensors llama.cpp reads that a checkpoint states in its config: Llama 3.1's rotary
-    factors (`rope_freqs.weight`), as llama.cpp's converter writes them."""
+    """Tensors llama.cpp reads that a checkpoint states in its config, as llama.cpp's converter
+    writes them: Llama 3.1's rotary factors (`rope_freqs`), Phi-3's longrope factors for long and
+    short contexts (`rope_factors_long`, `rope_factors_short`)."""
     config = ckpt.model_config()
-    scaling = rope_of(config).scaling
-    if scaling is None or scaling["rope_type"] != "llama3":
-        return {}
-    return {
-        gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight": llama3_rope_factors(config)
-    }
+    scaling = rope_of(config).scaling or {}
+    name = gguf.TENSOR_NAMES
+    if scaling.get("rope_type") == "llama3":
+        return {name[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight": llama3_rope_factors(config)}
+    if scaling.get("rope_type") == "longrope":
+        return {
+            name[gguf.MODEL_TENSOR.ROPE_FACTORS_LONG] + ".weight": np.asarray(scaling["long_factor"], np.float32),
+            name[gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT] + ".weight": np.asarray(scaling["short_factor"], np.float32),
+        }  # fmt: skip
+    return {}
 
 
 def plan_tensors(

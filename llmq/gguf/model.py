@@ -39,6 +39,8 @@ ARCHS = {
     "mistral": GGUFArch(gguf.MODEL_ARCH.LLAMA, permute_rotary=True),
     "qwen2": GGUFArch(gguf.MODEL_ARCH.QWEN2, permute_rotary=False),
     "qwen3": GGUFArch(gguf.MODEL_ARCH.QWEN3, permute_rotary=False),
+    # Phi-3: q/k/v in one attn_qkv, gate and up in one ffn_up (gate first), as stored
+    "phi3": GGUFArch(gguf.MODEL_ARCH.PHI3, permute_rotary=False),
     # Gemma: norms of (1 + weight), stored with the 1 added (llama.cpp multiplies by the weight);
     # sliding-window layers with their own rotary base; Gemma 2 soft-caps its logits
     "gemma2": GGUFArch(gguf.MODEL_ARCH.GEMMA2, permute_rotary=False, spaces_user_defined=True),
@@ -191,12 +193,13 @@ def rope_of(config: Any) -> Rope:
 def _check_rope(kind: str, part: dict[str, Any], arch: GGUFArch | None) -> None:
     rope_type = part.get("rope_type", "default")
     llama3 = rope_type == "llama3" and (arch is None or arch.arch == gguf.MODEL_ARCH.LLAMA)
-    known = rope_type in ("default", "linear", "yarn") or llama3
+    longrope = rope_type == "longrope" and (arch is None or arch.arch == gguf.MODEL_ARCH.PHI3)
+    known = rope_type in ("default", "linear", "yarn") or llama3 or longrope
     where = "" if kind == "full_attention" else f" on {kind}"
     if not known or (rope_type != "default" and kind != "full_attention"):
         raise InputError(
             f"rope scaling {rope_type!r}{where}: not written to GGUF by llmq yet",
-            hint="default, linear and YaRN rotary embeddings convert, and Llama 3's",
+            hint="default, linear and YaRN rotary embeddings convert, Llama 3's and Phi-3's longrope",
         )
     unsupported = [key for key in _YARN_UNSUPPORTED if part.get(key)]
     deepseek = arch is not None and arch.arch == gguf.MODEL_ARCH.DEEPSEEK2
@@ -224,6 +227,15 @@ def llama3_rope_factors(config: Any) -> np.ndarray:
     blended = 1 / ((1 - smooth) / factor + smooth)
     factors = np.where(wavelength < context / high, 1.0, np.where(wavelength > context / low, factor, blended))  # fmt: skip
     return factors.astype(np.float32)
+
+
+def longrope_attention_factor(config: Any) -> float:
+    """Phi-3's longrope scale of cos and sin, as transformers computes it (its own rope
+    initializer, so that the file states the model transformers runs)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    _, factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
+    return float(factor)
 
 
 def _check_query_scale(model_type: str, config: dict[str, Any]) -> None:
@@ -255,14 +267,16 @@ def write_hyperparameters(writer: gguf.GGUFWriter, config: Any, arch: GGUFArch) 
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(heads)
     writer.add_rope_freq_base(rope.theta)
-    _write_rope_scaling(writer, rope.scaling)
+    _write_rope_scaling(writer, config, rope.scaling)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if arch.arch == gguf.MODEL_ARCH.DEEPSEEK2:
         write_latent_attention(writer, config)
         return
     writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(rotary_dims(config))
+    if arch.arch == gguf.MODEL_ARCH.PHI3:  # llama.cpp's phi3 reads a window, 0 for none
+        writer.add_sliding_window(getattr(config, "sliding_window", None) or 0)
     _write_experts(writer, config)
     _write_gemma(writer, config, rope)
     # stated even where it is hidden / heads: readers take a family's default head size
@@ -271,9 +285,27 @@ def write_hyperparameters(writer: gguf.GGUFWriter, config: Any, arch: GGUFArch) 
     writer.add_value_length(head_dim)
 
 
-def _write_rope_scaling(writer: gguf.GGUFWriter, scaling: dict[str, Any] | None) -> None:
-    """Linear and YaRN scaling as llama.cpp's keys (Llama 3's is a tensor, `rope_freqs`)."""
+def rotary_dims(config: Any) -> int:
+    """How many of a head's dimensions rotate (all but where `partial_rotary_factor` < 1)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    partial = partial or getattr(config, "partial_rotary_factor", None) or 1.0
+    return int(head_dim * partial)
+
+
+def _write_rope_scaling(
+    writer: gguf.GGUFWriter, config: Any, scaling: dict[str, Any] | None
+) -> None:
+    """Linear and YaRN scaling as llama.cpp's keys, longrope's attention factor (its per-frequency
+    factors, like Llama 3's, are tensors: `derived_tensors`)."""
     kind = None if scaling is None else scaling["rope_type"]
+    if kind == "longrope":  # the original context picks long or short factors in both
+        assert scaling is not None
+        original = getattr(config, "original_max_position_embeddings", None)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+        writer.add_rope_scaling_orig_ctx_len(int(original or scaling["original_max_position_embeddings"]))  # fmt: skip
+        writer.add_rope_scaling_attn_factors(longrope_attention_factor(config))
+        return
     if kind not in ("linear", "yarn"):
         return
     assert scaling is not None

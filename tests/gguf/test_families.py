@@ -69,6 +69,12 @@ def tiny(folder: Path, tokenizer: Path, family: str, **fields: object) -> Path:
     return make_tiny(folder, tokenizer, model_type=family, hidden=256, heads=4, kv_heads=kv_heads, tied=tied, **{**gemma, **fields})  # fmt: skip
 
 
+def folder_name(case: str) -> str:
+    """A folder (the file's general.name) llama.cpp does not take for Phi-3's: it expects
+    Phi-3's special tokens in a model whose name says phi3, and the tiny models have GPT-2's."""
+    return case.replace("phi3", "p3")
+
+
 def verified(*args: str) -> tuple[int, dict]:
     result = CliRunner().invoke(app, ["verify", *args, "--json"])
     return result.exit_code, json.loads(result.stdout) if result.exit_code in (0, 1) else {}
@@ -117,6 +123,24 @@ def test_gemma_files_hold_its_norms_windows_and_sentencepiece_vocabulary(
 
 
 @pytest.mark.integration
+def test_phi3_keeps_its_fused_linears_and_transformers_reads_it(
+    tmp_path: Path, default_model: Path
+) -> None:
+    """Phi-3's fused q/k/v as attn_qkv and gate/up as one ffn_up of twice the width (llama.cpp's
+    phi3 splits it gate first, as transformers does); its window key written (0: none)."""
+    source = tiny(tmp_path / "tiny-p3", default_model, "phi3")
+    out = tmp_path / "p3.gguf"
+    llmq.quantize(source, out, format="gguf", scheme="q4_k_m", imatrix="none")
+    reader = gguf.GGUFReader(out)
+    tensors = {t.name: t for t in reader.tensors}
+    assert [int(n) for n in reversed(tensors["blk.0.ffn_up.weight"].shape)] == [1024, 256]
+    assert [int(n) for n in reversed(tensors["blk.0.attn_qkv.weight"].shape)] == [(4 + 2 + 2) * 64, 256]  # fmt: skip
+    assert reader.get_field("phi3.attention.sliding_window").contents() == 0
+    code, report = verified(str(out), "--loader", "transformers")
+    assert code == 0, report
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("family", ["mixtral", "olmoe"])
 def test_mixtral_and_olmoe_stack_their_experts_for_llama_cpp(
     tmp_path: Path, default_model: Path, family: str
@@ -142,14 +166,16 @@ def test_mixtral_and_olmoe_stack_their_experts_for_llama_cpp(
 
 @pytest.mark.integration
 @needs_llama_cpp
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "mixtral", "olmoe", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "family", ["llama", "gemma3_text", "mixtral", "olmoe", "deepseek_v3", "phi3"]
+)
 def test_llama_cpp_computes_the_model_the_file_defines(
     tmp_path: Path, default_model: Path, spm_tokenizer: Path, family: str
 ) -> None:
     """llama-perplexity's saved log-probabilities of the file match llmq's evaluator on the
     file's tensors, with the checkpoint tokenizer's ids."""
     tokenizer = spm_tokenizer if family.startswith("gemma") else default_model
-    source = tiny(tmp_path / family, tokenizer, family)
+    source = tiny(tmp_path / folder_name(family), tokenizer, family)
     out = tmp_path / f"{family}.gguf"
     llmq.quantize(source, out, format="gguf", scheme="q4_k_m", imatrix="none")
     code, report = verified(str(out), "--loader", "llama.cpp")
@@ -352,6 +378,11 @@ SCALED_ROPES = {
     "llama3": ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
                          "rope_theta": 5e5}),
+    # Phi-3's longrope: short-context factors below the original context, an attention factor
+    "phi3-longrope": ("phi3", {"rope_type": "longrope", "rope_theta": 1e4,
+                               "original_max_position_embeddings": 128,
+                               "long_factor": [float(2 ** (i % 16 / 3)) for i in range(32)],
+                               "short_factor": [1.0 + (i % 16) / 4 for i in range(32)]}),
     # Qwen's long-context YaRN
     "qwen3-yarn": ("qwen3", {"rope_type": "yarn", "factor": 4.0,
                              "original_max_position_embeddings": 64, "rope_theta": 1e6}),
@@ -364,7 +395,7 @@ SCALED_ROPES = {
 def test_rope_scaling_reaches_llama_cpp(
     tmp_path: Path, default_model: Path, spm_tokenizer: Path, case: str
 ) -> None:
-    """A scaled rotary embedding (linear, YaRN, Llama 3's) is written as llama.cpp reads it:
+    """A scaled rotary embedding (linear, YaRN, Llama 3's, longrope) is written as llama.cpp reads it:
     llama.cpp matches llmq's evaluator at least 5x closer than transformers' reader, which
     ignores the scaling (so verify leaves transformers out by default)."""
     family, rope = SCALED_ROPES[case]
@@ -374,14 +405,14 @@ def test_rope_scaling_reaches_llama_cpp(
     if family == "qwen3":
         fields["head_dim"] = 128  # transformers' Qwen3 GGUF reader assumes it
     tokenizer = spm_tokenizer if family.startswith("gemma") else default_model
-    source = tiny(tmp_path / case, tokenizer, family, **fields)
+    source = tiny(tmp_path / folder_name(case), tokenizer, family, **fields)
     out = tmp_path / f"{case}.gguf"
     llmq.quantize(source, out, format="gguf", scheme="q8_0", imatrix="none")
     reader = gguf.GGUFReader(out)
     if case == "llama3":
         factors = np.asarray(next(t for t in reader.tensors if t.name == "rope_freqs.weight").data)
         assert factors[0] == 1.0 and factors[-1] == 8.0  # high frequencies kept, low ones / 8
-    else:
+    if case != "llama3":
         arch = reader.get_field("general.architecture").contents()
         kind = rope.get("rope_type") or rope["full_attention"]["rope_type"]
         assert reader.get_field(f"{arch}.rope.scaling.type").contents() == kind

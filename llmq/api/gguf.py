@@ -33,6 +33,7 @@ def quantize_gguf(
         read_imatrix,
     )
     from llmq.gguf.mix import get_gguf_scheme, parse_tensor_types
+    from llmq.gguf.tables import TABLES
     from llmq.io.atomic import refuse_inputs
 
     started = time.perf_counter()
@@ -41,6 +42,12 @@ def quantize_gguf(
     overrides = parse_tensor_types(recipe.tensor_types)
     ckpt = _open(model, progress)
     plan = plan_tensors(ckpt, scheme, overrides)  # an unmapped family or tensor: refused now
+    tables = sorted({t.qtype.name for t in plan if t.qtype in TABLES})
+    if recipe.method == "gptq" and tables:
+        raise InputError(
+            f"--method gptq: GPTQ's error feedback runs on uniform grids, not on {', '.join(tables)}'s table",
+            hint="drop --method gptq: the table types' scales are still searched against the importance matrix",
+        )  # fmt: skip
     refuse_inputs(out, [("model", ckpt.path), ("imatrix", recipe.imatrix)])
     check_gguf_output(out, overwrite=overwrite)
     imatrix, source, hessians = None, None, None

@@ -16,10 +16,11 @@ from typing import Any
 
 import gguf
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 from torch import Tensor
 
 from llmq.gguf import mla
-from llmq.gguf.blocks import SPECS, codes_for, dequantized, pack
+from llmq.gguf.blocks import codes_for, dequantized, pack
 from llmq.gguf.gptq import gptq_codes
 from llmq.gguf.grids import choose_grid
 from llmq.gguf.mix import GGUFScheme, choose_type
@@ -34,6 +35,7 @@ from llmq.gguf.model import (
     rope_of,
     write_hyperparameters,
 )
+from llmq.gguf.tables import TABLES, choose_table_grid, pack_table, table_codes, table_dequantized
 from llmq.gguf.tokenizer import write_tokenizer
 from llmq.io.atomic import check_output_file, claim_output, partial_file
 from llmq.io.checkpoint import Checkpoint
@@ -58,8 +60,8 @@ class PlannedTensor:
     def nbytes(self) -> int:
         if self.qtype in _FLOAT:
             return int(np.prod(self.shape)) * np.dtype(_FLOAT[self.qtype]).itemsize
-        spec = SPECS[self.qtype]
-        return int(np.prod(self.shape[:-1])) * self.shape[-1] // spec.block_size * spec.type_size
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return int(np.prod(self.shape[:-1])) * self.shape[-1] // block * size
 
 
 @dataclass(slots=True)
@@ -99,7 +101,7 @@ def export_gguf(
     arch = gguf_arch(ckpt.config)
     config = ckpt.model_config()
     rope_of(config)  # refused before anything is written
-    plan = plan_tensors(ckpt, scheme, overrides)
+    plan = plan_tensors(ckpt, scheme, overrides, has_imatrix=importance is not None)
     with claim_output(out, inputs=[("model", ckpt.path)]):
         check_gguf_output(out, overwrite=overwrite)
         with partial_file(out) as partial:
@@ -190,17 +192,24 @@ def derived_tensors(ckpt: Checkpoint) -> dict[str, np.ndarray]:
 
 
 def plan_tensors(
-    ckpt: Checkpoint, scheme: GGUFScheme, overrides: tuple[tuple[str, Any], ...] = ()
+    ckpt: Checkpoint,
+    scheme: GGUFScheme,
+    overrides: tuple[tuple[str, Any], ...] = (),
+    *,
+    has_imatrix: bool = True,
 ) -> list[PlannedTensor]:
     """Every tensor of the checkpoint with its GGUF name and type, in the checkpoint's order."""
     output = "token_embd.weight" if ckpt.tied_embeddings else "output.weight"
     layers = ckpt.num_layers
+    heads = int(ckpt.config.get("num_attention_heads") or 1)
+    shared_kv = heads // int(ckpt.config.get("num_key_value_heads") or heads)
     plan = []
     for t in named_tensors(ckpt):
         is_output = t.name == output
         qtype = choose_type(
-            scheme, t.name, t.shape, layers, is_output=is_output, overrides=overrides
-        )
+            scheme, t.name, t.shape, layers, is_output=is_output, overrides=overrides,
+            shared_kv=shared_kv, has_imatrix=has_imatrix,
+        )  # fmt: skip
         plan.append(PlannedTensor(t.sources, t.name, t.shape, qtype, t.rotary_heads, t.offset, t.part))  # fmt: skip
     return plan
 
@@ -275,17 +284,22 @@ def encode(
     what a reader decodes."""
     if tensor.qtype in _FLOAT:
         return np.ascontiguousarray(weight.astype(_FLOAT[tensor.qtype])), None
-    grid = choose_grid(tensor.qtype, weight, importance)
-    codes = codes_for(grid, weight) if hessian is None else gptq_codes(grid, weight, hessian)
-    decoded = dequantized(grid, codes)
+    if tensor.qtype in TABLES:  # no GPTQ on a table's indices (refused before the pass)
+        table_grid = choose_table_grid(tensor.qtype, weight, importance)
+        codes = table_codes(table_grid, weight)
+        decoded, data = table_dequantized(table_grid, codes), pack_table(table_grid, codes)
+    else:
+        grid = choose_grid(tensor.qtype, weight, importance)
+        codes = codes_for(grid, weight) if hessian is None else gptq_codes(grid, weight, hessian)
+        decoded, data = dequantized(grid, codes), pack(grid, codes)
     norm = float(np.linalg.norm(weight))
     error = float(np.linalg.norm(decoded - weight)) / norm if norm > 0 else 0.0
-    return pack(grid, codes), error
+    return data, error
 
 
 def _byte_shape(tensor: PlannedTensor) -> tuple[int, ...]:
-    spec = SPECS[tensor.qtype]
-    return (*tensor.shape[:-1], tensor.shape[-1] // spec.block_size * spec.type_size)
+    block, size = GGML_QUANT_SIZES[tensor.qtype]
+    return (*tensor.shape[:-1], tensor.shape[-1] // block * size)
 
 
 def _weights_bytes(ckpt: Checkpoint) -> int:

@@ -11,9 +11,11 @@ ones its `llama-quantize` applies to dense decoders (docs/gguf.md lists them):
   every third layer in between (`_more_bits`);
 - q4_k_s: attn_v at Q5_K in the first four layers, ffn_down at Q5_K in the first eighth;
 - norms and other 1-D tensors stay F32;
+- iq4_xs: attn_v at Q5_K where 4 or more query heads share a key head, ffn_down at Q5_K in the
+  first eighth of the layers when no importance matrix is given;
 - a K-quant needs rows of whole 256-weight super-blocks: a tensor whose rows are not falls back
-  to the nearest 32-block type (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), and to F16 when its
-  rows are not whole 32-blocks either.
+  to the nearest 32-block type (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL), and
+  to F16 when its rows are not whole 32-blocks either.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import fnmatch
 import re
 from dataclasses import dataclass
 
-from gguf import GGMLQuantizationType, LlamaFileType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from llmq.errors import InputError
 from llmq.gguf.blocks import SPECS
+from llmq.gguf.tables import TABLES
 
 _Q = GGMLQuantizationType
 
@@ -39,6 +42,8 @@ class GGUFScheme:
     file_type: LlamaFileType
     more_bits: GGMLQuantizationType | None = None  # attn_v / ffn_down in `_more_bits` layers
     early_bits: GGMLQuantizationType | None = None  # q4_k_s's raised early layers
+    shared_v_bits: GGMLQuantizationType | None = None  # attn_v where 4+ query heads share it
+    plain_down_bits: GGMLQuantizationType | None = None  # early ffn_down without an imatrix
 
 
 SCHEMES = {
@@ -51,9 +56,18 @@ SCHEMES = {
         GGUFScheme("q6_k", _Q.Q6_K, LlamaFileType.MOSTLY_Q6_K),
         GGUFScheme("q8_0", _Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
         GGUFScheme("q4_0", _Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+        GGUFScheme(
+            "iq4_xs",
+            _Q.IQ4_XS,
+            LlamaFileType.MOSTLY_IQ4_XS,
+            shared_v_bits=_Q.Q5_K,
+            plain_down_bits=_Q.Q5_K,
+        ),
     )
 }
-K_FALLBACK = {_Q.Q4_K: _Q.Q5_0, _Q.Q5_K: _Q.Q5_1, _Q.Q6_K: _Q.Q8_0}
+K_FALLBACK = {_Q.Q4_K: _Q.Q5_0, _Q.Q5_K: _Q.Q5_1, _Q.Q6_K: _Q.Q8_0, _Q.IQ4_XS: _Q.IQ4_NL}
+# The types llmq writes: the uniform grids (llmq.gguf.blocks) and the table types (tables)
+QUANTIZED_TYPES = (*SPECS, *TABLES)
 FLOAT_TYPES = {"f32": _Q.F32, "f16": _Q.F16}
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
@@ -84,10 +98,10 @@ def tensor_type(name: str) -> GGMLQuantizationType:
     key = name.strip().lower()
     if key in FLOAT_TYPES:
         return FLOAT_TYPES[key]
-    for qtype in SPECS:
+    for qtype in QUANTIZED_TYPES:
         if qtype.name.lower() == key:
             return qtype
-    known = ", ".join([*FLOAT_TYPES, *(q.name.lower() for q in SPECS)])
+    known = ", ".join([*FLOAT_TYPES, *(q.name.lower() for q in QUANTIZED_TYPES)])
     raise InputError(f"GGUF type {name!r}: not one llmq writes", hint=f"choose one of {known}")
 
 
@@ -99,16 +113,32 @@ def choose_type(
     *,
     is_output: bool,
     overrides: tuple[tuple[str, GGMLQuantizationType], ...] = (),
+    shared_kv: int = 1,
+    has_imatrix: bool = True,
 ) -> GGMLQuantizationType:
-    """The type of GGUF tensor `name` [rows, cols] (gguf's names) under `scheme`. Routers
-    (`ffn_gate_inp`, a shared expert's gate too) stay F32 whatever is asked, as llama.cpp's
-    quantizer keeps them: a rounded router picks other experts."""
+    """The type of GGUF tensor `name` [rows, cols] (gguf's names) under `scheme`, for a model
+    whose key heads each serve `shared_kv` query heads. Routers (`ffn_gate_inp`, a shared
+    expert's gate too) stay F32 whatever is asked, as llama.cpp's quantizer keeps them: a
+    rounded router picks other experts."""
     if len(shape) < 2 or ".ffn_gate_inp" in name:
         return _Q.F32
     wanted = next((t for pattern, t in overrides if fnmatch.fnmatchcase(name, pattern)), None)
     if wanted is None:
         wanted = _scheme_type(scheme, name, num_layers, is_output=is_output)
+        wanted = _iq_rules(scheme, name, num_layers, wanted, shared_kv, has_imatrix)
     return fitting_type(wanted, shape[-1])
+
+
+def _iq_rules(scheme: GGUFScheme, name: str, num_layers: int, wanted: GGMLQuantizationType, shared_kv: int, has_imatrix: bool) -> GGMLQuantizationType:  # fmt: skip
+    layer = _LAYER.match(name)
+    if layer is None:
+        return wanted
+    if scheme.shared_v_bits is not None and ".attn_v." in name and shared_kv >= 4:
+        return scheme.shared_v_bits
+    early = int(layer.group(1)) < num_layers // 8
+    if scheme.plain_down_bits is not None and ".ffn_down" in name and early and not has_imatrix:
+        return scheme.plain_down_bits
+    return wanted
 
 
 def _scheme_type(
@@ -144,9 +174,9 @@ def fitting_type(wanted: GGMLQuantizationType, cols: int) -> GGMLQuantizationTyp
     """`wanted`, or what llama.cpp falls back to when a row is not whole blocks of it."""
     if wanted in FLOAT_TYPES.values():
         return wanted
-    if cols % SPECS[wanted].block_size == 0:
+    if cols % GGML_QUANT_SIZES[wanted][0] == 0:
         return wanted
     fallback = K_FALLBACK.get(wanted)
-    if fallback is not None and cols % SPECS[fallback].block_size == 0:
+    if fallback is not None and cols % GGML_QUANT_SIZES[fallback][0] == 0:
         return fallback
     return _Q.F16

@@ -35,12 +35,14 @@ def quantize_gguf(
     from llmq.gguf.mix import get_gguf_scheme, parse_tensor_types
     from llmq.gguf.tables import TABLES
     from llmq.io.atomic import refuse_inputs
+    from llmq.pipeline.plan import refuse_quantized
 
     started = time.perf_counter()
     out = Path(out)
     scheme = get_gguf_scheme(recipe.scheme)
     overrides = parse_tensor_types(recipe.tensor_types)
     ckpt = _open(model, progress)
+    refuse_quantized(ckpt.path, ckpt.config)  # GGUF is written from 16-bit weights
     plan = plan_tensors(ckpt, scheme, overrides)  # an unmapped family or tensor: refused now
     tables = sorted({t.qtype.name for t in plan if t.qtype in TABLES})
     if recipe.method == "gptq" and tables:

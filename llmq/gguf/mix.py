@@ -11,6 +11,7 @@ ones its `llama-quantize` applies to dense decoders (docs/gguf.md lists them):
   every third layer in between (`_more_bits`);
 - q4_k_s: attn_v at Q5_K in the first four layers, ffn_down at Q5_K in the first eighth;
 - norms and other 1-D tensors stay F32;
+- mxfp4_moe: a mixture's experts at MXFP4, everything else at Q8_0 (GPT-OSS's release format);
 - iq4_xs: attn_v at Q5_K where 4 or more query heads share a key head, ffn_down at Q5_K in the
   first eighth of the layers when no importance matrix is given;
 - a K-quant needs rows of whole 256-weight super-blocks: a tensor whose rows are not falls back
@@ -44,6 +45,7 @@ class GGUFScheme:
     early_bits: GGMLQuantizationType | None = None  # q4_k_s's raised early layers
     shared_v_bits: GGMLQuantizationType | None = None  # attn_v where 4+ query heads share it
     plain_down_bits: GGMLQuantizationType | None = None  # early ffn_down without an imatrix
+    expert_bits: GGMLQuantizationType | None = None  # a mixture's stacked experts
 
 
 SCHEMES = {
@@ -56,6 +58,7 @@ SCHEMES = {
         GGUFScheme("q6_k", _Q.Q6_K, LlamaFileType.MOSTLY_Q6_K),
         GGUFScheme("q8_0", _Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
         GGUFScheme("q4_0", _Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+        GGUFScheme("mxfp4_moe", _Q.Q8_0, LlamaFileType.MOSTLY_MXFP4_MOE, expert_bits=_Q.MXFP4),
         GGUFScheme(
             "iq4_xs",
             _Q.IQ4_XS,
@@ -120,7 +123,7 @@ def choose_type(
     whose key heads each serve `shared_kv` query heads. Routers (`ffn_gate_inp`, a shared
     expert's gate too) stay F32 whatever is asked, as llama.cpp's quantizer keeps them: a
     rounded router picks other experts."""
-    if len(shape) < 2 or ".ffn_gate_inp" in name:
+    if len(shape) < 2 or name.endswith(".bias") or ".ffn_gate_inp" in name:  # stacked biases 2-D
         return _Q.F32
     wanted = next((t for pattern, t in overrides if fnmatch.fnmatchcase(name, pattern)), None)
     if wanted is None:
@@ -146,6 +149,8 @@ def _scheme_type(
 ) -> GGMLQuantizationType:
     if is_output:
         return _Q.Q8_0 if scheme.main == _Q.Q8_0 else _Q.Q6_K if scheme.main in K_FALLBACK else scheme.main  # fmt: skip
+    if scheme.expert_bits is not None and "_exps." in name:
+        return scheme.expert_bits
     layer = _LAYER.match(name)
     if layer is None:
         return scheme.main

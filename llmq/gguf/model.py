@@ -57,6 +57,8 @@ ARCHS = {
         gguf.MODEL_ARCH.DEEPSEEK2, permute_rotary=False, transformers_reads=False
     ),
     "kimi_k2": GGUFArch(gguf.MODEL_ARCH.DEEPSEEK2, permute_rotary=False, transformers_reads=False),
+    # experts and their biases stacked from llmq's per-expert view of the fused tensors; sinks
+    "gpt_oss": GGUFArch(gguf.MODEL_ARCH.GPT_OSS, permute_rotary=False, transformers_reads=False),
 }
 # Whether llama.cpp renormalizes the chosen experts' weights (norm_topk_prob) for the family: a
 # checkpoint that says otherwise would compute another model there. (Mixtral's transformers
@@ -65,8 +67,8 @@ _RENORMALIZES = {"qwen3_moe": True, "qwen2_moe": False, "olmoe": False}
 # Weights llama.cpp reads as vectors: Qwen2-MoE's shared-expert gate, [1, hidden] in the checkpoint
 VECTORS = ("ffn_gate_inp_shexp.weight",)
 # Architectures whose llama.cpp loader needs its own output.weight (no tied embedding):
-# found by llama.cpp 11434 refusing tied Qwen2-MoE and OLMoE files ("tensor 'output.weight' not found")
-_SEPARATE_OUTPUT = ("qwen2_moe", "olmoe")
+# found by llama.cpp 11434 refusing tied Qwen2-MoE, OLMoE and GPT-OSS files ("tensor 'output.weight' not found")
+_SEPARATE_OUTPUT = ("qwen2_moe", "olmoe", "gpt_oss")
 # ... and those whose loader ignores one: llama.cpp's gemma2 always reads token_embd as the head
 _TIED_OUTPUT = ("gemma2",)
 # Layer counts llama.cpp takes for the 27B Gemmas, whose queries it scales by 1/sqrt(hidden /
@@ -125,7 +127,8 @@ class TensorNames:
         name = self._map.get_name(mapped, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise InputError(f"{hf_name}: no GGUF tensor name for it in this architecture")
-        return name
+        # a parameter stored without a suffix (GPT-OSS's sinks) is a weight to llama.cpp
+        return name if name.endswith((".weight", ".bias")) else f"{name}.weight"
 
 
 def read_field(path: Path, key: str) -> Any:
@@ -205,7 +208,10 @@ def _check_rope(kind: str, part: dict[str, Any], arch: GGUFArch | None) -> None:
     deepseek = arch is not None and arch.arch == gguf.MODEL_ARCH.DEEPSEEK2
     if deepseek and part.get("mscale") == part.get("mscale_all_dim"):
         unsupported = []
-    if rope_type == "yarn" and (unsupported or part.get("truncate") is False):
+    # llama.cpp truncates YaRN's correction range always; its GPT-OSS files (its converter's too)
+    # compute GPT-OSS so, where transformers does not (docs/gguf.md, measured)
+    untruncated = part.get("truncate") is False and not (arch is not None and arch.arch == gguf.MODEL_ARCH.GPT_OSS)  # fmt: skip
+    if rope_type == "yarn" and (unsupported or untruncated):
         what = ", ".join(unsupported) or "truncate false"
         raise InputError(f"YaRN with {what}: llama.cpp's rope does not take it", hint="plain YaRN (Qwen's) converts")  # fmt: skip
 

@@ -461,3 +461,66 @@ def test_gemma3_vocabulary_is_the_one_googles_gguf_holds(tmp_path: Path) -> None
     assert np.array_equal(scores[~normal], theirs[~normal])
     for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id", "add_bos_token", "add_space_prefix"):  # fmt: skip
         assert field(ours, key) == field(original, key), key
+
+
+def tiny_gpt_oss(folder: Path, tokenizer: Path) -> Path:
+    """GPT-OSS with its release's YaRN, sliding and full layers, biases, sinks and a router
+    drawn large enough to matter; untied, as llama.cpp's gpt-oss reads its own output."""
+    import torch
+    from safetensors.torch import save_file
+
+    source = make_tiny(
+        folder, tokenizer, model_type="gpt_oss", hidden=256, heads=4, kv_heads=2, tied=False,
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=256,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+    )  # fmt: skip
+    tensors = load_file(source / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    for name, tensor in tensors.items():
+        if name.endswith(("_bias", "sinks", "router.weight")):
+            tensors[name] = torch.randn(tensor.shape, generator=generator) * 0.5
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    return source
+
+
+@pytest.mark.integration
+def test_gpt_oss_writes_its_experts_as_mxfp4_with_their_biases(
+    tmp_path: Path, default_model: Path
+) -> None:
+    """mxfp4_moe (llama.cpp's MXFP4_MOE): the experts, read one at a time from the fused
+    tensors, stacked per role at MXFP4 with their biases F32 [experts, rows]; the sinks as
+    attn_sinks.weight; the router and its bias F32; the rest Q8_0. A release (already MXFP4)
+    and a tied GPT-OSS are refused in one line."""
+    source = tiny_gpt_oss(tmp_path / "oss", default_model)
+    out = tmp_path / "oss.gguf"
+    llmq.quantize(source, out, format="gguf", scheme="mxfp4_moe", imatrix="none")
+    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    assert tensors["blk.0.ffn_gate_exps.weight"].tensor_type.name == "MXFP4"
+    assert tensors["blk.0.ffn_down_exps.bias"].tensor_type.name == "F32"
+    assert [int(n) for n in reversed(tensors["blk.0.ffn_up_exps.bias"].shape)] == [4, 256]
+    assert [int(n) for n in tensors["blk.1.attn_sinks.weight"].shape] == [4]
+    assert tensors["blk.0.ffn_gate_inp.bias"].tensor_type.name == "F32"
+    assert tensors["blk.0.attn_q.weight"].tensor_type.name == "Q8_0"
+    release = tmp_path / "release"
+    llmq.quantize(source, release, scheme="mxfp4a16", method="rtn", reference=False)
+    again = CliRunner().invoke(app, ["quantize", str(release), "-o", str(tmp_path / "r.gguf"), "--format", "gguf"])  # fmt: skip
+    assert_bad_input(again, "already quantized (mxfp4)")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    tied = CliRunner().invoke(app, ["quantize", str(source), "-o", str(tmp_path / "t.gguf"), "--format", "gguf"])  # fmt: skip
+    assert_bad_input(tied, "reads a separate output.weight")
+
+
+@pytest.mark.integration
+@needs_llama_cpp
+def test_llama_cpp_computes_gpt_oss_as_the_file_says(tmp_path: Path, default_model: Path) -> None:
+    """At F32 llama.cpp matches llmq's evaluator to the float floor but for YaRN's correction
+    range, which llama.cpp truncates and GPT-OSS does not (a measured, small difference); with
+    MXFP4 experts, to its 8-bit arithmetic's distance."""
+    source = tiny_gpt_oss(tmp_path / "oss", default_model)
+    for scheme, types, bound in (("q8_0", ("*=f32",), 0.005), ("mxfp4_moe", (), 0.05)):
+        out = tmp_path / f"{scheme}.gguf"
+        llmq.quantize(source, out, format="gguf", scheme=scheme, imatrix="none", tensor_type=types)
+        code, report = verified(str(out))
+        assert code == 0 and report["loaders"][0]["loader"] == "llama.cpp"
+        assert report["loaders"][0]["comparison"]["distance"]["mean_abs"] < bound, scheme

@@ -23,16 +23,13 @@ def quantize_gguf(
 ) -> Any:
     """Write MODEL as the GGUF file OUT with `recipe`'s scheme, overrides and importance
     matrix (read from `recipe.imatrix`, computed from `recipe.calibration`, or none) and, for
-    `method` gptq, the calibration's Hessians for GPTQ's error feedback. Returns a
-    `llmq.gguf.export.GGUFResult`. Everything is checked before the calibration pass."""
+    `method` gptq, the calibration's Hessians for GPTQ's error feedback, computed layer by layer
+    as the file is written. Returns a `llmq.gguf.export.GGUFResult`. Everything is checked
+    before the calibration pass."""
     from llmq.gguf.export import check_gguf_output, export_gguf, plan_tensors
-    from llmq.gguf.imatrix import (
-        calibration_stats,
-        hessians_by_weight,
-        imatrix_from_stats,
-        read_imatrix,
-    )
+    from llmq.gguf.imatrix import imatrix_from_calibration, read_imatrix
     from llmq.gguf.mix import get_gguf_scheme, parse_tensor_types
+    from llmq.gguf.statistics import FixedStatistics, Statistics, StreamedStatistics
     from llmq.gguf.tables import TABLES
     from llmq.io.atomic import refuse_inputs
     from llmq.pipeline.plan import refuse_quantized
@@ -52,7 +49,8 @@ def quantize_gguf(
         )  # fmt: skip
     refuse_inputs(out, [("model", ckpt.path), ("imatrix", recipe.imatrix)])
     check_gguf_output(out, overwrite=overwrite)
-    imatrix, source, hessians = None, None, None
+    statistics: Statistics | None = None
+    source = None
     if recipe.imatrix is not None:
         imatrix, source = read_imatrix(Path(recipe.imatrix)), recipe.imatrix
         if not set(imatrix.sums) & {tensor.name for tensor in plan}:
@@ -60,17 +58,22 @@ def quantize_gguf(
                 f"--imatrix {recipe.imatrix}: names none of this model's tensors",
                 hint="an imatrix is made for one model: llmq calibrate --imatrix, or llama-imatrix",
             )
+        statistics = FixedStatistics(imatrix.importance())
     elif recipe.calibration is not None:
         cal = recipe.calibration
-        gptq = recipe.method == "gptq"
-        stats = calibration_stats(ckpt, cal, hessian=gptq, progress=progress, device=device)
-        imatrix = imatrix_from_stats(ckpt, stats, cal)
-        hessians = hessians_by_weight(stats) if gptq else None
         source = f"{cal.num_samples} x {cal.seq_len} tokens of {cal.text}"
-    result = export_gguf(
-        ckpt, out, scheme, overrides=overrides,
-        importance=None if imatrix is None else imatrix.importance(), importance_source=source,
-        hessians=hessians, overwrite=overwrite, progress=progress,
-    )  # fmt: skip
+        if recipe.method == "gptq":
+            statistics = StreamedStatistics(ckpt, cal, progress=progress, device=device)
+        else:
+            imatrix = imatrix_from_calibration(ckpt, cal, progress=progress, device=device)
+            statistics = FixedStatistics(imatrix.importance())
+    try:
+        result = export_gguf(
+            ckpt, out, scheme, overrides=overrides, statistics=statistics,
+            importance_source=source, overwrite=overwrite, progress=progress,
+        )  # fmt: skip
+    finally:
+        if isinstance(statistics, StreamedStatistics):
+            statistics.close()
     result.seconds = time.perf_counter() - started  # the calibration pass included
     return result

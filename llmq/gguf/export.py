@@ -35,6 +35,7 @@ from llmq.gguf.model import (
     rope_of,
     write_hyperparameters,
 )
+from llmq.gguf.statistics import FixedStatistics, Statistics, gguf_layer
 from llmq.gguf.tables import TABLES, choose_table_grid, pack_table, table_codes, table_dequantized
 from llmq.gguf.tokenizer import write_tokenizer
 from llmq.io.atomic import check_output_file, claim_output, partial_file
@@ -85,23 +86,21 @@ def export_gguf(
     scheme: GGUFScheme,
     *,
     overrides: tuple[tuple[str, gguf.GGMLQuantizationType], ...] = (),
-    importance: dict[str, np.ndarray] | None = None,
+    statistics: Statistics | None = None,
     importance_source: str | None = None,
-    hessians: dict[str, Tensor] | None = None,
     overwrite: bool = False,
     progress: Progress = NO_PROGRESS,
 ) -> GGUFResult:
     """Encode `ckpt` into the GGUF file `out` with `scheme`'s mix (and `overrides`, first
-    match wins). `importance` maps a weight's GGUF name to the mean square of each of its
-    inputs over calibration text (llama.cpp's importance matrix, `Imatrix.importance`): the
-    scale search weighs each weight's error by it. `hessians` (by the checkpoint's weight name,
-    one per expert of a stacked tensor): codes chosen with GPTQ's error feedback on the searched
-    grid (`gptq_codes`) instead of the nearest."""
+    match wins). `statistics` gives each weight's importance (the mean square of each of its
+    inputs over calibration text, llama.cpp's importance matrix): the scale search weighs each
+    weight's error by it; and its input Hessian, where GPTQ's error feedback chooses the codes
+    on the searched grid (`gptq_codes`) instead of the nearest. None: plain rounding."""
     started = time.perf_counter()
     arch = gguf_arch(ckpt.config)
     config = ckpt.model_config()
     rope_of(config)  # refused before anything is written
-    plan = plan_tensors(ckpt, scheme, overrides, has_imatrix=importance is not None)
+    plan = plan_tensors(ckpt, scheme, overrides, has_imatrix=importance_source is not None)
     with claim_output(out, inputs=[("model", ckpt.path)]):
         check_gguf_output(out, overwrite=overwrite)
         with partial_file(out) as partial:
@@ -114,7 +113,7 @@ def export_gguf(
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
             vocab_size = int(ckpt.config["vocab_size"])
             write_tokenizer(writer, ckpt.path, vocab_size, spaces_user_defined=arch.spaces_user_defined)  # fmt: skip
-            errors = _write_tensors(writer, ckpt, plan, importance or {}, hessians or {}, progress)
+            errors = _write_tensors(writer, ckpt, plan, statistics or FixedStatistics(), progress)
     worst = sorted(errors.items(), key=lambda item: -item[1])[:5]
     return GGUFResult(
         out=str(out),
@@ -198,7 +197,8 @@ def plan_tensors(
     *,
     has_imatrix: bool = True,
 ) -> list[PlannedTensor]:
-    """Every tensor of the checkpoint with its GGUF name and type, in the checkpoint's order."""
+    """Every tensor of the checkpoint with its GGUF name and type: the tensors outside the
+    decoder layers first, then layer by layer, each layer's in the checkpoint's order."""
     output = "token_embd.weight" if ckpt.tied_embeddings else "output.weight"
     layers = ckpt.num_layers
     heads = int(ckpt.config.get("num_attention_heads") or 1)
@@ -211,15 +211,14 @@ def plan_tensors(
             shared_kv=shared_kv, has_imatrix=has_imatrix,
         )  # fmt: skip
         plan.append(PlannedTensor(t.sources, t.name, t.shape, qtype, t.rotary_heads, t.offset, t.part))  # fmt: skip
-    return plan
+    return sorted(plan, key=lambda t: gguf_layer(t.name))  # layer by layer (a streamed calibration)
 
 
 def _write_tensors(
     writer: gguf.GGUFWriter,
     ckpt: Checkpoint,
     plan: list[PlannedTensor],
-    importance: dict[str, np.ndarray],
-    hessians: dict[str, Tensor],
+    statistics: Statistics,
     progress: Progress,
 ) -> dict[str, float]:
     """Declare every tensor, write the header, then encode and write them one at a time.
@@ -250,8 +249,8 @@ def _write_tensors(
                 if tensor.rotary_heads is not None:
                     weight = permute_rotary_rows(weight, tensor.rotary_heads)
                 weight = weight + tensor.offset if tensor.offset else weight
-                weights_importance = importance.get(tensor.name)
-                hessian = hessians.get(source)
+                weights_importance = statistics.importance(tensor.name)
+                hessian = statistics.hessian(source)
                 if (
                     tensor.part is not None
                 ):  # a share of kv_b, reshaped: kv_b's Hessian does not fit

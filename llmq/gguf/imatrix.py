@@ -15,7 +15,6 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from torch import Tensor
 
 from llmq.calib.stats import CalibStats
 from llmq.config import CalibConfig
@@ -66,30 +65,16 @@ def calibration_stats(
     ckpt: Checkpoint,
     calibration: CalibConfig,
     *,
-    hessian: bool = False,
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
 ) -> CalibStats:
-    """Sums of squares (and with `hessian` the Hessians) of every linear's inputs in the
-    float model over the calibration windows: one pass, layer by layer. The Hessians of all
-    layers are held at once (about 1 GB a layer at Llama-3-8B's widths)."""
+    """Sums of squares of every linear's inputs in the float model over the calibration
+    windows: one pass, layer by layer (GPTQ's Hessians: llmq.gguf.statistics)."""
     from llmq.calib.collect import collect_stats
     from llmq.calib.windows import model_windows
 
     windows = model_windows(ckpt.path, calibration, progress)
-    return collect_stats(
-        ckpt, windows.input_ids, norms=True, hessian=hessian, progress=progress, device=device
-    )
-
-
-def hessians_by_weight(stats: CalibStats) -> dict[str, Tensor]:
-    """Each linear's input Hessian (2·XᵀX / tokens) under its weight's checkpoint name: one per
-    expert of a mixture, whose experts GGUF stacks in one tensor."""
-    return {
-        f"{linear}.weight": observed.hessian.cpu()
-        for linear, observed in stats.inputs.items()
-        if observed.hessian is not None
-    }
+    return collect_stats(ckpt, windows.input_ids, norms=True, progress=progress, device=device)
 
 
 def imatrix_from_stats(ckpt: Checkpoint, stats: CalibStats, calibration: CalibConfig) -> Imatrix:

@@ -166,11 +166,13 @@ def test_gptq_rounds_each_stacked_expert_with_its_own_hessian(tmp_path: Path, de
     transformers' reader computes the file's model."""
     import numpy as np
 
+    from llmq.calib.collect import collect_stats
+    from llmq.calib.windows import model_windows
     from llmq.config import CalibConfig
     from llmq.gguf.blocks import pack
     from llmq.gguf.gptq import gptq_codes
     from llmq.gguf.grids import choose_grid
-    from llmq.gguf.imatrix import calibration_stats, hessians_by_weight, imatrix_from_stats
+    from llmq.gguf.imatrix import imatrix_from_stats
     from llmq.io.checkpoint import open_checkpoint
 
     source = tiny_mixture(tmp_path / "moe", default_model)
@@ -178,8 +180,9 @@ def test_gptq_rounds_each_stacked_expert_with_its_own_hessian(tmp_path: Path, de
     llmq.quantize(source, out, format="gguf", scheme="q4_k_m", method="gptq", num_samples=4, seq_len=32)  # fmt: skip
     ckpt = open_checkpoint(source)
     calibration = CalibConfig(num_samples=4, seq_len=32)
-    stats = calibration_stats(ckpt, calibration, hessian=True)
-    hessians = hessians_by_weight(stats)
+    windows = model_windows(source, calibration)
+    stats = collect_stats(ckpt, windows.input_ids, hessian=True, norms=True)
+    hessians = {f"{linear}.weight": s.hessian for linear, s in stats.inputs.items()}
     importance = imatrix_from_stats(ckpt, stats, calibration).importance()["blk.1.ffn_down_exps.weight"]  # fmt: skip
     [stacked] = [t for t in gguf.GGUFReader(out).tensors if t.name == "blk.1.ffn_down_exps.weight"]
 

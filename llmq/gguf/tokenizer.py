@@ -27,10 +27,13 @@ import gguf
 from llmq.errors import InputError
 
 # llama.cpp names a byte-level tokenizer's pre-tokenizer (how text is split before merges) rather
-# than storing its regex; these are the splits that tell the common ones apart, tried in order.
-# A plain byte-level tokenizer (GPT-2's split, as SmolLM2's) is "gpt-2".
+# than storing its regex; these are the pieces of the splits (all of a tokenizer's, joined) that
+# tell the common ones apart, tried in order: DeepSeek-V3's CJK split before Llama 3's digit
+# triples, which DeepSeek-V3 splits first too. A plain byte-level tokenizer (GPT-2's split, as
+# SmolLM2's) is "gpt-2".
 PRE_TOKENIZER_SPLITS = (
     ("gpt-4o", r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*"),
+    ("deepseek-v3", "[一-龥぀-ゟ゠-ヿ]+"),
     ("llama-bpe", r"\p{N}{1,3}"),
     ("qwen2", r"|\p{N}|"),
 )
@@ -41,22 +44,23 @@ _UNMERGED_SCORE = -1000.0
 
 
 def pre_tokenizer_name(spec: dict[str, Any]) -> str:
-    """llama.cpp's name for the tokenizer's pre-tokenizer, from the split regex in its
+    """llama.cpp's name for the tokenizer's pre-tokenizer, from the split regexes in its
     tokenizer.json; "gpt-2" where it splits as GPT-2 does."""
     node = spec.get("pre_tokenizer") or {}
     parts = node.get("pretokenizers", [node]) if node.get("type") == "Sequence" else [node]
-    for part in parts:
-        regex = (part.get("pattern") or {}).get("Regex") if part.get("type") == "Split" else None
-        if regex is None:
-            continue
-        for name, marker in PRE_TOKENIZER_SPLITS:
-            if marker in regex:
-                return name
-        raise InputError(
-            "the tokenizer splits text with a regex llmq does not know a llama.cpp name for",
-            hint=f"known: {', '.join(name for name, _ in PRE_TOKENIZER_SPLITS)}, gpt-2",
-        )
-    return "gpt-2"
+    regexes = [
+        (part.get("pattern") or {}).get("Regex") for part in parts if part.get("type") == "Split"
+    ]
+    joined = "\n".join(regex for regex in regexes if regex)
+    if not joined:
+        return "gpt-2"
+    for name, marker in PRE_TOKENIZER_SPLITS:
+        if marker in joined:
+            return name
+    raise InputError(
+        "the tokenizer splits text with a regex llmq does not know a llama.cpp name for",
+        hint=f"known: {', '.join(name for name, _ in PRE_TOKENIZER_SPLITS)}, gpt-2",
+    )
 
 
 def write_tokenizer(

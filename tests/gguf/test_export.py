@@ -230,6 +230,13 @@ LLAMA3_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 QWEN2 = {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")}}
+# DeepSeek-V3's tokenizer.json: digit triples split first (as Llama 3's), then CJK runs, then words
+DEEPSEEK_V3 = [
+    {"type": "Split", "pattern": {"Regex": r"\p{N}{1,3}"}},
+    {"type": "Split", "pattern": {"Regex": "[一-龥぀-ゟ゠-ヿ]+"}},
+    {"type": "Split", "pattern": {"Regex": r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"}},
+    {"type": "ByteLevel"},
+]
 
 
 @pytest.mark.parametrize(
@@ -238,6 +245,7 @@ QWEN2 = {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT.replace(r"\p{N}{1,3}
         ({"type": "ByteLevel", "use_regex": True}, "gpt-2"),
         ({"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}}, "llama-bpe"),
         ({"type": "Sequence", "pretokenizers": [QWEN2, {"type": "ByteLevel"}]}, "qwen2"),
+        ({"type": "Sequence", "pretokenizers": DEEPSEEK_V3}, "deepseek-v3"),
     ],
 )
 def test_the_pre_tokenizer_is_named_from_its_split(pre_tokenizer: dict, name: str) -> None:

@@ -33,7 +33,7 @@ from llmq.errors import InputError
 # SmolLM2's) is "gpt-2".
 PRE_TOKENIZER_SPLITS = (
     ("gpt-4o", r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*"),
-    ("deepseek-v3", "[一-龥぀-ゟ゠-ヿ]+"),
+    ("deepseek-v3", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"),  # CJK, hiragana, katakana
     ("llama-bpe", r"\p{N}{1,3}"),
     ("qwen2", r"|\p{N}|"),
 )

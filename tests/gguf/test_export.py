@@ -233,7 +233,10 @@ QWEN2 = {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT.replace(r"\p{N}{1,3}
 # DeepSeek-V3's tokenizer.json: digit triples split first (as Llama 3's), then CJK runs, then words
 DEEPSEEK_V3 = [
     {"type": "Split", "pattern": {"Regex": r"\p{N}{1,3}"}},
-    {"type": "Split", "pattern": {"Regex": "[一-龥぀-ゟ゠-ヿ]+"}},
+    {
+        "type": "Split",
+        "pattern": {"Regex": "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"},
+    },  # CJK, kana
     {"type": "Split", "pattern": {"Regex": r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"}},
     {"type": "ByteLevel"},
 ]

@@ -12,8 +12,9 @@ float32 scale times the indexed value (gguf's reference dequantizers compute exa
 each 16 nibble bytes element j sits in the low nibble of byte j, element j + 16 in its high one.
 
 A group's scale is searched like the uniform types' (`llmq.gguf.grids`): candidates around the
-one that maps the group's largest weight to the table's end, each refitted by weighted least
-squares given its nearest indices, the lowest importance-weighted error kept; then rounded to
+ones that map the group's largest weight to either end of the table (a negative scale flips
+it), each refitted by weighted least squares given its nearest indices, the lowest
+importance-weighted error kept; then rounded to
 what the type stores (fp16; IQ4_XS's 6-bit multiples of a per-block fp16; MXFP4's power of two)
 and the indices chosen again on the stored scale.
 """
@@ -72,23 +73,25 @@ def _weighted_error(groups: np.ndarray, weights: np.ndarray, scale: np.ndarray, 
 
 def _best_scales(groups: np.ndarray, weights: np.ndarray, table: np.ndarray) -> np.ndarray:
     """Per group [n, 32], the real scale with the lowest weighted error: candidates around the
-    one that puts the largest weight on the table's end of its sign, each with its nearest
-    indices and then refitted by weighted least squares on them (which only lowers the error of
-    those indices; the stored scale's own nearest indices lower it again)."""
+    two that put the group's largest weight on either end of the table (a negative scale
+    flips the table, so an asymmetric one like IQ4's, -127 .. 113, can give the largest
+    magnitude its longer end whatever its sign), each with its nearest indices and then
+    refitted by weighted least squares on them (which only lowers the error of those indices;
+    the stored scale's own nearest indices lower it again)."""
     rounder = _Rounder(table)
     extreme = groups[np.arange(len(groups)), np.abs(groups).argmax(-1)]
-    base = extreme / np.where(extreme < 0, table.min(), table.max())
-    best = base.copy()
+    best = extreme / table.max()
     best_error = np.full(len(groups), np.inf, dtype=groups.dtype)
-    for relative in _SPAN:
-        scale = base * relative
-        values = table[rounder.codes(groups, scale)]
-        denominator = (weights * values * values).sum(-1)
-        safe = np.where(denominator > 0, denominator, 1)
-        refit = np.where(denominator > 0, (weights * values * groups).sum(-1) / safe, scale)
-        error = _weighted_error(groups, weights, refit, values)
-        better = error < best_error
-        best, best_error = np.where(better, refit, best), np.where(better, error, best_error)
+    for end in (table.min(), table.max()):
+        for relative in _SPAN:
+            scale = extreme / end * relative
+            values = table[rounder.codes(groups, scale)]
+            denominator = (weights * values * values).sum(-1)
+            safe = np.where(denominator > 0, denominator, 1)
+            refit = np.where(denominator > 0, (weights * values * groups).sum(-1) / safe, scale)
+            error = _weighted_error(groups, weights, refit, values)
+            better = error < best_error
+            best, best_error = np.where(better, refit, best), np.where(better, error, best_error)
     return best
 
 

@@ -178,6 +178,23 @@ def make_tiny(
     return dest
 
 
+def make_tiny_gpt_oss(dest: Path, tokenizer_from: Path, **fields: object) -> Path:
+    """A tiny GPT-OSS: 4 experts, 2 a token, a sliding layer (window 8) then a full one, with
+    biases, sinks and a router drawn large enough to matter; `fields` as make_tiny's."""
+    from safetensors.torch import load_file, save_file
+
+    config = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 128,
+              "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8, **fields}  # fmt: skip
+    folder = make_tiny(dest, tokenizer_from, model_type="gpt_oss", **config)  # type: ignore[arg-type]
+    tensors = load_file(folder / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    for name, tensor in tensors.items():
+        if name.endswith(("_bias", "sinks", "router.weight")):
+            tensors[name] = torch.randn(tensor.shape, generator=generator) * 0.5
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 def sharpen(folder: Path) -> Path:
     """Scale a tiny model's tied embedding up so that its next-token distributions are peaked:
     a random model's logits are nearly uniform over the 49k tokens, so that nothing done to it

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import llmq
 from llmq.cli.main import app
 from llmq.eval.verify_llamacpp import LLAMA_CPP_ENV, find_llama_perplexity
-from tests.conftest import assert_bad_input, make_tiny
+from tests.conftest import assert_bad_input, make_tiny, make_tiny_gpt_oss
 
 SPACE = "\u2581"
 TEXT = "def quantize(model):\n    return  'GGUF'   + \" files\"  # 42 ünïcode ☃\n\n"
@@ -73,6 +73,14 @@ def folder_name(case: str) -> str:
     """A folder (the file's general.name) llama.cpp does not take for Phi-3's: it expects
     Phi-3's special tokens in a model whose name says phi3, and the tiny models have GPT-2's."""
     return case.replace("phi3", "p3")
+
+
+def assert_needs_llama_cpp(out: Path, empty: Path) -> None:
+    """verify refuses in one line a file transformers cannot read when llama.cpp is not found."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(LLAMA_CPP_ENV, str(empty))  # no binaries there
+        result = CliRunner().invoke(app, ["verify", str(out)])
+    assert_bad_input(result, "does not build this model")
 
 
 def verified(*args: str) -> tuple[int, dict]:
@@ -158,10 +166,7 @@ def test_mixtral_and_olmoe_stack_their_experts_for_llama_cpp(
     tensors = {t.name: t for t in reader.tensors}
     assert [int(n) for n in reversed(tensors["blk.1.ffn_down_exps.weight"].shape)] == [4, 256, 128]
     assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(LLAMA_CPP_ENV, str(tmp_path))  # no binaries there
-        result = CliRunner().invoke(app, ["verify", str(out)])
-    assert_bad_input(result, "does not build this model")
+    assert_needs_llama_cpp(out, tmp_path)
 
 
 @pytest.mark.integration
@@ -216,10 +221,7 @@ def test_deepseek_latent_attention_is_split_as_llama_cpp_runs_it(
     assert (field("attention.head_count_kv"), field("leading_dense_block_count")) == (1, 1)
     assert field("expert_gating_func") == gguf.ExpertGatingFuncType.SIGMOID
     assert field("expert_weights_scale") == pytest.approx(config["routed_scaling_factor"])
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(LLAMA_CPP_ENV, str(tmp_path))  # no binaries there
-        result = CliRunner().invoke(app, ["verify", str(out)])
-    assert_bad_input(result, "does not build this model")
+    assert_needs_llama_cpp(out, tmp_path)
 
 
 @pytest.mark.integration
@@ -464,23 +466,9 @@ def test_gemma3_vocabulary_is_the_one_googles_gguf_holds(tmp_path: Path) -> None
 
 
 def tiny_gpt_oss(folder: Path, tokenizer: Path) -> Path:
-    """GPT-OSS with its release's YaRN, sliding and full layers, biases, sinks and a router
-    drawn large enough to matter; untied, as llama.cpp's gpt-oss reads its own output."""
-    import torch
-    from safetensors.torch import save_file
-
-    source = make_tiny(
-        folder, tokenizer, model_type="gpt_oss", hidden=256, heads=4, kv_heads=2, tied=False,
-        num_local_experts=4, num_experts_per_tok=2, intermediate_size=256,
-        layer_types=["sliding_attention", "full_attention"], sliding_window=8,
-    )  # fmt: skip
-    tensors = load_file(source / "model.safetensors")
-    generator = torch.Generator().manual_seed(1)
-    for name, tensor in tensors.items():
-        if name.endswith(("_bias", "sinks", "router.weight")):
-            tensors[name] = torch.randn(tensor.shape, generator=generator) * 0.5
-    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
-    return source
+    """GPT-OSS with its release's YaRN, 256-wide rows; untied, as llama.cpp's gpt-oss reads
+    its own output."""
+    return make_tiny_gpt_oss(folder, tokenizer, hidden=256, heads=4, kv_heads=2, tied=False, intermediate_size=256)  # fmt: skip
 
 
 @pytest.mark.integration

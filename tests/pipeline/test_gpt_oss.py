@@ -17,7 +17,7 @@ import llmq
 from llmq.cli.main import app
 from llmq.io.checkpoint import open_checkpoint
 from llmq.runtime.load import load_quantized
-from tests.conftest import assert_bad_input, make_tiny
+from tests.conftest import assert_bad_input, make_tiny_gpt_oss
 from tests.pipeline.test_moe import logits
 
 EXPERTS = 4
@@ -36,18 +36,7 @@ RELEASE_CONFIG = {
 def tiny_gpt_oss(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Path:
     """Two layers (sliding window 8 shorter than the 24-token inputs, then full attention), with
     biases and sinks drawn large enough to matter."""
-    folder = make_tiny(
-        tmp_path_factory.mktemp("gpt-oss") / "gpt_oss", default_model, model_type="gpt_oss",
-        num_local_experts=EXPERTS, num_experts_per_tok=2, intermediate_size=128,
-        layer_types=["sliding_attention", "full_attention"], sliding_window=8,
-    )  # fmt: skip
-    tensors = load_file(folder / "model.safetensors")
-    generator = torch.Generator().manual_seed(1)
-    for name, tensor in tensors.items():
-        if name.endswith(("_bias", "sinks", "router.weight")):
-            tensors[name] = torch.randn(tensor.shape, generator=generator) * 0.5
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
+    return make_tiny_gpt_oss(tmp_path_factory.mktemp("gpt-oss") / "gpt_oss", default_model)
 
 
 def test_llmq_computes_gpt_oss_as_transformers_does(tiny_gpt_oss: Path) -> None:

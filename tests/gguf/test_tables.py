@@ -19,8 +19,8 @@ from llmq.gguf.mix import get_gguf_scheme
 from llmq.gguf.tables import TABLES, choose_table_grid, pack_table, table_codes, table_dequantized
 from llmq.io.checkpoint import open_checkpoint
 from tests.conftest import assert_bad_input, make_tiny
+from tests.gguf.families import needs_llama_cpp
 from tests.gguf.test_blocks import awkward_weights, sqnr, weighted_error
-from tests.gguf.test_families import needs_llama_cpp
 
 TYPES = [q.name for q in TABLES]
 SQNR_FLOOR = {"IQ4_NL": 20.5, "IQ4_XS": 20.5, "MXFP4": 17.0}  # dB on N(0, 1) weights

@@ -131,7 +131,7 @@ def _start(out: Path, record: dict[str, Any], *, resume: bool, overwrite: bool) 
     """The stages an earlier run into OUT finished (resume), or none with OUT made empty. OUT
     is replaced only when llmq wrote it (`check_output_dir`); --resume never writes into a
     folder that holds no run."""
-    from llmq.io.atomic import check_output_dir, write_json
+    from llmq.io.atomic import check_output_dir, remove_partial_leftovers, write_json
 
     path = out / RUN_FILE
     if resume and path.is_file():
@@ -146,6 +146,7 @@ def _start(out: Path, record: dict[str, Any], *, resume: bool, overwrite: bool) 
             )
         return dict(saved.get("finished", {}))
     if resume:
+        remove_partial_leftovers(out)  # a kill while RUN_FILE was first written leaves its partial
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise InputError(f"{out}: holds no interrupted `llmq run` (no {RUN_FILE}) to resume", hint="choose another --out, or drop --resume")  # fmt: skip
         log.warning("%s: nothing to resume; starting from the first stage", out)

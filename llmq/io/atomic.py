@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 LOCK_SUFFIX = ".llmq-lock"
 PARTIAL_SUFFIX = ".partial"
+_PARTIAL_NAME = re.compile(r"\..+\.\d+-[0-9a-f]+" + re.escape(PARTIAL_SUFFIX))  # partial_file's
 _HOLDER_READ_TRIES = 20  # a new holder writes its details right after locking: wait up to 0.2 s
 
 
@@ -268,11 +270,19 @@ def folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
 
 
+def remove_partial_leftovers(folder: Path) -> None:
+    """Remove the partial files (`partial_file`'s names) a process killed while writing left in
+    `folder`: never published, so nothing anyone relies on."""
+    if folder.is_dir():
+        for leftover in folder.iterdir():
+            if _PARTIAL_NAME.fullmatch(leftover.name) and leftover.is_file():
+                leftover.unlink(missing_ok=True)
+
+
 def publish(staging: Path, out: Path) -> None:
     """Move a complete staging folder to `out`; an existing `out` is replaced only afterwards.
     Leftover partial files of an interrupted earlier run are removed first."""
-    for leftover in staging.glob(f".*{PARTIAL_SUFFIX}"):
-        leftover.unlink()
+    remove_partial_leftovers(staging)
     old = out.parent / f".{out.name}.llmq-old"
     if out.exists():
         shutil.rmtree(old, ignore_errors=True)

@@ -178,6 +178,28 @@ def test_resume_skips_finished_stages_and_refuses_another_recipe(
         run(recipe, tiny_llama, out)
 
 
+def test_resume_of_a_run_killed_before_its_record_was_written_starts_over(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    """A kill while the run's record was first written leaves only its partial file (found by
+    a killed `llmq batch` worker): --resume starts from the first stage, leftover removed; a
+    folder holding anything else is still refused."""
+    text = "stages:\n  - quantize:\n      scheme: w8a16\n      num_samples: 1\n"
+    recipe, out = load_recipe(write(tmp_path, text)), tmp_path / "out"
+    out.mkdir()
+    leftover = out / ".llmq-run.json.32573-e635e9be.partial"
+    leftover.write_text('{"model": ')
+    result = run(recipe, tiny_llama, out, resume=True)
+    assert [(s.name, s.resumed) for s in result.stages] == [("quantize", False)]
+    assert not leftover.exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    with pytest.raises(InputError, match="holds no interrupted"):
+        run(recipe, tiny_llama, mine, resume=True)
+    assert (mine / "notes.txt").read_text() == "the user's"
+
+
 def test_recipe_keys_take_percentages_and_the_old_spellings() -> None:
     """A share is a fraction or a percentage in a recipe as on the command line; the eval and
     distill keys renamed with their flags (`text`, `max_windows`, `data`) still read."""

@@ -52,7 +52,8 @@ def calibrate(
     from llmq.calib.collect import collect_stats
     from llmq.calib.stats import check_stats_output, saved_stats_bytes
     from llmq.calib.windows import model_windows
-    from llmq.io.atomic import check_free_space, claim_output
+    from llmq.io.atomic import claim_output
+    from llmq.io.space import check_free_space
 
     started = time.perf_counter()
     cal = build(CalibConfig, text=calib_text, num_samples=num_samples, seq_len=seq_len, seed=seed)

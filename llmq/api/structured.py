@@ -58,14 +58,8 @@ def prune_structured(
     ("ppl": about layers² / 2 more layer passes, on the first 16 windows). `evaluate`: held-out
     perplexity of the source and the result (the default protocol of `evaluate`)."""
     from llmq.calib.windows import model_windows
-    from llmq.io.atomic import (
-        check_free_space,
-        check_output_dir,
-        claim_output,
-        publish,
-        refuse_inputs,
-        staging_path,
-    )
+    from llmq.io.atomic import check_output_dir, claim_output, publish, refuse_inputs, staging_path
+    from llmq.io.space import check_free_space
     from llmq.pipeline.output import ShardNames, finish_checkpoint, weights_size
     from llmq.pruning.structured import (
         Importance,

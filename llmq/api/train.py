@@ -199,7 +199,8 @@ def _distill(
     from contextlib import nullcontext
 
     from llmq.distillation.build import final_student, prepare_run, run_hooks
-    from llmq.io.atomic import check_free_space, check_output_dir, claim_output, staging_path
+    from llmq.io.atomic import check_output_dir, claim_output, staging_path
+    from llmq.io.space import check_free_space
 
     staging = staging_path(out)
     kept = partial(_keep_if_resumable, staging)

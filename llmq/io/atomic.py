@@ -13,7 +13,7 @@ Every output llmq writes (a checkpoint folder, a statistics file, a report) goes
 - `partial_file` / `publish`: write under a temporary name, rename when complete. Nothing the user
   gave us is overwritten without `overwrite=True`; even then only a folder llmq wrote (or an empty
   one) is replaced, and only after the new one is in place.
-- `check_free_space`: refuse before any work when the output cannot fit.
+- `llmq.io.space.check_free_space`: refuse before any work when the output cannot fit.
 - `output_error`: an `OSError` (no space, read-only, no permission, a parent that cannot be
   created, a name too long) becomes one `OutputError` line naming the path and what to try.
 """
@@ -238,36 +238,6 @@ def is_llmq_output(folder: Path) -> bool:
     from llmq.io.record import OutputRecord
 
     return OutputRecord.read(folder).written_by_llmq or (folder / RUN_RECORD_FILE).is_file()
-
-
-def check_free_space(out: Path, needed: int) -> None:
-    """Refuse when `needed` bytes will not fit on the file system that holds `out`."""
-    folder = _existing_ancestor(out)
-    free = shutil.disk_usage(folder).free
-    if needed > free:
-        raise OutputError(
-            f"{out}: needs about {_size(needed)}, but {folder} has {_size(free)} free",
-            hint="free some space or choose another --out; --no-space-check skips this check "
-            "on file systems that report free space wrongly",
-        )
-
-
-def _existing_ancestor(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
-
-
-def folder_size(folder: Path) -> int:
-    """Bytes of the files directly in `folder` (0 when it does not exist)."""
-    if not folder.is_dir():
-        return 0
-    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
 
 
 def remove_partial_leftovers(folder: Path) -> None:

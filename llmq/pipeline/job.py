@@ -111,12 +111,12 @@ def run_job(
     from llmq.calib.stats import CalibStats
     from llmq.calib.windows import model_windows
     from llmq.io.atomic import (
-        check_free_space,
         check_output_dir,
         claim_output,
         refuse_inputs,
         staging_path,
     )
+    from llmq.io.space import check_free_space
     from llmq.mixed.choose import choose_schemes
     from llmq.pack.format import scheme_format
     from llmq.pack.loaders import check_required_loaders

@@ -35,10 +35,8 @@ from llmq.calib.stream import resolve_device
 from llmq.config import Recipe
 from llmq.errors import InputError, UnsupportedModelError
 from llmq.io.atomic import (
-    check_free_space,
     check_output_dir,
     claim_output,
-    folder_size,
     publish,
     refuse_inputs,
     save_safetensors,
@@ -56,6 +54,7 @@ from llmq.io.checkpoint import (
 from llmq.io.family import is_linear_weight, layout_for_config, stores_fused_experts
 from llmq.io.fp8_release import fp8_block_size
 from llmq.io.record import OutputRecord
+from llmq.io.space import check_free_space, folder_size
 from llmq.pack.format import PackFormat, compress, quantization_config, scheme_format
 from llmq.pack.loaders import check_required_loaders
 from llmq.pipeline.job import JobInputs, JobRun

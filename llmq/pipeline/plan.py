@@ -12,9 +12,9 @@ from typing import Any
 
 from llmq.config import QuantArgs, Recipe, fit_group_size, group_width
 from llmq.errors import InputError
-from llmq.io.atomic import folder_size
 from llmq.io.checkpoint import Checkpoint, TensorInfo, side_files, torch_dtype
 from llmq.io.layout import EXPERT
+from llmq.io.space import folder_size
 from llmq.pack.format import config_target
 from llmq.pipeline.state import resume_point_bytes
 

@@ -17,7 +17,6 @@ import torch
 
 from llmq.errors import InputError, OutputError
 from llmq.io.atomic import (
-    check_free_space,
     claim_output,
     lock_path,
     output_error,
@@ -26,6 +25,7 @@ from llmq.io.atomic import (
     save_safetensors,
     write_json,
 )
+from llmq.io.space import check_free_space
 
 HOLD = textwrap.dedent(
     """

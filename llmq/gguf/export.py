@@ -29,13 +29,14 @@ from llmq.gguf.model import (
     VECTORS,
     TensorNames,
     gguf_arch,
+    gguf_layer,
     llama3_rope_factors,
     permute_rotary_rows,
     read_field,
     rope_of,
     write_hyperparameters,
 )
-from llmq.gguf.statistics import FixedStatistics, Statistics, gguf_layer
+from llmq.gguf.statistics import FixedStatistics, Statistics
 from llmq.gguf.tables import TABLES, choose_table_grid, pack_table, table_codes, table_dequantized
 from llmq.gguf.tokenizer import write_tokenizer
 from llmq.io.atomic import check_output_file, claim_output, partial_file
@@ -148,6 +149,7 @@ def named_tensors(ckpt: Checkpoint) -> list[NamedTensor]:
     config = ckpt.config
     heads = int(config["num_attention_heads"])
     rotary = {"attn_q": heads, "attn_k": int(config.get("num_key_value_heads") or heads)}
+    latent_parts = mla.part_shapes(ckpt.model_config()) if arch.arch == gguf.MODEL_ARCH.DEEPSEEK2 else {}  # fmt: skip
     grouped: dict[str, list[str]] = {}
     for source in ckpt.tensors:
         if not source.endswith("rotary_emb.inv_freq"):
@@ -163,8 +165,8 @@ def named_tensors(ckpt: Checkpoint) -> list[NamedTensor]:
         kind = name.split(".")[-2] if name.startswith("blk.") else ""
         heads_here = rotary.get(kind) if arch.permute_rotary and name.endswith(".weight") else None
         offset = ckpt.layout.norm_weight_offset if sources[0].endswith("norm.weight") else 0.0
-        if arch.arch == gguf.MODEL_ARCH.DEEPSEEK2 and name.endswith(mla.KV_B_SUFFIX):
-            for part, part_shape in mla.part_shapes(ckpt.model_config()).items():
+        if latent_parts and name.endswith(mla.KV_B_SUFFIX):
+            for part, part_shape in latent_parts.items():
                 named.append(NamedTensor(tuple(sources), mla.part_name(name, part), part_shape, None, part=part))  # fmt: skip
             continue
         named.append(NamedTensor(tuple(sources), name, shape, heads_here, offset))

@@ -56,25 +56,13 @@ def imatrix_from_calibration(
     device: str | None = None,
 ) -> Imatrix:
     """The float model's linear inputs over the calibration windows, layer by layer (llmq's
-    calibration pass, sums of squares only)."""
-    stats = calibration_stats(ckpt, calibration, progress=progress, device=device)
-    return imatrix_from_stats(ckpt, stats, calibration)
-
-
-def calibration_stats(
-    ckpt: Checkpoint,
-    calibration: CalibConfig,
-    *,
-    progress: Progress = NO_PROGRESS,
-    device: str | None = None,
-) -> CalibStats:
-    """Sums of squares of every linear's inputs in the float model over the calibration
-    windows: one pass, layer by layer (GPTQ's Hessians: llmq.gguf.statistics)."""
+    calibration pass, sums of squares only; GPTQ's Hessians: llmq.gguf.statistics)."""
     from llmq.calib.collect import collect_stats
     from llmq.calib.windows import model_windows
 
     windows = model_windows(ckpt.path, calibration, progress)
-    return collect_stats(ckpt, windows.input_ids, norms=True, progress=progress, device=device)
+    stats = collect_stats(ckpt, windows.input_ids, norms=True, progress=progress, device=device)
+    return imatrix_from_stats(ckpt, stats, calibration)
 
 
 def imatrix_from_stats(ckpt: Checkpoint, stats: CalibStats, calibration: CalibConfig) -> Imatrix:

@@ -22,13 +22,13 @@ ones its `llama-quantize` applies to dense decoders (docs/gguf.md lists them):
 from __future__ import annotations
 
 import fnmatch
-import re
 from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from llmq.errors import InputError
 from llmq.gguf.blocks import SPECS
+from llmq.gguf.model import gguf_layer
 from llmq.gguf.tables import TABLES
 
 _Q = GGMLQuantizationType
@@ -72,7 +72,6 @@ K_FALLBACK = {_Q.Q4_K: _Q.Q5_0, _Q.Q5_K: _Q.Q5_1, _Q.Q6_K: _Q.Q8_0, _Q.IQ4_XS: _
 # The types llmq writes: the uniform grids (llmq.gguf.blocks) and the table types (tables)
 QUANTIZED_TYPES = (*SPECS, *TABLES)
 FLOAT_TYPES = {"f32": _Q.F32, "f16": _Q.F16}
-_LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
 def get_gguf_scheme(name: str) -> GGUFScheme:
@@ -127,34 +126,23 @@ def choose_type(
         return _Q.F32
     wanted = next((t for pattern, t in overrides if fnmatch.fnmatchcase(name, pattern)), None)
     if wanted is None:
-        wanted = _scheme_type(scheme, name, num_layers, is_output=is_output)
-        wanted = _iq_rules(scheme, name, num_layers, wanted, shared_kv, has_imatrix)
+        wanted = _scheme_type(scheme, name, num_layers, is_output, shared_kv, has_imatrix)
     return fitting_type(wanted, shape[-1])
 
 
-def _iq_rules(scheme: GGUFScheme, name: str, num_layers: int, wanted: GGMLQuantizationType, shared_kv: int, has_imatrix: bool) -> GGMLQuantizationType:  # fmt: skip
-    layer = _LAYER.match(name)
-    if layer is None:
-        return wanted
-    if scheme.shared_v_bits is not None and ".attn_v." in name and shared_kv >= 4:
-        return scheme.shared_v_bits
-    early = int(layer.group(1)) < num_layers // 8
-    if scheme.plain_down_bits is not None and ".ffn_down" in name and early and not has_imatrix:
-        return scheme.plain_down_bits
-    return wanted
-
-
-def _scheme_type(
-    scheme: GGUFScheme, name: str, num_layers: int, *, is_output: bool
-) -> GGMLQuantizationType:
+def _scheme_type(scheme: GGUFScheme, name: str, num_layers: int, is_output: bool, shared_kv: int, has_imatrix: bool) -> GGMLQuantizationType:  # fmt: skip
     if is_output:
         return _Q.Q8_0 if scheme.main == _Q.Q8_0 else _Q.Q6_K if scheme.main in K_FALLBACK else scheme.main  # fmt: skip
     if scheme.expert_bits is not None and "_exps." in name:
         return scheme.expert_bits
-    layer = _LAYER.match(name)
-    if layer is None:
+    index = gguf_layer(name)
+    if index < 0:
         return scheme.main
-    index = int(layer.group(1))
+    if scheme.shared_v_bits is not None and ".attn_v." in name and shared_kv >= 4:
+        return scheme.shared_v_bits
+    early = index < num_layers // 8
+    if scheme.plain_down_bits is not None and ".ffn_down" in name and early and not has_imatrix:
+        return scheme.plain_down_bits
     # llama.cpp matches "ffn_down" anywhere in the name: a mixture's stacked ffn_down_exps too
     ffn_down = ".ffn_down." in name or ".ffn_down_exps." in name
     raised = ".attn_v." in name or ffn_down

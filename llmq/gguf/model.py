@@ -115,6 +115,15 @@ def gguf_arch(config: dict[str, Any]) -> GGUFArch:
     return ARCHS[model_type]
 
 
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def gguf_layer(name: str) -> int:
+    """The decoder layer of a GGUF tensor name (blk.N...), -1 for the others."""
+    found = _BLOCK.match(name)
+    return -1 if found is None else int(found.group(1))
+
+
 class TensorNames:
     """Hugging Face tensor names -> GGUF names for one model."""
 
@@ -284,7 +293,7 @@ def write_hyperparameters(writer: gguf.GGUFWriter, config: Any, arch: GGUFArch) 
     if arch.arch == gguf.MODEL_ARCH.PHI3:  # llama.cpp's phi3 reads a window, 0 for none
         writer.add_sliding_window(getattr(config, "sliding_window", None) or 0)
     _write_experts(writer, config)
-    _write_gemma(writer, config, rope)
+    _write_windows_and_caps(writer, config, rope)
     # stated even where it is hidden / heads: readers take a family's default head size
     # otherwise (transformers' Qwen3 assumes 128)
     writer.add_key_length(head_dim)
@@ -345,7 +354,7 @@ def _write_experts(writer: gguf.GGUFWriter, config: Any) -> None:
         writer.add_expert_shared_feed_forward_length(shared)
 
 
-def _write_gemma(writer: gguf.GGUFWriter, config: Any, rope: Rope) -> None:
+def _write_windows_and_caps(writer: gguf.GGUFWriter, config: Any, rope: Rope) -> None:
     """Sliding-window layers (window, which layers, their rotary base) and soft-capping."""
     layer_types = getattr(config, "layer_types", None) or []
     if "sliding_attention" in layer_types:

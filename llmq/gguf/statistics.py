@@ -19,18 +19,14 @@ from torch import Tensor
 
 from llmq.calib.collect import ObservedLayer, observed_layers
 from llmq.calib.stats import CalibStats
+from llmq.calib.windows import model_windows
 from llmq.config import CalibConfig
+from llmq.gguf.imatrix import imatrix_from_stats
+from llmq.gguf.model import gguf_layer
 from llmq.io.checkpoint import Checkpoint
 from llmq.progress import NO_PROGRESS, Progress
 
-_BLOCK = re.compile(r"^blk\.(\d+)\.")
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
-
-
-def gguf_layer(name: str) -> int:
-    """The decoder layer of a GGUF tensor name (blk.N...), -1 for the others."""
-    found = _BLOCK.match(name)
-    return -1 if found is None else int(found.group(1))
+_LAYER = re.compile(r"\.layers\.(\d+)\.")  # a checkpoint name's decoder layer
 
 
 class Statistics(Protocol):
@@ -57,10 +53,7 @@ class StreamedStatistics:
     model up to layer i; layers must be asked for in order."""
 
     def __init__(self, ckpt: Checkpoint, calibration: CalibConfig, *, progress: Progress = NO_PROGRESS, device: str | None = None) -> None:  # fmt: skip
-        from llmq.calib.windows import model_windows
-        from llmq.gguf.imatrix import imatrix_from_stats
-
-        self._ckpt, self._calibration, self._to_imatrix = ckpt, calibration, imatrix_from_stats
+        self._ckpt, self._calibration = ckpt, calibration
         windows = model_windows(ckpt.path, calibration, progress)
         self._walk: Iterator[ObservedLayer] = observed_layers(
             ckpt, windows.input_ids, hessian=True, norms=True, progress=progress, device=device
@@ -77,7 +70,7 @@ class StreamedStatistics:
             self._layer = observed.index
             self._stats = CalibStats()  # the previous layer's Hessians released
             self._stats.inputs.update({observed.prefix + name: s for name, s in observed.stats.items()})  # fmt: skip
-            self._importance = self._to_imatrix(self._ckpt, self._stats, self._calibration).importance()  # fmt: skip
+            self._importance = imatrix_from_stats(self._ckpt, self._stats, self._calibration).importance()  # fmt: skip
 
     def importance(self, name: str) -> np.ndarray | None:
         layer = gguf_layer(name)

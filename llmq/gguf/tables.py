@@ -67,18 +67,23 @@ class _Rounder:
         return self.order[np.searchsorted(self.middle, np.where(scale[:, None] == 0, 0, groups / safe))]  # fmt: skip
 
 
+ROUNDERS = {qtype: _Rounder(table) for qtype, table in TABLES.items()}
+
+
 def _weighted_error(groups: np.ndarray, weights: np.ndarray, scale: np.ndarray, values: np.ndarray) -> np.ndarray:  # fmt: skip
     return (weights * (groups - scale[:, None] * values) ** 2).sum(-1)
 
 
-def _best_scales(groups: np.ndarray, weights: np.ndarray, table: np.ndarray) -> np.ndarray:
+def _best_scales(
+    groups: np.ndarray, weights: np.ndarray, qtype: GGMLQuantizationType
+) -> np.ndarray:
     """Per group [n, 32], the real scale with the lowest weighted error: candidates around the
     two that put the group's largest weight on either end of the table (a negative scale
     flips the table, so an asymmetric one like IQ4's, -127 .. 113, can give the largest
     magnitude its longer end whatever its sign), each with its nearest indices and then
     refitted by weighted least squares on them (which only lowers the error of those indices;
     the stored scale's own nearest indices lower it again)."""
-    rounder = _Rounder(table)
+    table, rounder = TABLES[qtype], ROUNDERS[qtype]
     extreme = groups[np.arange(len(groups)), np.abs(groups).argmax(-1)]
     best = extreme / table.max()
     best_error = np.full(len(groups), np.inf, dtype=groups.dtype)
@@ -107,7 +112,7 @@ def choose_table_grid(qtype: GGMLQuantizationType, weight: np.ndarray, importanc
     for part in row_chunks(rows, cols):
         groups = weight[part].reshape(-1, GROUP).astype(np.float32)
         weights = np.broadcast_to(per_column.reshape(-1, GROUP), (part.stop - part.start, cols // GROUP, GROUP)).reshape(-1, GROUP)  # fmt: skip
-        best = _best_scales(groups, weights, table)
+        best = _best_scales(groups, weights, qtype)
         if qtype == _Q.IQ4_NL:
             d = best.astype(np.float16).reshape(-1, cols // GROUP)
             parts.append(TableGrid(qtype, d.astype(np.float32), d=d))
@@ -133,7 +138,7 @@ def _mxfp4_grid(groups, weights, best, table, rows) -> TableGrid:  # type: ignor
     with np.errstate(divide="ignore"):
         center = np.rint(np.log2(np.abs(best.astype(np.float64)))) + 128
     center = np.where(np.isfinite(center), center, 1)
-    rounder = _Rounder(table)
+    rounder = ROUNDERS[_Q.MXFP4]
     e_best, error_best = None, None
     for shift in (-1, 0, 1):
         e = np.clip(center + shift, 1, 254).astype(np.uint8)
@@ -164,7 +169,7 @@ def _iq4_xs_grid(groups, weights, best, table, rows) -> TableGrid:  # type: igno
         ls = (np.clip(ls, -32, 31) + 32).astype(np.uint8)
         dl = (d.astype(np.float32)[:, None] * (ls.astype(np.float32) - 32)).reshape(-1)
         flat, flat_weights = blocks.reshape(-1, GROUP), block_weights.reshape(-1, GROUP)
-        values = table[_Rounder(table).codes(flat, dl)]
+        values = table[ROUNDERS[_Q.IQ4_XS].codes(flat, dl)]
         error = _weighted_error(flat, flat_weights, dl, values).reshape(-1, 8).sum(-1)
         if chosen is None:
             chosen, chosen_error = (d, ls), error
@@ -182,7 +187,7 @@ def table_codes(grid: TableGrid, weight: np.ndarray) -> np.ndarray:
     """The index uint8 [rows, cols] of the table entry nearest each weight on the stored scales."""
     rows, cols = weight.shape
     groups = weight.reshape(-1, GROUP).astype(np.float32)
-    codes = _Rounder(TABLES[grid.qtype]).codes(groups, grid.scales.reshape(-1))
+    codes = ROUNDERS[grid.qtype].codes(groups, grid.scales.reshape(-1))
     return codes.reshape(rows, cols)
 
 

@@ -182,3 +182,23 @@ def test_saved_log_probs_decode_within_half_a_code(tmp_path: Path) -> None:
         expected = np.maximum(expected, saved.floors[chunk][:, None])
         step = (logits[chunk].max(-1) - np.maximum(logits[chunk].min(-1), logits[chunk].max(-1) - 16)) / 65535  # fmt: skip
         assert np.all(np.abs(saved.log_probs[chunk] - expected) <= step[:, None] * 0.51 + 1e-5)
+
+
+def test_asking_for_llama_cpp_without_its_binaries_is_one_line(
+    tmp_path: Path, default_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--loader llama.cpp` where $LLMQ_LLAMA_CPP holds no llama-perplexity: exit 2, one line
+    naming where it looked, the file unchanged."""
+    from typer.testing import CliRunner
+
+    from llmq.cli.main import app
+    from tests.conftest import assert_bad_input
+
+    source = tiny(tmp_path / "llama", default_model, "llama")
+    out = tmp_path / "llama.gguf"
+    llmq.quantize(source, out, format="gguf", scheme="q8_0", imatrix="none")
+    before = out.read_bytes()
+    monkeypatch.setenv("LLMQ_LLAMA_CPP", str(tmp_path / "nowhere"))
+    result = CliRunner().invoke(app, ["verify", str(out), "--loader", "llama.cpp"])
+    assert_bad_input(result, f"no llama-perplexity in {tmp_path / 'nowhere'}")
+    assert out.read_bytes() == before

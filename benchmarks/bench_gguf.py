@@ -8,7 +8,11 @@ Rows per scheme (Q4_K_M, Q5_K_M, Q6_K by default), `--variants` picks some:
 - llmq-plain / llmq-imatrix: `llmq quantize --format gguf` from the safetensors, without
   (`--imatrix none`) and with its own importance matrix, computed once and reused;
 - llmq-gptq: `--method gptq`, GPTQ's error feedback on the searched grid, from a calibration
-  pass over the same text (its Hessians and imatrix).
+  pass over the same text (its Hessians and imatrix);
+- llmq-mixed: `--target-bits B`, each decoder tensor's type chosen from q4_k/q5_k/q6_k/q8_0 by
+  measured sensitivity (auto: gradient, 8 of the calibration windows), B the bits a weight of
+  the decoder's tensors in llama.cpp-imatrix's file of the scheme (same size or smaller); the
+  scheme's types elsewhere and llmq's importance matrix, as llmq-imatrix.
 Setup steps whose results exist in --out (the float GGUF, the perplexity bases, the imatrices)
 are reused; report.json gathers rows across runs.
 Both imatrices read the same text: llmq's 128 x 512-token calibration windows (seed 0) of the
@@ -35,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 LLAMACPP = HERE / ".venvs" / "llamacpp" / "llama.cpp"
 BIN = LLAMACPP / "build" / "bin"
 CONVERTER_PYTHON = HERE / ".venvs" / "llamacpp" / "venv" / "bin" / "python"
-VARIANTS = ("llama.cpp-plain", "llama.cpp-imatrix", "llmq-plain", "llmq-imatrix", "llmq-gptq")
+VARIANTS = ("llama.cpp-plain", "llama.cpp-imatrix", "llmq-plain", "llmq-imatrix", "llmq-gptq", "llmq-mixed")  # fmt: skip
 HELD_OUT = ("news", "shakespeare")  # held-out splits: news articles; Hamlet
 
 
@@ -102,6 +106,23 @@ def score(
     return scores
 
 
+def decoder_bits(path: Path) -> float:
+    """The bits a weight of a GGUF file's decoder matrices (blk.*, 2-D) take."""
+    import gguf
+    import numpy as np
+
+    tensors = [t for t in gguf.GGUFReader(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2]  # fmt: skip
+    return 8 * sum(int(t.n_bytes) for t in tensors) / sum(int(np.prod(t.shape)) for t in tensors)
+
+
+def peer_bits(out: Path, scheme: str) -> float:
+    """The decoder's bits a weight in llama.cpp's imatrix file of `scheme`: llmq-mixed's budget."""
+    peer = out / f"llama.cpp-imatrix-{scheme}.gguf"
+    if not peer.exists():
+        sys.exit(f"llmq-mixed matches {peer.name}'s size: run llama.cpp-imatrix first")
+    return decoder_bits(peer)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -158,12 +179,15 @@ def main() -> None:
             else:
                 how = {"llmq-plain": ["--imatrix", "none"],
                        "llmq-imatrix": ["--imatrix", str(llmq_imatrix)],
-                       "llmq-gptq": ["--method", "gptq", *calib_options]}[variant]  # fmt: skip
+                       "llmq-gptq": ["--method", "gptq", *calib_options]}.get(variant)  # fmt: skip
+                if variant == "llmq-mixed":
+                    bits = f"{peer_bits(out, scheme):.6f}"
+                    how = ["--imatrix", str(llmq_imatrix), "--target-bits", bits, *calib_options]
                 cmd = [sys.executable, "-m", "llmq", "quantize", str(model), "--out", str(path),
-                       "--format", "gguf", "--scheme", scheme, *how, "--overwrite"]  # fmt: skip
+                       "--format", "gguf", "--scheme", scheme, *(how or []), "--overwrite"]  # fmt: skip
             seconds = run(cmd, out / f"{label}.log")
             row = {"variant": variant, "scheme": scheme, "bytes": path.stat().st_size,
-                   "seconds": round(seconds, 1),
+                   "decoder_bits": round(decoder_bits(path), 4), "seconds": round(seconds, 1),
                    "scores": score(path, held, bases, args.chunks, out / f"{label}-ppl.log")}  # fmt: skip
             print(json.dumps(row), flush=True)
             report["rows"] = [r for r in report["rows"] if (r.get("variant"), r["scheme"]) != (variant, scheme)]  # fmt: skip

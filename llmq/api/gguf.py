@@ -26,6 +26,7 @@ def quantize_gguf(
     `method` gptq, the calibration's Hessians for GPTQ's error feedback, computed layer by layer
     as the file is written. Returns a `llmq.gguf.export.GGUFResult`. Everything is checked
     before the calibration pass."""
+    from llmq.gguf.budget import plan_type_budget, written_bits
     from llmq.gguf.export import check_gguf_output, export_gguf, plan_tensors
     from llmq.gguf.imatrix import imatrix_from_calibration, read_imatrix
     from llmq.gguf.mix import get_gguf_scheme, parse_tensor_types
@@ -42,6 +43,10 @@ def quantize_gguf(
     refuse_quantized(ckpt.path, ckpt.config)  # GGUF is written from 16-bit weights
     plan = plan_tensors(ckpt, scheme, overrides)  # an unmapped family or tensor: refused now
     tables = sorted({t.qtype.name for t in plan if t.qtype in TABLES})
+    budget = None
+    if recipe.mixed is not None:
+        budget = plan_type_budget(ckpt, plan, recipe.mixed, overrides)  # refused now if unmet
+        tables += sorted({c.qtype.name for c in budget.budget.candidates if c.qtype in TABLES})  # type: ignore[attr-defined]  # fmt: skip
     if recipe.method == "gptq" and tables:
         raise InputError(
             f"--method gptq: GPTQ's error feedback runs on uniform grids, not on {', '.join(tables)}'s table",
@@ -67,6 +72,10 @@ def quantize_gguf(
         else:
             imatrix = imatrix_from_calibration(ckpt, cal, progress=progress, device=device)
             statistics = FixedStatistics(imatrix.importance())
+    record = None
+    if budget is not None:
+        chosen, record = choose_types(ckpt, budget, recipe, progress, device)
+        overrides = chosen + overrides  # the choice names each tensor exactly; pins kept out
     try:
         result = export_gguf(
             ckpt, out, scheme, overrides=overrides, statistics=statistics,
@@ -75,5 +84,27 @@ def quantize_gguf(
     finally:
         if isinstance(statistics, StreamedStatistics):
             statistics.close()
+    if budget is not None:
+        assert record is not None
+        result.mixed_precision = {**record, "written_bits": written_bits(out, budget)}
     result.seconds = time.perf_counter() - started  # the calibration pass included
     return result
+
+
+def choose_types(
+    ckpt: Any, budget: Any, recipe: GGUFRecipe, progress: Progress, device: str | None
+) -> tuple[tuple[tuple[str, Any], ...], dict[str, Any]]:
+    """The solver's types (as exact `--tensor-type` rules) and its record, damages measured on
+    the recipe's calibration windows (none for `--sensitivity weight`)."""
+    from llmq.calib.windows import model_windows
+    from llmq.gguf.budget import chosen_types
+    from llmq.mixed.choose import choose
+
+    calibration = recipe.calibration
+    assert recipe.mixed is not None
+    data = recipe.mixed.sensitivity != "weight"
+    ids = (
+        model_windows(ckpt.path, calibration, progress).input_ids if data and calibration else None
+    )
+    chosen, record = choose(ckpt, budget.budget, ids, progress=progress, device=device)
+    return chosen_types(budget, chosen), record

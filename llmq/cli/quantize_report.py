@@ -230,3 +230,4 @@ def render_gguf(result: Any) -> None:
         ("wrote:", f"{result.out} in {result.seconds:.1f} s"),
     ):
         out_console.print(labelled(label, "bold", text), soft_wrap=True)
+    _print_mixed(result.mixed_precision)

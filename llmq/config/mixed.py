@@ -5,7 +5,8 @@ A candidate is a weight-only scheme written by name: `int4-g128` (4-bit symmetri
 a scale per 128 inputs), `int8` (8-bit, a scale per output channel), `dense` (the linear kept
 at its stored dtype). All of them are compressed-tensors' pack-quantized format (or no
 quantization at all), so one checkpoint holds any mix as config groups that transformers and
-vLLM load.
+vLLM load. A GGUF export's candidates are GGUF types (`q4_k`, `q6_k`, `q8_0`, `f16`, ...),
+each tensor its own (llama.cpp reads a type per tensor); `llmq.gguf.budget` checks their names.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from llmq.texts import DEFAULT_EVAL_TEXT
 
 DENSE = "dense"
 DEFAULT_CANDIDATES = ("int4-g128", "int4-g64", "int4-g32", "int8", DENSE)
+DEFAULT_GGUF_CANDIDATES = ("q4_k", "q5_k", "q6_k", "q8_0")
 CANDIDATE_RULE = "int4-gN or int8-gN (N a power of two >= 16), int4 or int8 (per channel), dense"
 # auto: gradient where the whole model fits in memory (a dense model, four times its float32
 # weights within half the free memory), output elsewhere;
@@ -54,7 +56,7 @@ class MixedConfig(BaseModel):
 
     target_bits: float | None = Field(None, gt=0.0, le=32.0)
     max_size: int | None = Field(None, gt=0)  # bytes of every tensor written
-    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
+    candidates: tuple[str, ...] | None = None  # None: the format's default (DEFAULT_*CANDIDATES)
     sensitivity: Sensitivity = "auto"
     fisher_windows: int = Field(8, ge=1, le=1024)  # calibration windows the Fisher reads
     # A perplexity gate on held-out text: while the increase over the source exceeds it, the
@@ -66,9 +68,11 @@ class MixedConfig(BaseModel):
 
     @field_validator("candidates")
     @classmethod
-    def _known(cls, names: tuple[str, ...]) -> tuple[str, ...]:
-        for name in names:
-            candidate_args(name)
+    def _distinct(cls, names: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        """Two or more, each once; which names a format takes is its own check (compressed-
+        tensors': `candidate_args`, in the recipe's check; GGUF's: its type names)."""
+        if names is None:
+            return None
         if len(set(names)) != len(names):
             raise ValueError("--candidates: a candidate is named twice")
         if len(names) < 2:

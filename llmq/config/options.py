@@ -131,7 +131,7 @@ class QuantizeOptions(LayerOptions):
     imatrix: FilePath | None = None  # gguf: an importance-matrix file, or "none" (data-free)
     target_bits: float | None = default(MixedConfig, "target_bits")  # mixed precision's budget
     max_size: str | int | None = None  # ... or the written weights' size: "2GiB", bytes
-    candidates: tuple[str, ...] = default(MixedConfig, "candidates")
+    candidates: tuple[str, ...] | None = default(MixedConfig, "candidates")
     sensitivity: Sensitivity = default(MixedConfig, "sensitivity")
     fisher_windows: int = Field(default(MixedConfig, "fisher_windows"), ge=1, le=1024)
     max_ppl_increase: Fraction | None = default(MixedConfig, "max_ppl_increase")
@@ -193,7 +193,10 @@ class QuantizeOptions(LayerOptions):
                 hint="drop --imatrix / --skip-layer-check",
             )
         samples = self.num_samples or DEFAULT_CALIB_SAMPLES
-        calibration = None if data_free or self.imatrix else self.calibration(samples)
+        mixed = self.mixed()
+        measured = mixed is not None and mixed.sensitivity != "weight"
+        wants_data = not data_free and (measured or not self.imatrix)
+        calibration = self.calibration(samples) if wants_data else None
         return build(
             GGUFRecipe,
             # compressed-tensors' default scheme stands for GGUF's
@@ -202,6 +205,7 @@ class QuantizeOptions(LayerOptions):
             tensor_types=self.tensor_type,
             imatrix=None if self.imatrix == "none" else self.imatrix,
             calibration=calibration,
+            mixed=mixed,
         )  # fmt: skip
 
     def calibration_given(self) -> list[str]:
@@ -238,6 +242,7 @@ MIXED_OPTIONS = (
 GGUF_OPTIONS = {
     "format", "scheme", "method", *GGUF_ONLY, "skip_layer_check",
     *CalibrationOptions.model_fields,
+    "target_bits", "candidates", "sensitivity", "fisher_windows",  # per-tensor types to a budget
 }  # fmt: skip
 
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from llmq.config.mixed import MixedConfig
+from llmq.config.mixed import MixedConfig, candidate_args
 from llmq.config.quant import (
     GROUP_OVERRIDE_RULE,
     QuantArgs,
@@ -241,6 +241,8 @@ def _check_mixed(recipe: Recipe) -> None:
         )
     if recipe.group_size is not None:
         raise ValueError("group_size: each candidate names its own (int4-g64, ...)")
+    for name in mixed.candidates or ():
+        candidate_args(name)  # InputError for a name compressed-tensors' candidates lack
     if mixed.sensitivity != "weight" and recipe.calibration is None:
         raise ValueError(f"sensitivity {mixed.sensitivity}: measured on calibration data")
 
@@ -293,7 +295,23 @@ class GGUFRecipe(BaseModel):
     method: Literal["rtn", "gptq"] = "rtn"
     tensor_types: tuple[str, ...] = ()  # PATTERN=TYPE over GGUF tensor names, first match wins
     imatrix: str | None = None  # an importance-matrix file (llmq's or llama.cpp's)
-    calibration: CalibConfig | None = None  # the imatrix from this text, when no file is given
+    # the imatrix from this text when no file is given, and the mixed choice's sensitivity
+    calibration: CalibConfig | None = None
+    # Per-tensor GGUF types under a --target-bits budget (llmq.gguf.budget); None: the scheme's mix
+    mixed: MixedConfig | None = None
+
+    @model_validator(mode="after")
+    def _budget(self) -> GGUFRecipe:
+        mixed = self.mixed
+        if mixed is None:
+            return self
+        if mixed.max_size is not None:
+            raise ValueError("max_size: a GGUF export's budget is --target-bits (bits a weight of the decoder's linears)")  # fmt: skip
+        if mixed.max_ppl_increase is not None:
+            raise ValueError("max_ppl_increase: gates compressed-tensors checkpoints, not GGUF files")  # fmt: skip
+        if mixed.sensitivity != "weight" and self.calibration is None:
+            raise ValueError(f"sensitivity {mixed.sensitivity}: measured on calibration data")
+        return self
 
 
 def build(model_cls: type[BaseModel], /, **fields: object) -> BaseModel:

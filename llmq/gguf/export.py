@@ -60,10 +60,15 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        if self.qtype in _FLOAT:
-            return int(np.prod(self.shape)) * np.dtype(_FLOAT[self.qtype]).itemsize
-        block, size = GGML_QUANT_SIZES[self.qtype]
-        return int(np.prod(self.shape[:-1])) * self.shape[-1] // block * size
+        return type_bytes(self.qtype, self.shape)
+
+
+def type_bytes(qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> int:
+    """The bytes a tensor of `shape` takes stored as `qtype` (rows of whole blocks)."""
+    if qtype in _FLOAT:
+        return int(np.prod(shape)) * np.dtype(_FLOAT[qtype]).itemsize
+    block, size = GGML_QUANT_SIZES[qtype]
+    return int(np.prod(shape[:-1])) * shape[-1] // block * size
 
 
 @dataclass(slots=True)
@@ -76,6 +81,7 @@ class GGUFResult:
     seconds: float
     size_bytes: dict[str, int]
     worst_tensors: list[dict[str, Any]] = field(default_factory=list)  # highest relative RMSE
+    mixed_precision: dict[str, Any] | None = None  # the types chosen to a budget (llmq.gguf.budget)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -285,17 +291,27 @@ def encode(
     what a reader decodes."""
     if tensor.qtype in _FLOAT:
         return np.ascontiguousarray(weight.astype(_FLOAT[tensor.qtype])), None
-    if tensor.qtype in TABLES:  # no GPTQ on a table's indices (refused before the pass)
-        table_grid = choose_table_grid(tensor.qtype, weight, importance)
-        codes = table_codes(table_grid, weight)
-        decoded, data = table_dequantized(table_grid, codes), pack_table(table_grid, codes)
-    else:
-        grid = choose_grid(tensor.qtype, weight, importance)
-        codes = codes_for(grid, weight) if hessian is None else gptq_codes(grid, weight, hessian)
-        decoded, data = dequantized(grid, codes), pack(grid, codes)
+    decoded, data = quantized(tensor.qtype, weight, importance, hessian)
     norm = float(np.linalg.norm(weight))
     error = float(np.linalg.norm(decoded - weight)) / norm if norm > 0 else 0.0
     return data, error
+
+
+def quantized(
+    qtype: gguf.GGMLQuantizationType,
+    weight: np.ndarray,
+    importance: np.ndarray | None,
+    hessian: Tensor | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`weight` [rows, cols] as quantized type `qtype` stores it: what a reader decodes, and the
+    bytes. The scale search weighs each input by `importance`; `hessian`: GPTQ's codes."""
+    if qtype in TABLES:  # no GPTQ on a table's indices (refused before the pass)
+        table_grid = choose_table_grid(qtype, weight, importance)
+        codes = table_codes(table_grid, weight)
+        return table_dequantized(table_grid, codes), pack_table(table_grid, codes)
+    grid = choose_grid(qtype, weight, importance)
+    codes = codes_for(grid, weight) if hessian is None else gptq_codes(grid, weight, hessian)
+    return dequantized(grid, codes), pack(grid, codes)
 
 
 def _byte_shape(tensor: PlannedTensor) -> tuple[int, ...]:

@@ -13,12 +13,19 @@ from torch import Tensor
 
 from llmq.calib.stats import CalibStats
 from llmq.config import MixedConfig, QuantArgs
-from llmq.config.mixed import candidate_args
+from llmq.config.mixed import DEFAULT_CANDIDATES
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint, read_safetensors_header, torch_dtype
 from llmq.mixed.sensitivity import measure_damages, resolved_sensitivity
 from llmq.mixed.solve import OverBudget, solve
-from llmq.mixed.units import Linear, choice_units
+from llmq.mixed.units import (
+    KEPT,
+    Candidate,
+    Linear,
+    SchemeCandidate,
+    choice_units,
+    scheme_candidates,
+)
 from llmq.progress import NO_PROGRESS, Progress
 
 
@@ -28,7 +35,7 @@ class Budget:
 
     config: MixedConfig
     units: list[list[Linear]]  # linears sharing one scheme
-    candidates: list[QuantArgs | None]  # config.candidates' arguments (None: dense)
+    candidates: list[Candidate]  # config.candidates'
     spend: int  # bits the units may take together
     weights: int  # the decoder linears' weights, quantized or kept: what bits are averaged over
     kept_bits: int  # the decoder linears --ignore keeps dense
@@ -38,7 +45,7 @@ class Budget:
         return [linear for unit in self.units for linear in unit]
 
     def costs(self) -> list[list[int]]:
-        return [[sum(one.bits(c) for one in unit) for c in self.candidates] for unit in self.units]
+        return [[sum(c.bits(one) for one in unit) for c in self.candidates] for unit in self.units]
 
     @property
     def most_bits(self) -> float:
@@ -63,7 +70,7 @@ def plan_budget(ckpt: Checkpoint, layers: list[list[Linear]], config: MixedConfi
     planned = {linear.name for layer in layers for linear in layer}
     decoder = [name for index in range(ckpt.num_layers) for name in ckpt.layout.linear_names(index)]  # fmt: skip
     kept = [linear_of(ckpt, name) for name in decoder if name not in planned]
-    kept_bits = sum(linear.bits(None) for linear in kept)
+    kept_bits = sum(KEPT.bits(linear) for linear in kept)
     weights = sum(linear.numel for layer in layers for linear in layer) + sum(
         one.numel for one in kept
     )
@@ -72,15 +79,21 @@ def plan_budget(ckpt: Checkpoint, layers: list[list[Linear]], config: MixedConfi
     else:
         assert config.max_size is not None
         stored = sum(math.prod(i.shape) * torch_dtype(i.dtype).itemsize for i in ckpt.tensors.values())  # fmt: skip
-        spend = 8 * (config.max_size - stored) + sum(one.bits(None) for layer in layers for one in layer)  # fmt: skip
+        spend = 8 * (config.max_size - stored) + sum(KEPT.bits(one) for layer in layers for one in layer)  # fmt: skip
     units = [
         unit
         for index, layer in enumerate(layers)
         for unit in choice_units(ckpt.layout.at(index), ckpt.layout.layer_prefix(index), layer)
     ]
-    budget = Budget(config, units, [candidate_args(c) for c in config.candidates], spend, weights, kept_bits)  # fmt: skip
+    names = config.candidates or DEFAULT_CANDIDATES
+    config = config.model_copy(update={"candidates": names})
+    return checked_budget(Budget(config, units, scheme_candidates(names), spend, weights, kept_bits))  # fmt: skip
+
+
+def checked_budget(budget: Budget) -> Budget:
+    """`budget`, or InputError when even the cheapest candidates do not fit."""
     cheapest = sum(min(unit) for unit in budget.costs())
-    if spend < cheapest:
+    if budget.spend < cheapest:
         raise _over_budget(budget, cheapest)
     return budget
 
@@ -105,31 +118,50 @@ def choose_schemes(
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
 ) -> MixedChoice:
-    """Each linear's scheme: the least total damage (as the config's sensitivity measures it)
-    whose stored bits fit the budget."""
+    """Each linear's compressed-tensors scheme under `budget` (`choose`)."""
+    chosen, record = choose(ckpt, budget, input_ids, stats, progress=progress, device=device)
+    schemes = {}
+    for name, (candidate, linear) in chosen.items():
+        assert isinstance(candidate, SchemeCandidate)
+        schemes[name] = candidate.fitted(linear)
+    return MixedChoice(schemes, record)
+
+
+def choose(
+    ckpt: Checkpoint,
+    budget: Budget,
+    input_ids: Tensor | None,
+    stats: CalibStats | None = None,
+    *,
+    progress: Progress = NO_PROGRESS,
+    device: str | None = None,
+) -> tuple[dict[str, tuple[Candidate, Linear]], dict[str, Any]]:
+    """Each linear's candidate: the least total damage (as the config's sensitivity measures
+    it) whose stored bits fit the budget; and llmq.json's record of the choice."""
     sensitivity = resolved_sensitivity(ckpt, budget.config.sensitivity, device)
     config = budget.config.model_copy(update={"sensitivity": sensitivity})
+    names = [candidate.name for candidate in budget.candidates]
     measured = measure_damages(
         ckpt, budget.linears, budget.candidates, config, input_ids, stats, progress=progress,
         device=device,
     )  # fmt: skip
-    damages = [[sum(measured[one.name][c] for one in unit) for c in range(len(budget.candidates))] for unit in budget.units]  # fmt: skip
+    damages = [[sum(measured[one.name][c] for one in unit) for c in range(len(names))] for unit in budget.units]  # fmt: skip
     try:
         choice = solve(budget.costs(), damages, budget.spend)
-    except OverBudget as exc:  # plan_budget checked it
+    except OverBudget as exc:  # checked_budget checked it
         raise AssertionError(exc) from None
-    schemes, linears = {}, {}
+    chosen, linears = {}, {}
     for unit, option in zip(budget.units, choice.options, strict=True):
+        candidate = budget.candidates[option]
         for linear in unit:
-            args = linear.args(budget.candidates[option])
-            schemes[linear.name] = args
+            chosen[linear.name] = (candidate, linear)
             linears[linear.name] = {
-                "candidate": config.candidates[option],
-                "stored_as": "dense" if args is None else args.label,
+                "candidate": candidate.name,
+                "stored_as": candidate.stored_as(linear),
                 "weights": linear.numel,
-                "bits_per_weight": linear.bits(args) / linear.numel,
+                "bits_per_weight": candidate.bits(linear) / linear.numel,
                 "damage": measured[linear.name][option],
-                "damages": dict(zip(config.candidates, measured[linear.name], strict=True)),
+                "damages": dict(zip(names, measured[linear.name], strict=True)),
             }
     record = {
         **config.model_dump(exclude_none=True),
@@ -137,7 +169,7 @@ def choose_schemes(
         "predicted_damage": choice.damage,
         "linears": linears,
     }
-    return MixedChoice(schemes, record)
+    return chosen, record
 
 
 def written_bits(folder: Path, ckpt: Checkpoint) -> float:

@@ -1,5 +1,6 @@
 """Each linear's damage under each candidate, measured before anything is quantized: the weight
-rounded to nearest under the candidate, ΔW = Q(W) - W, scored three ways.
+rounded to nearest under the candidate (GGUF's types: on the grid their scale search picks with
+the inputs' mean squares), ΔW = Q(W) - W, scored these ways.
 
 - output: Σ_rows ΔW H ΔWᵀ, the squared error of the linear's output on the calibration inputs
   (H = 2 XᵀX / n, GPTQ's Hessian), gathered on the float model one layer at a time.
@@ -31,13 +32,12 @@ from torch import Tensor, nn
 
 from llmq.calib.collect import observed_layers
 from llmq.calib.stats import ACCUM_DTYPE, CalibStats
-from llmq.config import MixedConfig, QuantArgs
+from llmq.config import MixedConfig
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
-from llmq.mixed.units import Linear
+from llmq.mixed.units import Candidate, Linear
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.quant.awq import output_error
-from llmq.quant.rtn import rtn_quantize_weight
 
 Measure = Callable[[Tensor], float]  # ΔW [out, in] -> damage
 # `gradient` and `fisher` hold the float32 model, its gradients and one window's activations:
@@ -67,26 +67,26 @@ def _free_memory(device: str | None) -> int:
 
 
 def candidate_damages(
-    weight: Tensor, linear: Linear, candidates: list[QuantArgs | None], measure: Measure
+    weight: Tensor,
+    linear: Linear,
+    candidates: list[Candidate],
+    measure: Measure,
+    importance: Tensor | None = None,
 ) -> list[float]:
-    """`measure` of the rounding error under each candidate (0 for dense)."""
+    """`measure` of the rounding error under each candidate (0 where stored exactly).
+    `importance`: each input's weight in the candidates' own scale searches (GGUF's)."""
+    exact = weight.to(ACCUM_DTYPE)
     damages = []
     for candidate in candidates:
-        args = linear.args(candidate)
-        if args is None:
-            damages.append(0.0)
-            continue
-        rounded = rtn_quantize_weight(weight, args, scale_dtype=linear.dtype).dequantize(
-            ACCUM_DTYPE
-        )
-        damages.append(measure(rounded - weight.to(ACCUM_DTYPE)))
+        rounded = candidate.rounded(weight, linear, importance)
+        damages.append(0.0 if rounded is None else measure(rounded - exact))
     return damages
 
 
 def measure_damages(
     ckpt: Checkpoint,
     linears: list[Linear],
-    candidates: list[QuantArgs | None],
+    candidates: list[Candidate],
     config: MixedConfig,
     input_ids: Tensor | None,
     stats: CalibStats | None = None,
@@ -119,12 +119,13 @@ def measure_damages(
             linear = wanted.get(layer.prefix + name)
             if linear is None:
                 continue
-            measure = _squared
+            measure, importance = _squared, None
             if measured_on_data:
                 source = stats.inputs[linear.name] if hessians else layer.stats[name]  # type: ignore[union-attr]
                 scale = layer.input_energy if config.sensitivity == "residual" else 1.0
                 measure = _output_measure(source.hessian, scale)
-            damages[linear.name] = candidate_damages(module.weight.data, linear, candidates, measure)  # fmt: skip
+                importance = source.hessian.diagonal()
+            damages[linear.name] = candidate_damages(module.weight.data, linear, candidates, measure, importance)  # fmt: skip
     return damages
 
 
@@ -141,7 +142,7 @@ def _output_measure(hessian: Tensor | None, scale: float | None = 1.0) -> Measur
 def _fisher_damages(
     ckpt: Checkpoint,
     linears: list[Linear],
-    candidates: list[QuantArgs | None],
+    candidates: list[Candidate],
     input_ids: Tensor,
     device: str | None,
 ) -> dict[str, list[float]]:
@@ -168,7 +169,7 @@ def _fisher_damages(
 def _gradient_damages(
     ckpt: Checkpoint,
     linears: list[Linear],
-    candidates: list[QuantArgs | None],
+    candidates: list[Candidate],
     input_ids: Tensor,
     device: str | None,
 ) -> dict[str, list[float]]:
@@ -199,8 +200,9 @@ def _gradient_damages(
         weight = model.get_submodule(linear.name).weight.detach()
         h, g = gram.pop(linear.name).to(weight.device), grad2.pop(linear.name).to(weight.device)
         damages[linear.name] = candidate_damages(
-            weight, linear, candidates, lambda d, h=h, g=g: float((g[:, None] * (d @ h) * d).sum())
-        )
+            weight, linear, candidates, lambda d, h=h, g=g: float((g[:, None] * (d @ h) * d).sum()),
+            h.diagonal(),
+        )  # fmt: skip
     return damages
 
 

@@ -29,9 +29,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "recipes": (*BASE, "llmq.texts", "llmq.config"),
     "io": BASE,
     "quant": (*BASE, "llmq.config"),
-    # GGUF export: its block layouts and grids, the checkpoint, and a calibration pass for the
-    # importance matrix
-    "gguf": (*BASE, "llmq.config", "llmq.io", "llmq.quant", "llmq.calib"),
+    # GGUF export: its block layouts and grids, the checkpoint, a calibration pass for the
+    # importance matrix, and mixed precision's solver for types to a budget
+    "gguf": (*BASE, "llmq.config", "llmq.io", "llmq.quant", "llmq.calib", "llmq.mixed"),
     "pack": (*BASE, "llmq.config", "llmq.io", "llmq.quant"),
     # kernels read the packed layout and nothing else of llmq
     "kernels": (*BASE, "llmq.pack.layout"),

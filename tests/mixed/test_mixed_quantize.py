@@ -166,7 +166,7 @@ def test_other_sensitivities_choose_within_the_budget(
         (["--max-size", "lots"], "expected a size"),
         (["--target-bits", "4.5", "--max-size", "1GiB"], "give one budget"),
         (["--candidates", "int4-g64"], "--candidates: chooses schemes under a budget"),
-        (["--target-bits", "5", "--candidates", "int3"], "'int3' is not a candidate"),
+        (["--target-bits", "5", "--candidates", "int3,dense"], "'int3' is not a candidate"),
         (
             ["--target-bits", "5", "--candidates", "int4-g48,dense"],
             "'int4-g48' is not a candidate",
@@ -176,7 +176,7 @@ def test_other_sensitivities_choose_within_the_budget(
         (["--target-bits", "5", "--group-size", "64"], "each candidate names its own"),
         (["--target-bits", "5", "--method", "wanda", "--sparsity", "0.5"], "prunes"),
         (["--target-bits", "5", "--fallback", "auto"], "--fallback"),
-        (["--target-bits", "5", "--format", "gguf"], "not an option of --format gguf"),
+        (["--max-size", "1GiB", "--format", "gguf"], "--max-size: not an option of --format gguf"),
         (["--target-bits", "5", "--sensitivity", "guess"], "sensitivity"),
         (["--max-size", "1GiB", "--max-ppl-increase", "1%"], "--max-size is a limit"),
         (["--max-ppl-increase", "1%"], "chooses schemes under a budget"),

@@ -12,15 +12,14 @@ import torch
 
 from llmq.calib.stats import InputStats
 from llmq.config import MixedConfig, QuantArgs, fit_group_size
-from llmq.config.mixed import candidate_args
 from llmq.io.checkpoint import open_checkpoint
 from llmq.mixed.choose import linear_of, plan_budget
 from llmq.mixed.sensitivity import _output_measure, candidate_damages, measure_damages
-from llmq.mixed.units import Linear
+from llmq.mixed.units import Linear, scheme_candidates
 from llmq.quant.rtn import rtn_quantize_weight
 from tests.conftest import make_tiny
 
-CANDIDATES = [candidate_args(name) for name in ("int4-g128", "int4-g32", "int8", "dense")]
+CANDIDATES = scheme_candidates(("int4-g128", "int4-g32", "int8", "dense"))
 
 
 def test_output_damage_is_the_float64_output_error_on_the_activations() -> None:
@@ -33,10 +32,10 @@ def test_output_damage_is_the_float64_output_error_on_the_activations() -> None:
     linear = Linear("w", 64, 192, torch.float32)
     damages = candidate_damages(weight, linear, CANDIDATES, _output_measure(stats.hessian))
     for candidate, damage in zip(CANDIDATES, damages, strict=True):
-        if candidate is None:
+        if candidate.args is None:
             assert damage == 0.0
             continue
-        args = fit_group_size(candidate, 192)  # g128 -> g64 on 192 inputs
+        args = fit_group_size(candidate.args, 192)  # g128 -> g64 on 192 inputs
         delta = rtn_quantize_weight(weight, args).dequantize(torch.float64) - weight.double()
         reference = 2 / len(x) * (x.double() @ delta.T).square().sum()
         assert damage == pytest.approx(float(reference), rel=1e-4)
@@ -67,7 +66,7 @@ def test_fisher_damage_weighs_rounding_by_the_squared_gradients(tiny: Path) -> N
     for linear in linears:
         weight = model.get_submodule(linear.name).weight.detach()
         for candidate, damage in zip(CANDIDATES, damages[linear.name], strict=True):
-            args = linear.args(candidate)
+            args = candidate.fitted(linear)
             if args is None:
                 assert damage == 0.0
                 continue
@@ -81,7 +80,7 @@ def test_weight_damage_is_the_squared_rounding_error(tiny: Path) -> None:
     config = MixedConfig(target_bits=5, sensitivity="weight")
     damages = measure_damages(ckpt, [linear], CANDIDATES, config, None)[linear.name]
     weight = ckpt.read(f"{linear.name}.weight").float()
-    args: QuantArgs = linear.args(CANDIDATES[1])  # type: ignore[assignment]
+    args: QuantArgs = CANDIDATES[1].fitted(linear)  # type: ignore[assignment]
     delta = rtn_quantize_weight(weight, args).dequantize(torch.float32) - weight
     assert damages[1] == pytest.approx(float(delta.square().sum()), rel=1e-5)
 
@@ -148,7 +147,7 @@ def test_gradient_damage_weighs_each_output_channels_error_by_its_squared_loss_g
         h += x.T @ x / ids.numel()
     weight = module.weight.detach()
     for candidate, damage in zip(CANDIDATES, damages, strict=True):
-        args = linear.args(candidate)
+        args = candidate.fitted(linear)
         if args is None:
             assert damage == 0.0
             continue

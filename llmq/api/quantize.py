@@ -71,7 +71,8 @@ def quantize(
         return quantize_gguf(model, out, options.gguf_recipe(), overwrite=overwrite,
                              progress=progress, device=device)  # fmt: skip
     from llmq.pipeline.job import JobRun
-    from llmq.pipeline.model_free import converts_model_free, run_model_free
+    from llmq.pipeline.model_free import run_model_free
+    from llmq.pipeline.model_free_plan import converts_model_free
 
     recipe = recipe or options.recipe()
     inputs = _inputs(options)

@@ -3,28 +3,25 @@ without building the model in transformers.
 
 A recipe needs no model when nothing it computes reads an activation: round to nearest, with
 dynamic or no activation quantization, no KV cache, no pruning. Then each linear's weight is
-quantized alone, exactly as the layer pipeline quantizes it (read, made float32 as the layer
-stream does, the same method call, the same packing), so every tensor written is byte-identical
+quantized alone (NVFP4: each set vLLM fuses stacked, for its one global scale), exactly as the
+layer pipeline quantizes it (read, made float32 as the layer stream does, the same method call,
+the same packing), so every tensor written is byte-identical
 to the model path's, and the config's `quantization_config` too. What differs is only how the
 work is cut: output shards of at most SHARD_BYTES, each shard's weights quantized by a pool of
 threads (torch releases the GIL in its kernels) while another thread writes the shard before it:
 memory is two shards' output and one float32 weight a thread, whatever the model's size.
 
-Which tensors are quantized: the family layout's decoder linears when llmq knows the family
-(the model path's own plan), else every 2-D floating-point weight that `is_linear_weight`
-accepts; `--targets` patterns choose instead. The LM head and `--ignore` stay as they are.
+What is quantized, and the output shards: `llmq.pipeline.model_free_plan`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,7 +30,6 @@ import torch
 
 from llmq.calib.stream import resolve_device
 from llmq.config import Recipe
-from llmq.errors import InputError, UnsupportedModelError
 from llmq.io.atomic import (
     check_output_dir,
     claim_output,
@@ -43,33 +39,25 @@ from llmq.io.atomic import (
     staging_path,
 )
 from llmq.io.checkpoint import (
-    TensorInfo,
     file_stamps,
     mapped_safetensors,
     read_config,
     read_safetensors_header,
-    stored_tensors,
     torch_dtype,
 )
-from llmq.io.family import is_linear_weight, layout_for_config, stores_fused_experts
-from llmq.io.fp8_release import fp8_block_size
 from llmq.io.record import OutputRecord
 from llmq.io.space import check_free_space, folder_size
 from llmq.pack.format import PackFormat, compress, quantization_config, scheme_format
 from llmq.pack.loaders import check_required_loaders
 from llmq.pipeline.job import JobInputs, JobRun
 from llmq.pipeline.linears import check_finite
+from llmq.pipeline.model_free_plan import ModelFreePlan, plan_model_free
 from llmq.pipeline.output import ShardNames, finish_checkpoint, weights_size
 from llmq.pipeline.plan import (
-    FLOAT_DTYPES,
     LinearPlan,
     Plan,
-    check_patterns,
     config_groups,
-    matches_any,
     output_bytes,
-    plan_linears,
-    refuse_quantized,
 )
 from llmq.pipeline.report import QuantizeResult
 from llmq.pipeline.state import RunState, keep_if_resumable, load_state
@@ -79,144 +67,8 @@ from llmq.quant.primitives import ROW_STRATEGIES, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-# An output shard's size at most (the last tensor may pass it; a larger tensor is a shard of its
-# own): what one thread holds before the shard is written.
-SHARD_BYTES = 1 << 30
 # The float64 working copy of a chunk of rows quantized at once (per-row scales): L2-sized.
 CHUNK_BYTES = 2 << 20
-
-
-def model_free_refusal(recipe: Recipe, inputs: JobInputs, config: dict[str, Any]) -> str | None:
-    """Why converting the model of `config` with `recipe` needs the model and its activations
-    (None: it does not)."""
-    if stores_fused_experts(config):
-        return f"model_type {config.get('model_type')!r} stores its experts fused: the layer pipeline splits them into linears"  # fmt: skip
-    if fp8_block_size(config) is not None:
-        return "an FP8 block release is read as bfloat16 by the layer pipeline"
-    if recipe.weight_args is None or recipe.sparsity is not None or recipe.pattern is not None:
-        return f"--method {recipe.method} prunes on the layers' activations"
-    if recipe.method != "rtn":
-        return f"--method {recipe.method} calibrates on the layers' activations"
-    if recipe.mixed is not None:
-        return "--target-bits and --max-size measure each linear before choosing its scheme"
-    if recipe.needs_calibration:
-        return (
-            "static activation scales, NVFP4's input global scales, --smooth and --kv-cache are "
-            "calibrated on activations"
-        )
-    if recipe.weight_args.strategy == "tensor_group":
-        return (
-            "NVFP4 gives the linears vLLM fuses (q/k/v, gate/up) one global scale, and "
-            "model-free conversion quantizes each weight alone"
-        )
-    if recipe.clip == "output":
-        return "--clip output weighs errors by the layers' activations"
-    if inputs.fallback is not None or inputs.calib_stats is not None:
-        return "--fallback and --calib-stats are read against the model's layers"
-    return None
-
-
-def converts_model_free(
-    recipe: Recipe,
-    inputs: JobInputs,
-    model_free: bool | None,
-    calibration: list[str],
-    config: dict[str, Any],
-) -> bool:
-    """Whether the run converts the model of `config` model-free: by default when the recipe
-    and the family allow it and no calibration option was given (`calibration`: their names;
-    they ask for the layer pipeline's per-layer check); `model_free` True or False forces it.
-    Forcing it where it cannot run, or with calibration options it would not read, is refused
-    in one line."""
-    if recipe.targets and model_free is False:
-        raise InputError(
-            "--targets chooses the tensors of model-free conversion: drop --no-model-free",
-            hint="the model path quantizes the family's linears: use --ignore to keep some",
-        )
-    forced = "--model-free" if model_free else "--targets (model-free)" if recipe.targets else None
-    refusal = model_free_refusal(recipe, inputs, config)
-    if forced and refusal:
-        raise InputError(f"{forced}: {refusal}", hint="drop --model-free and --targets")
-    if forced and calibration:
-        option = "--" + calibration[0].replace("_", "-")
-        raise InputError(f"{option}: model-free conversion reads no calibration text", hint=f"drop {option}, or {forced.split()[0]}")  # fmt: skip
-    if model_free is None and not forced:
-        return refusal is None and not calibration
-    return bool(forced)
-
-
-@dataclass(slots=True)
-class ModelFreePlan:
-    plan: Plan
-    tensors: dict[str, TensorInfo]
-    shards: list[list[str]]  # the stored tensors of each output shard, in order
-    targets: str  # which rule chose the linears, for the record and the report
-    family_known: bool  # whether llmq can build the layers (for the `verify` reference)
-
-
-def plan_model_free(folder: Path, recipe: Recipe) -> ModelFreePlan:
-    """The linears to quantize and the output shards, from config.json and the headers."""
-    config = read_config(folder)
-    refuse_quantized(folder, config)
-    tensors = stored_tensors(folder)
-    layout, layers = None, None
-    if not recipe.targets:
-        try:
-            layout = layout_for_config(config)
-        except (UnsupportedModelError, InputError):
-            layout = None  # a family llmq cannot lay out: every linear-looking weight
-    if layout is not None:
-        layers = [layout.linear_names(i) for i in range(int(config["num_hidden_layers"]))]
-        rule = f"the {config.get('model_type')} layout's decoder linears"
-    else:
-        layers = [_chosen_linears(tensors, recipe.targets)]
-        rule = ("--targets " + " ".join(recipe.targets)) if recipe.targets else "every 2-D linear weight"  # fmt: skip
-    lm_head = layout.lm_head if layout is not None else "lm_head"
-    plan = plan_linears(folder, tensors, layers, recipe, lm_head=lm_head)
-    planned = {f"{linear.name}.weight": linear for linear in plan.linears}
-    return ModelFreePlan(plan, tensors, _output_shards(tensors, planned), rule, layout is not None)
-
-
-def _chosen_linears(tensors: dict[str, TensorInfo], patterns: tuple[str, ...]) -> list[str]:
-    """Module names of the 2-D float weights the patterns match (every linear-looking one
-    without patterns); a pattern that matches none of them is refused."""
-    candidates = [
-        name.removesuffix(".weight")
-        for name, info in tensors.items()
-        if name.endswith(".weight") and len(info.shape) == 2 and info.dtype in FLOAT_DTYPES
-    ]
-    if not patterns:
-        return [name for name in candidates if is_linear_weight(name)]
-    check_patterns("--targets", patterns, candidates, "2-D floating-point weights")
-    return [name for name in candidates if matches_any(patterns, name)]
-
-
-def _output_shards(
-    tensors: dict[str, TensorInfo], planned: dict[str, LinearPlan]
-) -> list[list[str]]:
-    """The stored tensors cut into output shards of about SHARD_BYTES, in the source's order
-    (shard by shard, then by name), so that a thread reads mostly one source file."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in sorted(tensors, key=lambda n: (tensors[n].shard.name, n)):
-        info = tensors[name]
-        linear = planned.get(name)
-        nbytes = _stored_bytes(info) if linear is None else _packed_bytes(linear)
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
-
-
-def _stored_bytes(info: TensorInfo) -> int:
-    return torch_dtype(info.dtype).itemsize * math.prod(info.shape)
-
-
-def _packed_bytes(linear: LinearPlan) -> int:
-    assert linear.args is not None
-    return max(1, linear.out_features * linear.in_features * linear.args.num_bits // 8)
 
 
 def run_model_free(
@@ -321,7 +173,6 @@ def _convert(
     count = max(1, workers or min(os.cpu_count() or 1, 8))
     planned = {f"{linear.name}.weight": linear for linear in work.plan.linears}
     method, fmt = get_method(recipe), scheme_format(recipe.scheme)
-    quantize = partial(_quantized, method, fmt)
     total = sum(len(work.shards[i]) for i in todo)
     with (
         progress.stage("converting model-free", total=total) as step,
@@ -330,7 +181,7 @@ def _convert(
     ):
         writing: tuple[int, Future[None]] | None = None
         for index in todo:
-            tensors = _shard_tensors(work, planned, index, pool, quantize)
+            tensors = _shard_tensors(work, planned, index, pool, method, fmt)
             if writing is not None:
                 _written(*writing, state, names)
             path = staging / names.name(index)
@@ -352,10 +203,12 @@ def _shard_tensors(
     planned: dict[str, LinearPlan],
     index: int,
     pool: ThreadPoolExecutor,
-    quantize: Callable[[LinearPlan, torch.Tensor], dict[str, torch.Tensor]],
+    method: Method,
+    fmt: PackFormat,
 ) -> dict[str, torch.Tensor]:
-    """Output shard `index`: its planned weights quantized on the pool, every other tensor as
-    stored (a view of its file's mapping, which stays mapped until the shard is written)."""
+    """Output shard `index`: its planned weights quantized on the pool (a fused set as one,
+    from its first member), every other tensor as stored (a view of its file's mapping, which
+    stays mapped until the shard is written)."""
     tensors: dict[str, torch.Tensor] = {}
     jobs: list[Future[dict[str, torch.Tensor]]] = []
     by_file: dict[Path, list[str]] = {}
@@ -365,15 +218,41 @@ def _shard_tensors(
         entries = read_safetensors_header(path)
         with mapped_safetensors(path) as read:
             for name in members:
-                linear = planned.get(name)
+                linear, fused = planned.get(name), work.fused.get(name)
                 if linear is None:
                     tensors[name] = read(entries[name])
-                else:
-                    jobs.append(pool.submit(quantize, linear, read(entries[name])))
+                elif fused is None:
+                    jobs.append(pool.submit(_quantized, method, fmt, linear, read(entries[name])))
+                elif fused[0] == name:
+                    linears = [planned[member] for member in fused]
+                    jobs.append(pool.submit(_quantized_set, method, fmt, work, linears))
             for job in jobs:  # before the mapping is released
                 tensors.update(job.result())
             jobs.clear()
     return tensors
+
+
+def _quantized_set(
+    method: Method, fmt: PackFormat, work: ModelFreePlan, linears: list[LinearPlan]
+) -> dict[str, torch.Tensor]:
+    """A fused set's on-disk tensors (NVFP4: one global scale for the set), as the layer
+    pipeline computes them: the float32 weights stacked by rows, one method call, split."""
+    weights = []
+    for linear in linears:
+        path = work.tensors[f"{linear.name}.weight"].shard
+        with mapped_safetensors(path) as read:
+            stored = read(read_safetensors_header(path)[f"{linear.name}.weight"])
+            weights.append(stored.to(torch.float32, copy=True))  # a copy: the mapping closes
+        check_finite(weights[-1], f"the weights of {linear.name}")
+    assert linears[0].args is not None
+    stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
+    result = method.quantize_weight(stacked, linears[0].args, None, scale_dtype=torch_dtype(linears[0].dtype))  # fmt: skip
+    parts = [result] if len(weights) == 1 else result.split_rows([len(w) for w in weights])
+    return {
+        f"{linear.name}.{suffix}": tensor
+        for linear, part in zip(linears, parts, strict=True)
+        for suffix, tensor in compress(part.weight, fmt).items()
+    }
 
 
 def _quantized(

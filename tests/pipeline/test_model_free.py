@@ -17,11 +17,12 @@ from typer.testing import CliRunner
 import llmq
 from llmq.cli.main import app
 from llmq.errors import OutputError
-from llmq.pipeline import model_free
+from llmq.pipeline import model_free, model_free_plan
 from tests.conftest import assert_bad_input, make_tiny
 
 DATA_FREE_SCHEMES = [
     "fp8", "fp8-block", "w8a16", "w4a16", "w4a16-asym", "w8a8", "mxfp4a16", "mxfp4", "mxfp8",
+    "nvfp4a16",
 ]  # fmt: skip
 
 
@@ -49,7 +50,7 @@ def quantization_config(folder: Path) -> dict:
 def small_shards(monkeypatch: pytest.MonkeyPatch) -> None:
     """Output shards of ~0.2 MB: several per tiny model, so that threads and resume have work;
     weights quantized a few rows at a time (5 to 13 rows here), so that chunks are joined."""
-    monkeypatch.setattr(model_free, "SHARD_BYTES", 200_000)
+    monkeypatch.setattr(model_free_plan, "SHARD_BYTES", 200_000)
     monkeypatch.setattr(model_free, "CHUNK_BYTES", 20_000)
 
 
@@ -159,6 +160,16 @@ def test_an_unknown_family_converts_model_free(tmp_path: Path, scheme: str) -> N
     assert "reference" not in record  # no layout: `verify` checks hashes alone
 
 
+def test_nvfp4_of_a_family_llmq_cannot_lay_out_is_refused_model_free(tmp_path: Path) -> None:
+    """NVFP4's fused sets share a global scale: without the family's layout, no set is known."""
+    source = tmp_path / "made-up"
+    unknown_family(source)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["quantize", str(source), "--out", str(out), "--scheme", "nvfp4a16", "--model-free"])  # fmt: skip
+    assert_bad_input(result, "--model-free: NVFP4 gives the linears vLLM fuses (q/k/v, gate/up) one global scale, and llmq does not know which of model_type 'made-up-transformer'")  # fmt: skip
+    assert not out.exists()
+
+
 def test_targets_choose_the_quantized_weights(tmp_path: Path) -> None:
     source = tmp_path / "made-up"
     unknown_family(source)
@@ -212,7 +223,6 @@ def test_the_default_picks_the_path_the_recipe_allows(tmp_path: Path, tiny_llama
         (["--model-free", "--method", "gptq"], "--model-free: --method gptq calibrates"),
         (["--model-free", "--kv-cache", "fp8"], "--model-free: static activation scales"),
         (["--model-free", "--scheme", "nvfp4"], "--model-free: static activation scales, NVFP4"),
-        (["--model-free", "--scheme", "nvfp4a16"], "--model-free: NVFP4 gives the linears vLLM"),
         (["--targets", "nothing_like_it"], "--targets 'nothing_like_it': matches none"),
         (["--targets", "re:["], "--targets 're:[': invalid regular expression"),
         (["--targets", "q_proj", "--no-model-free"], "drop --no-model-free"),

@@ -20,9 +20,9 @@ token windows. It feeds every GPTQ row and NVFP4's RTN rows (its input global sc
 calibrated, in both tools); the other RTN rows read no data (llmq with --skip-layer-check, the
 peer's data-free pipeline). Each tool runs in its own process (llm-compressor in its own virtual
 environment); wall time and peak RSS are those of that process, from start to a saved
-checkpoint. Every checkpoint is scored by the same code on the same held-out windows of two
-texts: pydoc (in-domain) and Hamlet (a domain not in the calibration data); NVFP4 and MXFP4
-checkpoints are scored with their activations quantized as the scheme says.
+checkpoint. Every checkpoint is scored by the same code on the same held-out windows of three
+texts: pydoc (in-domain), news articles and Hamlet (domains not in the calibration data); NVFP4
+and MXFP4 checkpoints are scored with their activations quantized as the scheme says.
 
     python benchmarks/bench_fp4.py [--samples 128 --seq-len 512] [--only 'NVFP4A16|g16']
 
@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     LLMQ,
     PEER,
+    TEXT_NAMES,
     Job,
     calibration_set,
     ensure_peer,
@@ -54,6 +55,7 @@ from common import (
 SCHEMES = {"NVFP4A16": "nvfp4a16", "NVFP4": "nvfp4", "MXFP4A16": "mxfp4a16", "MXFP4": "mxfp4"}
 CALIBRATED = ("NVFP4",)  # its input global scale is calibrated: even RTN reads the windows
 PEER_GPTQ = tuple(SCHEMES)  # GPTQModifier takes every FP4 preset
+TEXTS = ("pydoc", "news", "shakespeare")  # held-out: in domain, then two other domains
 
 
 def jobs(main: str) -> list[Job]:
@@ -99,9 +101,11 @@ def main() -> None:
             model, args.out / "calib-main.safetensors", args.samples, args.seq_len
         ),
     }
-    rows = run_jobs(jobs(main_set), model, args.out, calib, windows=args.windows, only=args.only)
+    rows = run_jobs(
+        jobs(main_set), model, args.out, calib, windows=args.windows, only=args.only, texts=TEXTS
+    )
     calibration = f"pydoc, seed 0: {main_set} (samples x tokens)"
-    save_report(args.out, rows, args.windows, markdown, calibration=calibration)
+    save_report(args.out, rows, args.windows, markdown, TEXTS, calibration=calibration)
 
 
 def scheme_of(row: dict) -> str:
@@ -113,22 +117,25 @@ def scheme_of(row: dict) -> str:
 def markdown(report: dict) -> str:
     rows = report["rows"]
     lines = [
-        preamble(report),
+        preamble(report, texts=TEXTS),
         "",
-        "| tool | method, scheme, calibration | ppl held-out pydoc | ppl Hamlet | wall s | peak RSS GB | gap to fp32 closed vs llmq RTN of the scheme (pydoc / Hamlet) |",
-        "|---|---|---|---|---|---|---|",
+        "| tool | method, scheme, calibration | "
+        + " | ".join(f"ppl {TEXT_NAMES[t]}" for t in TEXTS)
+        + " | wall s | peak RSS GB | gap to fp32 closed vs llmq RTN of the scheme ("
+        + " / ".join(TEXT_NAMES[t] for t in TEXTS) + ") |",
+        "|---|---|" + "---|" * len(TEXTS) + "---|---|---|",
     ]  # fmt: skip
     # llmq's plain RTN row of each scheme: --clip none
     rtn = {scheme_of(r): r for r in rows if r["tool"] == LLMQ and r["label"].startswith("RTN ")}
     for r in rows:
         ref = rtn.get(scheme_of(r))
         closed = "-" if ref is None else " / ".join(
-            f"{1 - r['ppl'][t]['increase'] / ref['ppl'][t]['increase']:+.0%}" for t in ("pydoc", "shakespeare")
+            f"{1 - r['ppl'][t]['increase'] / ref['ppl'][t]['increase']:+.0%}" for t in TEXTS
         )  # fmt: skip
         lines.append(
-            f"| {r['tool']} | {r['label']} | {ppl_cells(r)} | {r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} | {closed} |"
+            f"| {r['tool']} | {r['label']} | {ppl_cells(r, TEXTS)} | {r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} | {closed} |"
         )
-    lines += ["", *peer_comparison(rows)]
+    lines += ["", *peer_comparison(rows, TEXTS)]
     return "\n".join(lines)
 
 

@@ -134,9 +134,9 @@ def job_arguments(doc: str, out: str, *, samples: int = 128) -> argparse.Namespa
     return parser.parse_args()
 
 
-def protocol(windows: int) -> str:
+def protocol(windows: int, texts: tuple[str, ...] = TEXTS) -> str:
     return (
-        f"token perplexity, held-out {' and '.join(TEXTS)} (Hamlet), {windows} x 512 tokens from "
+        f"token perplexity, held-out {', '.join(texts)} (Hamlet), {windows} x 512 tokens from "
         "the start, no BOS, float32; activations quantized per token where the scheme does"
     )
 
@@ -148,24 +148,30 @@ def machine() -> str:
 
 
 def save_report(
-    out: Path, rows: list[dict], windows: int, markdown: Callable[[dict], str], **extra: str
+    out: Path,
+    rows: list[dict],
+    windows: int,
+    markdown: Callable[[dict], str],
+    texts: tuple[str, ...] = TEXTS,
+    **extra: str,
 ) -> None:
     """results.json under `out`, and the markdown tables on stdout."""
-    report = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "protocol": protocol(windows),
-              **extra, "rows": rows}  # fmt: skip
+    report = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
+              "protocol": protocol(windows, texts), **extra, "rows": rows}  # fmt: skip
     write_json(out / "results.json", report)
     print(markdown(report))
 
 
-def preamble(report: dict, calibration: str = "Calibration") -> str:
+TEXT_NAMES = {"pydoc": "pydoc", "news": "news", "shakespeare": "Hamlet"}
+
+
+def preamble(report: dict, calibration: str = "Calibration", texts: tuple[str, ...] = TEXTS) -> str:
     """The line above a results table: protocol, calibration (when the report has one) and the
     fp32 baselines of the held-out texts."""
     base = report["rows"][0]["ppl"]
     calib = f" {calibration}: {report['calibration']}." if report.get("calibration") else ""
-    return (
-        f"Protocol: {report['protocol']}.{calib} fp32 baseline: pydoc {base['pydoc']['base']:.3f}, "
-        f"Hamlet {base['shakespeare']['base']:.3f}."
-    )
+    baselines = ", ".join(f"{TEXT_NAMES[t]} {base[t]['base']:.3f}" for t in texts)
+    return f"Protocol: {report['protocol']}.{calib} fp32 baseline: {baselines}."
 
 
 def ppl_table(report: dict, first_column: str) -> str:
@@ -180,10 +186,10 @@ def ppl_table(report: dict, first_column: str) -> str:
     return "\n".join(lines)
 
 
-def ppl_cells(row: dict) -> str:
+def ppl_cells(row: dict, texts: tuple[str, ...] = TEXTS) -> str:
     """'ppl (increase) | ppl (increase)' for the held-out texts of one result row."""
     return " | ".join(
-        f"{row['ppl'][text]['ppl']:.3f} ({row['ppl'][text]['increase']:+.2%})" for text in TEXTS
+        f"{row['ppl'][text]['ppl']:.3f} ({row['ppl'][text]['increase']:+.2%})" for text in texts
     )
 
 
@@ -253,9 +259,8 @@ def run_jobs(
 
 def peer_comparison(rows: list[dict], texts: tuple[str, ...] = TEXTS) -> list[str]:
     """Markdown rows: each llmq row against the peer row it names (time, memory, accuracy)."""
-    names = {"pydoc": "pydoc", "news": "news", "shakespeare": "Hamlet"}
     lines = ["| llmq row | vs peer row | llmq/peer wall | llmq/peer peak RSS | "
-             + " | ".join(f"increase {names[t]} llmq vs peer" for t in texts) + " |",
+             + " | ".join(f"increase {TEXT_NAMES[t]} llmq vs peer" for t in texts) + " |",
              "|---|---|---|---|" + "---|" * len(texts)]  # fmt: skip
     peers = {r["label"]: r for r in rows if r["tool"] == PEER}
     for r in rows:

@@ -2,10 +2,11 @@
 linear may take, how its damage under each is measured, and the budget the choice must fit.
 
 A candidate is a weight-only scheme written by name: `int4-g128` (4-bit symmetric integer codes,
-a scale per 128 inputs), `int8` (8-bit, a scale per output channel), `dense` (the linear kept
-at its stored dtype). All of them are compressed-tensors' pack-quantized format (or no
-quantization at all), so one checkpoint holds any mix as config groups that transformers and
-vLLM load. A GGUF export's candidates are GGUF types (`q4_k`, `q6_k`, `q8_0`, `f16`, ...),
+a scale per 128 inputs), `int8` (8-bit, a scale per output channel), `fp8`, `nvfp4a16`,
+`mxfp4a16`, `mxfp8a16` (those formats' weights), `dense` (the linear kept at its stored dtype).
+Each config group is written in its own compressed-tensors format (the checkpoint's format
+`mixed-precision` when they differ), so one checkpoint holds any mix that transformers and vLLM
+load. A GGUF export's candidates are GGUF types (`q4_k`, `q6_k`, `q8_0`, `f16`, ...),
 each tensor its own (llama.cpp reads a type per tensor); `llmq.gguf.budget` checks their names.
 """
 
@@ -16,14 +17,24 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from llmq.config.quant import QuantArgs, is_valid_group_size
+from llmq.config.quant import QuantArgs, get_scheme, is_valid_group_size
 from llmq.errors import InputError
 from llmq.texts import DEFAULT_EVAL_TEXT
 
 DENSE = "dense"
 DEFAULT_CANDIDATES = ("int4-g128", "int4-g64", "int4-g32", "int8", DENSE)
 DEFAULT_GGUF_CANDIDATES = ("q4_k", "q5_k", "q6_k", "q8_0")
-CANDIDATE_RULE = "int4-gN or int8-gN (N a power of two >= 16), int4 or int8 (per channel), dense"
+# weight-only float candidates: each the weights of the scheme it is named after (FP8 per channel)
+FLOAT_CANDIDATES = {
+    "fp8": "fp8",
+    "nvfp4a16": "nvfp4a16",
+    "mxfp4a16": "mxfp4a16",
+    "mxfp8a16": "mxfp8",
+}
+CANDIDATE_RULE = (
+    "int4-gN or int8-gN (N a power of two >= 16), int4 or int8 (per channel), fp8, nvfp4a16, "
+    "mxfp4a16, mxfp8a16, dense"
+)
 # auto: gradient where the whole model fits in memory (a dense model, four times its float32
 # weights within half the free memory), output elsewhere;
 # output: each linear's output error on the calibration activations (its inputs' Hessian);
@@ -38,6 +49,8 @@ def candidate_args(name: str) -> QuantArgs | None:
     """The weight arguments a candidate names (None: dense); InputError for anything else."""
     if name == DENSE:
         return None
+    if name in FLOAT_CANDIDATES:
+        return get_scheme(FLOAT_CANDIDATES[name]).weights
     found = re.fullmatch(r"int(4|8)(?:-g(\d+))?", name)
     group = int(found.group(2)) if found and found.group(2) else None
     if not found or (group is not None and not is_valid_group_size(group)):

@@ -41,7 +41,7 @@ from llmq.eval.logits import (
 )
 from llmq.io.checkpoint import Checkpoint, open_checkpoint
 from llmq.io.record import OutputRecord
-from llmq.pack.format import DECOMPRESSED_TO_BFLOAT16
+from llmq.pack.format import DECOMPRESSED_TO_BFLOAT16, config_formats
 from llmq.pack.loaders import LOADERS
 from llmq.progress import NO_PROGRESS, Progress
 
@@ -250,11 +250,14 @@ def _transformers(folder: Path, ckpt: Checkpoint, reference: Reference, device: 
 
     # FP4 and MX formats: dequantized at load time into the float32 model (transformers'
     # `dequantize=True`). Left compressed, compressed-tensors decompresses them to bfloat16 at
-    # the first forward pass, which float32 inputs cannot meet.
+    # the first forward pass, which float32 inputs cannot meet. A mix of formats is left
+    # compressed: dequantize=True reads one config group for every dense module (and a mix with
+    # FP4 or MX groups loads neither way: `mixed_formats_support`).
     # (a quantization_config=None would load the compressed tensors as if unquantized)
-    fmt = (ckpt.quantization_config or {}).get("format")
+    formats = config_formats(ckpt.quantization_config)
     dequantized = {"quantization_config": CompressedTensorsConfig(dequantize=True)}
-    extra = dequantized if fmt in {f.value for f in DECOMPRESSED_TO_BFLOAT16} else {}
+    bfloat16_only = formats & {f.value for f in DECOMPRESSED_TO_BFLOAT16}
+    extra = dequantized if bfloat16_only and len(formats) == 1 else {}
     with warnings.catch_warnings():  # that the checkpoint's own config wins: as intended
         warnings.filterwarnings("ignore", message="You passed `quantization_config`")
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra)

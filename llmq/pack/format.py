@@ -67,6 +67,39 @@ FP4_PACKED = (PackFormat.NVFP4_PACK_QUANTIZED, PackFormat.MXFP4_PACK_QUANTIZED)
 DECOMPRESSED_TO_BFLOAT16 = (*FP4_PACKED, PackFormat.MXFP8_QUANTIZED)
 
 
+MIXED_PRECISION = "mixed-precision"  # quantization_config's format when its groups differ
+
+
+def weight_format(args: QuantArgs | None, scheme: PackFormat) -> PackFormat:
+    """The format a linear with weights `args` is written in under a scheme of format `scheme`:
+    the scheme's own, except for a budget's candidate of another kind (FP4, MX or FP8 weights
+    chosen under an integer scheme, integer weights under a float one)."""
+    if args is None:
+        return scheme
+    if args.type == "int":
+        return scheme if scheme in (PackFormat.PACK_QUANTIZED, PackFormat.INT_QUANTIZED) else PackFormat.PACK_QUANTIZED  # fmt: skip
+    if args.num_bits == 4:
+        tensor_group = args.strategy == "tensor_group"
+        return PackFormat.NVFP4_PACK_QUANTIZED if tensor_group else PackFormat.MXFP4_PACK_QUANTIZED
+    return PackFormat.MXFP8_QUANTIZED if args.scale_dtype == "uint8" else PackFormat.FLOAT_QUANTIZED
+
+
+def _shared_format(formats: list[str], scheme: PackFormat) -> str:
+    """The top-level format: the groups' one format, else compressed-tensors' mixed-precision."""
+    distinct = set(formats)
+    if not distinct:
+        return scheme.value
+    return distinct.pop() if len(distinct) == 1 else MIXED_PRECISION
+
+
+def config_formats(config: dict[str, Any] | None) -> set[str]:
+    """The formats a quantization_config's groups are written in (its own where they share one)."""
+    if not config:
+        return set()
+    groups = (config.get("config_groups") or {}).values()
+    return {group.get("format") or config.get("format") for group in groups} - {None}
+
+
 def input_scale_name(args: QuantArgs) -> str:
     """The leaf of a linear's calibrated input scale: NVFP4's global scale, else input_scale."""
     return "input_global_scale" if args.dynamic == "local" else "input_scale"
@@ -200,18 +233,19 @@ def quantization_config(
             fields["scale_dtype"] = f"torch.{fields['scale_dtype']}"
         return QuantizationArgs(**fields)
 
+    formats = [weight_format(weights, fmt).value for weights, _, _ in groups]
     config_groups = {
         f"group_{i}": QuantizationScheme(
             targets=targets,
             weights=ct_args(weights),
             input_activations=ct_args(activations),
-            format=fmt.value,
+            format=group_format,
         )
-        for i, (weights, activations, targets) in enumerate(groups)
-    }
+        for i, ((weights, activations, targets), group_format) in enumerate(zip(groups, formats, strict=True))
+    }  # fmt: skip
     config = QuantizationConfig(
         config_groups=config_groups,
-        format=fmt.value,
+        format=_shared_format(formats, fmt),
         quantization_status="compressed",
         ignore=ignore,
         kv_cache_scheme=ct_args(kv_cache),

@@ -17,7 +17,7 @@ from typing import Any
 
 from llmq.config import QuantArgs
 from llmq.errors import InputError
-from llmq.pack.format import PackFormat
+from llmq.pack.format import DECOMPRESSED_TO_BFLOAT16, PackFormat
 
 LOADERS = ("transformers", "vllm", "llmq")
 
@@ -76,3 +76,18 @@ def check_required_loaders(
                 hint="use a symmetric scheme (w4a16, w8a16), which every loader reads",
             )
     return {s.loader: {"reads": s.reads, "why": s.why} for s in support}
+
+
+def mixed_formats_support(formats: set[PackFormat]) -> LoaderSupport | None:
+    """transformers' verdict on a checkpoint whose config groups are written in `formats`
+    (a budget's mix), when the mix keeps it from reading them: with an FP4 or MX group beside
+    groups of another format, its `dequantize=True` load applies one config group to every
+    dense module and its compressed load decompresses FP4 only into bfloat16 models (found by
+    `llmq verify`; compressed-tensors and llmq read each group in its own format)."""
+    if len(formats) < 2 or not formats & set(DECOMPRESSED_TO_BFLOAT16):
+        return None
+    why = (
+        "FP4 and MX groups beside groups of other formats are read by neither of its loads "
+        f"(transformers {installed_version('transformers') or 'not installed'})"
+    )
+    return LoaderSupport("transformers", False, why)

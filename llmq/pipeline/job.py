@@ -7,13 +7,14 @@ OUT claimed, calibration sampled, the layers run, the checkpoint published with 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from llmq.config import RESUME_EVERY_S, Recipe
+from llmq.config import RESUME_EVERY_S, QuantArgs, Recipe
 from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
 from llmq.io.record import OutputRecord
@@ -79,11 +80,26 @@ def check_split(recipe: Recipe, processes: Processes) -> None:
         raise InputError(f"--sparsity-profile {recipe.sparsity_profile}: its measuring pass is not split over processes", hint=hint)  # fmt: skip
 
 
+def mix_loaders(
+    loaders: dict[str, Any], recipe: Recipe, chosen: Iterable[QuantArgs | None]
+) -> dict[str, Any]:
+    """The loaders `llmq.json` records for a budget's chosen mix of formats."""
+    from llmq.pack.format import scheme_format, weight_format
+    from llmq.pack.loaders import mixed_formats_support
+
+    formats = {weight_format(args, scheme_format(recipe.scheme)) for args in chosen if args}
+    support = mixed_formats_support(formats)
+    if support is None:
+        return loaders
+    return {**loaders, support.loader: {"reads": False, "why": support.why}}
+
+
 def mixed_budget(ckpt: Checkpoint, plan: Plan, recipe: Recipe, inputs: JobInputs) -> Budget | None:
-    """Mixed precision's budget over the planned linears (refused now if it cannot be met)."""
+    """Mixed precision's budget over the planned linears (refused now if it cannot be met, or
+    if a loader required could not read a mix its candidates may make)."""
     from llmq.io.checkpoint import torch_dtype
     from llmq.mixed.choose import plan_budget
-    from llmq.mixed.units import Linear
+    from llmq.mixed.units import Linear, SchemeCandidate
 
     if recipe.mixed is None:
         return None
@@ -93,7 +109,12 @@ def mixed_budget(ckpt: Checkpoint, plan: Plan, recipe: Recipe, inputs: JobInputs
         [Linear(p.name, p.out_features, p.in_features, torch_dtype(p.dtype)) for p in layer]
         for layer in plan.layers
     ]
-    return plan_budget(ckpt, layers, recipe.mixed)
+    budget = plan_budget(ckpt, layers, recipe.mixed)
+    candidates = [c.args for c in budget.candidates if isinstance(c, SchemeCandidate)]
+    if "transformers" in inputs.require_loaders and mix_loaders({}, recipe, candidates):
+        names = ", ".join(budget.config.candidates or ())
+        raise InputError(f"--require-loader transformers: a mix of --candidates {names} may hold FP4 or MX groups beside others, which transformers does not read", hint="choose FP4/MX candidates alone, or none")  # fmt: skip
+    return budget
 
 
 def run_job(
@@ -178,6 +199,7 @@ def run_job(
         if budget is not None:
             choice = choose_schemes(ckpt, budget, ids, stats, progress=progress, device=run.device)
             plan, record.mixed_precision = with_schemes(plan, choice.schemes), choice.record
+            record.loaders = mix_loaders(loaders, recipe, choice.schemes.values())
         sparsities = None
         if recipe.sparsity_profile != "uniform":
             sparsities = layer_profile(ckpt, plan, recipe, ids, progress, run.device)

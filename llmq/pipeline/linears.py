@@ -19,7 +19,7 @@ from llmq.calib.stream import LayerStream, kv_hook
 from llmq.errors import NumericalError
 from llmq.io.checkpoint import torch_dtype
 from llmq.io.layout import DecoderLayout
-from llmq.pack.format import PackFormat, compress
+from llmq.pack.format import PackFormat, compress, weight_format
 from llmq.pipeline.plan import LinearPlan
 from llmq.pipeline.report import LinearReport
 from llmq.pipeline.scaling import ScaleReport
@@ -98,7 +98,7 @@ def quantize_linears(
             )
         )  # fmt: skip
         module.weight.data = dequantized
-        for suffix, tensor in compress(result.weight, fmt).items():
+        for suffix, tensor in compress(result.weight, weight_format(linear.args, fmt)).items():
             tensors[f"{name}.{suffix}"] = tensor.cpu()
     return tensors, reports
 

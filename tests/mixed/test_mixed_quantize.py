@@ -8,11 +8,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import llmq
@@ -253,3 +255,64 @@ def test_auto_sensitivity_is_gradient_where_the_model_fits_and_dense(
     moe = open_checkpoint(make_tiny(tmp_path / "moe", default_model, model_type="qwen3_moe"))
     assert resolved_sensitivity(moe, "auto", "cpu") == "output"
     assert resolved_sensitivity(open_checkpoint(tiny_bf16), "weight", "cpu") == "weight"
+
+
+def test_fp8_candidates_mix_with_integers_in_a_checkpoint_transformers_reads(
+    tmp_path: Path, tiny_bf16: Path
+) -> None:
+    """int4 and FP8 weights: groups in pack-quantized and float-quantized, the checkpoint's
+    format `mixed-precision`; transformers and llmq read exactly llmq's weights."""
+    out = tmp_path / "mixed"
+    llmq.quantize(tiny_bf16, out, method="gptq", target_bits=6.5, candidates=("int4-g64", "fp8"), **CALIBRATION)  # fmt: skip
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "mixed-precision"
+    assert {g["format"] for g in config["config_groups"].values()} == {"pack-quantized", "float-quantized"}  # fmt: skip
+    assert bits_per_weight(out, tiny_bf16) <= 6.5
+    verified = llmq.verify(out, loaders=["transformers", "llmq"])
+    assert verified.passed, [row.detail for row in verified.loaders]
+
+
+def test_fp4_candidates_write_each_group_in_its_own_format(tmp_path: Path, tiny_bf16: Path) -> None:  # fmt: skip
+    """NVFP4, MXFP4 and FP8 weights beside int4: each group in its own compressed-tensors
+    format, every linear decompressed by compressed-tensors' compressor of its group's format
+    to llmq's weights (in the dtype it decompresses to: bfloat16 for these scales); llmq's
+    loader matches the reference; transformers reads no such mix, and llmq.json says so."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    from llmq.pack.format import decompress
+
+    candidates = ("int4-g64", "nvfp4a16", "mxfp4a16", "fp8")
+    out = tmp_path / "mixed"
+    llmq.quantize(tiny_bf16, out, method="gptq", target_bits=5.5, candidates=candidates, **CALIBRATION)  # fmt: skip
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    record = json.loads((out / "llmq.json").read_text())
+    used = {entry["candidate"] for entry in record["mixed_precision"]["linears"].values()}
+    assert len(used) > 2 and used & {"nvfp4a16", "mxfp4a16"}
+    assert config["format"] == "mixed-precision"
+    assert bits_per_weight(out, tiny_bf16) <= 5.5
+    files = {k: v for shard in out.glob("*.safetensors") for k, v in load_file(shard).items()}
+    for group in config["config_groups"].values():
+        scheme = QuantizationScheme(**group)
+        compressor = BaseCompressor.get_value_from_registry(group["format"])
+        for module in group["targets"]:
+            names = [n for n in decoder_linears(tiny_bf16) if n == module or (module.startswith("re:") and re.match(module[3:], n))]  # fmt: skip
+            for name in names:
+                state = {
+                    k[len(name) + 1 :]: v for k, v in files.items() if k.startswith(f"{name}.")
+                }
+                theirs = compressor.decompress(dict(state), scheme)["weight"]
+                chosen = record["mixed_precision"]["linears"][name]["candidate"]
+                ours = decompress(state, fit_group_size(candidate_args(chosen), 192))
+                assert torch.equal(theirs, ours.to(theirs.dtype)), name  # in the dtype it gives
+    assert record["loaders"]["transformers"]["reads"] is False
+    verified = llmq.verify(out, loaders=["transformers", "llmq"])
+    transformers, ours = verified.loaders
+    assert transformers.status == "does not load" and ours.status == "ok"
+
+
+def test_a_required_loader_that_cannot_read_the_mix_is_refused(tmp_path: Path, tiny_bf16: Path) -> None:  # fmt: skip
+    out = tmp_path / "mixed"
+    result = CliRunner().invoke(app, ["quantize", str(tiny_bf16), "--out", str(out), "--target-bits", "5", "--candidates", "int4-g64,nvfp4a16", "--require-loader", "transformers", "--num-samples", "2", "--seq-len", "16"])  # fmt: skip
+    assert_bad_input(result, "--require-loader transformers: a mix of --candidates int4-g64, nvfp4a16 may hold FP4 or MX groups")  # fmt: skip
+    assert not out.exists()

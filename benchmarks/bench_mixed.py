@@ -12,7 +12,9 @@ file would store scales in float32 and make every int4 group cost twice as many 
   by the loss's squared output gradients, 8 windows; fisher: the loss's diagonal Fisher on 8
   windows; weight: data-free; residual: output error over the residual stream's mean square),
   to see which predicts perplexity better. "at g32" is the budget of uniform int4-g32's written
-  bits (rounded up to 4 decimals).
+  bits (rounded up to 4 decimals);
+- mixed+fp: gradient at 4.25, at g32 and 5 bits with the float formats' weights added to the
+  candidates (fp8, nvfp4a16, mxfp4a16: MXFP4's E8M0 scale per 32 costs 4.25 bits a weight).
 
 Bits are counted from the written files (every tensor of every decoder linear: packed codes,
 scales, shape, dense weights), averaged over the decoder linears' weights. Calibration: pydoc,
@@ -38,6 +40,17 @@ from common import LLMQ, CalibSet, Job, job_arguments, ppl_cells, preamble, run_
 BUDGETS = (4.25, 4.5, "g32", 4.75, 5.0, 5.5, 6.0)  # "g32": uniform int4-g32's written bits
 SENSITIVITIES = ("output", "gradient", "fisher", "weight", "residual")
 SCORED_BUDGETS = (4.25, "g32", 5.0, 6.0)  # where the four sensitivities are compared
+# the default candidates and the float formats' weights ("mixed+fp" rows)
+FLOAT_CANDIDATES = (
+    "int4-g128",
+    "int4-g64",
+    "int4-g32",
+    "int8",
+    "dense",
+    "fp8",
+    "nvfp4a16",
+    "mxfp4a16",
+)
 DEFAULT = "output"  # the curve at every budget (works at any size; auto takes gradient here)
 UNIFORM = {
     "int4-g128": ["--scheme", "w4a16"],
@@ -61,10 +74,14 @@ def jobs(g32_bits: float | None) -> list[Job]:
     order += [("gradient", b) for b in BUDGETS if b not in SCORED_BUDGETS]
     order += [(s, b) for b in SCORED_BUDGETS for s in ("fisher", "weight") if b != "g32"]
     order += [("residual", 4.25)]
+    order += [("gradient +fp", b) for b in (4.25, "g32", 5.0)]  # "mixed+fp gradient ..." rows
     for sensitivity, budget in order:
         bits = g32_bits if budget == "g32" else budget
-        options = ["--method", "gptq", "--target-bits", f"{bits:.4f}", "--sensitivity", sensitivity]  # fmt: skip
-        rows.append(Job(LLMQ, f"mixed {sensitivity} {label(budget)}", options, "main"))
+        measure, _, extra = sensitivity.partition(" ")
+        options = ["--method", "gptq", "--target-bits", f"{bits:.4f}", "--sensitivity", measure]
+        options += ["--candidates", ",".join(FLOAT_CANDIDATES)] if extra else []
+        kind = "mixed+fp" if extra else "mixed"
+        rows.append(Job(LLMQ, f"{kind} {measure} {label(budget)}", options, "main"))
     return rows
 
 

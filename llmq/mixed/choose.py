@@ -53,12 +53,6 @@ class Budget:
         return (sum(max(unit) for unit in self.costs()) + self.kept_bits) / self.weights
 
 
-@dataclass(slots=True)
-class MixedChoice:
-    schemes: dict[str, QuantArgs | None]  # each linear's arguments, fitted to it (None: dense)
-    record: dict[str, Any]  # llmq.json's mixed_precision section
-
-
 def linear_of(ckpt: Checkpoint, name: str) -> Linear:
     info = ckpt.tensors[f"{name}.weight"]
     return Linear(name, info.shape[0], info.shape[1], torch_dtype(info.dtype))
@@ -109,22 +103,13 @@ def _over_budget(budget: Budget, cheapest: int) -> InputError:
     return InputError(f"--max-size {config.max_size}: the cheapest candidates write {need} bytes", hint=hint)  # fmt: skip
 
 
-def choose_schemes(
-    ckpt: Checkpoint,
-    budget: Budget,
-    input_ids: Tensor | None,
-    stats: CalibStats | None = None,
-    *,
-    progress: Progress = NO_PROGRESS,
-    device: str | None = None,
-) -> MixedChoice:
-    """Each linear's compressed-tensors scheme under `budget` (`choose`)."""
-    chosen, record = choose(ckpt, budget, input_ids, stats, progress=progress, device=device)
+def fitted_schemes(chosen: dict[str, tuple[Candidate, Linear]]) -> dict[str, QuantArgs | None]:
+    """Each linear's compressed-tensors arguments from `choose`'s choice (None: dense)."""
     schemes = {}
     for name, (candidate, linear) in chosen.items():
         assert isinstance(candidate, SchemeCandidate)
         schemes[name] = candidate.fitted(linear)
-    return MixedChoice(schemes, record)
+    return schemes
 
 
 def choose(

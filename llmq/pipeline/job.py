@@ -138,7 +138,7 @@ def run_job(
         staging_path,
     )
     from llmq.io.space import check_free_space
-    from llmq.mixed.choose import choose_schemes
+    from llmq.mixed.choose import choose, fitted_schemes
     from llmq.pack.format import scheme_format
     from llmq.pack.loaders import check_required_loaders
     from llmq.pipeline.plan import disk_needed, plan_quantization, with_schemes
@@ -197,9 +197,9 @@ def run_job(
         if fallback_record is not None:
             record.fallback = fallback_record
         if budget is not None:
-            choice = choose_schemes(ckpt, budget, ids, stats, progress=progress, device=run.device)
-            plan, record.mixed_precision = with_schemes(plan, choice.schemes), choice.record
-            record.loaders = mix_loaders(loaders, recipe, choice.schemes.values())
+            chosen, record.mixed_precision = choose(ckpt, budget, ids, stats, progress=progress, device=run.device)  # fmt: skip
+            schemes = fitted_schemes(chosen)
+            plan, record.loaders = with_schemes(plan, schemes), mix_loaders(loaders, recipe, schemes.values())  # fmt: skip
         sparsities = None
         if recipe.sparsity_profile != "uniform":
             sparsities = layer_profile(ckpt, plan, recipe, ids, progress, run.device)

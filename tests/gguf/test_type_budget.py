@@ -122,6 +122,19 @@ def _all_linears(ckpt: Checkpoint) -> list[str]:
     return [name for index in range(ckpt.num_layers) for name in ckpt.layout.linear_names(index)]
 
 
+def test_gptq_writes_the_chosen_types(tmp_path: Path, tiny_llama: Path) -> None:
+    """--method gptq under a budget: the damages measured on the calibration windows, the
+    codes chosen with GPTQ's feedback on each chosen type's grid, the budget held."""
+    out = tmp_path / "gptq.gguf"
+    result = llmq.quantize(tiny_llama, out, format="gguf", method="gptq", target_bits=5.2, num_samples=4, seq_len=32)  # fmt: skip
+    record = result.mixed_precision
+    assert record["sensitivity"] == "gradient" and record["written_bits"] <= 5.2
+    tensors = _file_tensors(out)
+    for name, sources in _sources(tiny_llama).items():
+        if sources and sources[0] in record["linears"]:
+            assert tensors[name].tensor_type.name == record["linears"][sources[0]]["stored_as"]
+
+
 def test_a_mixtures_stacked_experts_take_one_type(tmp_path: Path, default_model: Path) -> None:
     from tests.conftest import TINY_EXPERTS
 
@@ -187,6 +200,14 @@ def test_the_report_and_json_show_the_choice(tmp_path: Path, tiny_llama: Path) -
             "--max-ppl-increase: not an option of --format gguf",
         ),
         (["--candidates", "q4_k,q8_0"], "--candidates: chooses schemes under a budget"),
+        (
+            ["--target-bits", "5", "--sensitivity", "weight", "--candidates", "q4_k,q4_k"],
+            "named twice",
+        ),
+        (
+            ["--target-bits", "0", "--sensitivity", "weight"],
+            "target_bits: Input should be greater than 0",
+        ),
     ],
 )
 def test_bad_budgets_exit_2_and_write_nothing(

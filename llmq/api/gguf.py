@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmq.api.common import _open
 from llmq.config import GGUFRecipe
 from llmq.errors import InputError
 from llmq.progress import NO_PROGRESS, Progress
+
+if TYPE_CHECKING:  # imported when used: the CLI's start-up stays light
+    from llmq.gguf.budget import TypeBudget
+    from llmq.io.checkpoint import Checkpoint
 
 
 def quantize_gguf(
@@ -46,7 +50,7 @@ def quantize_gguf(
     budget = None
     if recipe.mixed is not None:
         budget = plan_type_budget(ckpt, plan, recipe.mixed, overrides)  # refused now if unmet
-        tables += sorted({c.qtype.name for c in budget.budget.candidates if c.qtype in TABLES})  # type: ignore[attr-defined]  # fmt: skip
+        tables += sorted({c.qtype.name for c in budget.types if c.qtype in TABLES})
     if recipe.method == "gptq" and tables:
         raise InputError(
             f"--method gptq: GPTQ's error feedback runs on uniform grids, not on {', '.join(tables)}'s table",
@@ -92,7 +96,7 @@ def quantize_gguf(
 
 
 def choose_types(
-    ckpt: Any, budget: Any, recipe: GGUFRecipe, progress: Progress, device: str | None
+    ckpt: Checkpoint, budget: TypeBudget, recipe: GGUFRecipe, progress: Progress, device: str | None
 ) -> tuple[tuple[tuple[str, Any], ...], dict[str, Any]]:
     """The solver's types (as exact `--tensor-type` rules) and its record, damages measured on
     the recipe's calibration windows (none for `--sensitivity weight`)."""
@@ -100,11 +104,10 @@ def choose_types(
     from llmq.gguf.budget import chosen_types
     from llmq.mixed.choose import choose
 
-    calibration = recipe.calibration
     assert recipe.mixed is not None
-    data = recipe.mixed.sensitivity != "weight"
-    ids = (
-        model_windows(ckpt.path, calibration, progress).input_ids if data and calibration else None
-    )
+    ids = None
+    if recipe.mixed.sensitivity != "weight":
+        assert recipe.calibration is not None  # GGUFRecipe's check
+        ids = model_windows(ckpt.path, recipe.calibration, progress).input_ids
     chosen, record = choose(ckpt, budget.budget, ids, progress=progress, device=device)
     return chosen_types(budget, chosen), record

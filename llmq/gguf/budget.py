@@ -80,6 +80,7 @@ def type_candidates(names: tuple[str, ...]) -> list[TypeCandidate]:
 @dataclass(frozen=True, slots=True)
 class TypeBudget:
     budget: Budget
+    types: list[TypeCandidate]  # budget.candidates, as GGUF types
     tensors: list[str]  # the GGUF tensor each of budget.units is
     counted: list[PlannedTensor]  # every tensor the budget covers, chosen or kept
 
@@ -115,7 +116,7 @@ def plan_type_budget(
         tensors.append(tensor.name)
     spend = math.floor(config.target_bits * weights) - kept_bits
     budget = Budget(config, units, list(candidates), spend, weights, kept_bits)
-    return TypeBudget(checked_budget(budget), tensors, counted)
+    return TypeBudget(checked_budget(budget), candidates, tensors, counted)
 
 
 def _linear(ckpt: Checkpoint, source: str) -> Linear:

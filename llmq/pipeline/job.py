@@ -22,6 +22,7 @@ from llmq.pipeline.report import QuantizeResult
 
 if TYPE_CHECKING:
     from llmq.mixed.choose import Budget
+    from llmq.pack.format import PackFormat
     from llmq.pipeline.plan import Plan
 from llmq.processes import SINGLE_PROCESS, Processes
 from llmq.progress import NO_PROGRESS, Progress
@@ -80,15 +81,20 @@ def check_split(recipe: Recipe, processes: Processes) -> None:
         raise InputError(f"--sparsity-profile {recipe.sparsity_profile}: its measuring pass is not split over processes", hint=hint)  # fmt: skip
 
 
+def _weight_formats(recipe: Recipe, weights: Iterable[QuantArgs | None]) -> set[PackFormat]:
+    """The formats linears of these weight arguments are written in under `recipe`'s scheme."""
+    from llmq.pack.format import scheme_format, weight_format
+
+    return {weight_format(args, scheme_format(recipe.scheme)) for args in weights if args}
+
+
 def mix_loaders(
     loaders: dict[str, Any], recipe: Recipe, chosen: Iterable[QuantArgs | None]
 ) -> dict[str, Any]:
     """The loaders `llmq.json` records for a budget's chosen mix of formats."""
-    from llmq.pack.format import scheme_format, weight_format
     from llmq.pack.loaders import mixed_formats_support
 
-    formats = {weight_format(args, scheme_format(recipe.scheme)) for args in chosen if args}
-    support = mixed_formats_support(formats)
+    support = mixed_formats_support(_weight_formats(recipe, chosen))
     if support is None:
         return loaders
     return {**loaders, support.loader: {"reads": False, "why": support.why}}
@@ -100,6 +106,7 @@ def mixed_budget(ckpt: Checkpoint, plan: Plan, recipe: Recipe, inputs: JobInputs
     from llmq.io.checkpoint import torch_dtype
     from llmq.mixed.choose import plan_budget
     from llmq.mixed.units import Linear, SchemeCandidate
+    from llmq.pack.loaders import mixed_formats_support
 
     if recipe.mixed is None:
         return None
@@ -111,7 +118,8 @@ def mixed_budget(ckpt: Checkpoint, plan: Plan, recipe: Recipe, inputs: JobInputs
     ]
     budget = plan_budget(ckpt, layers, recipe.mixed)
     candidates = [c.args for c in budget.candidates if isinstance(c, SchemeCandidate)]
-    if "transformers" in inputs.require_loaders and mix_loaders({}, recipe, candidates):
+    unread = mixed_formats_support(_weight_formats(recipe, candidates))
+    if unread is not None and unread.loader in inputs.require_loaders:
         names = ", ".join(budget.config.candidates or ())
         raise InputError(f"--require-loader transformers: a mix of --candidates {names} may hold FP4 or MX groups beside others, which transformers does not read", hint="choose FP4/MX candidates alone, or none")  # fmt: skip
     return budget

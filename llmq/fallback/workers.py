@@ -12,12 +12,10 @@ use its share of the cores.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from llmq.config import QuantArgs
 from llmq.fallback.inventory import Inventory, Job, reading_order
@@ -43,13 +41,14 @@ def scan_inventory(
     inventory: Inventory, args: QuantArgs, options: ScanOptions, progress: Progress
 ) -> list[TensorScan]:
     """Each job's scan in reading order; a job that cannot be read goes to `inventory.failed`."""
+    from llmq.cpu import threads_per_worker
     from llmq.heap import reused_heap
 
     scans: list[TensorScan] = []
     total = sum(job.nbytes for job in inventory.jobs)
     with (
         progress.stage(f"scanning {len(inventory.jobs)} tensors (bytes)", total=total) as advance,
-        _threads_per_worker(options.workers),
+        threads_per_worker(options.workers),
         reused_heap(),
         ThreadPoolExecutor(max_workers=options.workers) as pool,
     ):
@@ -64,19 +63,6 @@ def scan_inventory(
             advance(sum(job.nbytes for job in futures[future]))
     scans.sort(key=lambda s: reading_order(s.file, s.name))
     return scans
-
-
-@contextmanager
-def _threads_per_worker(workers: int) -> Any:
-    """Each worker's torch ops use its share of the cores, so workers do not oversubscribe."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _batches(jobs: list[Job]) -> list[list[Job]]:

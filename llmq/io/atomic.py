@@ -306,10 +306,10 @@ def save_safetensors(
             )
         except SafetensorError as exc:
             raise _as_os_error(exc, partial) from None
-        os.chmod(partial, _file_mode())  # safetensors creates its files 0600
+        os.chmod(partial, file_mode())  # safetensors creates its files 0600
 
 
-def _file_mode() -> int:
+def file_mode() -> int:
     """The mode a new file gets from open(): 0666 less the process's umask. Linux shows the
     umask in /proc; elsewhere it can only be read by setting it, briefly."""
     try:

@@ -60,17 +60,29 @@ def side_files(folder: Path) -> list[Path]:
     ]
 
 
+# safetensors dtype strings and the torch dtypes' names
+_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32",
+    "U64": "uint64",
+}  # fmt: skip
+
+
 def torch_dtype(dtype: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype string ("BF16" -> torch.bfloat16)."""
     import torch
 
-    return {
-        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-        "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
-        "F8_E5M2": torch.float8_e5m2, "U16": torch.uint16, "U32": torch.uint32,
-        "U64": torch.uint64,
-    }[dtype]  # fmt: skip
+    return getattr(torch, _DTYPES[dtype])
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """The safetensors dtype string of a torch dtype (torch.bfloat16 -> "BF16")."""
+    names = {value: key for key, value in _DTYPES.items()}
+    name = str(dtype).removeprefix("torch.")
+    if name not in names:
+        raise ValueError(f"safetensors stores no {name} tensors")
+    return names[name]
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,11 +5,13 @@ A recipe needs no model when nothing it computes reads an activation: round to n
 dynamic or no activation quantization, no KV cache, no pruning. Then each linear's weight is
 quantized alone (NVFP4: each set vLLM fuses stacked, for its one global scale), exactly as the
 layer pipeline quantizes it (read, made float32 as the layer stream does, the same method call,
-the same packing), so every tensor written is byte-identical
-to the model path's, and the config's `quantization_config` too. What differs is only how the
-work is cut: output shards of at most SHARD_BYTES, each shard's weights quantized by a pool of
-threads (torch releases the GIL in its kernels) while another thread writes the shard before it:
-memory is two shards' output and one float32 weight a thread, whatever the model's size.
+the same packing), so every tensor written is byte-identical to the model path's, and the
+config's `quantization_config` too. What differs is only how the work is cut: output shards of
+at most SHARD_BYTES, each written tensor by tensor (`llmq.io.stream`) as a pool of threads
+finishes quantizing them (torch releases the GIL in its kernels; each thread's ops use one
+share of the cores), while the kernel reads the next shard's source ahead
+(`llmq.io.readahead`): memory is a few tensors in flight and a float32 chunk a thread, whatever
+the model's size, and a cold read overlaps the arithmetic.
 
 What is quantized, and the output shards: `llmq.pipeline.model_free_plan`.
 """
@@ -20,7 +22,9 @@ import logging
 import os
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -30,45 +34,31 @@ import torch
 
 from llmq.calib.stream import resolve_device
 from llmq.config import Recipe
-from llmq.io.atomic import (
-    check_output_dir,
-    claim_output,
-    publish,
-    refuse_inputs,
-    save_safetensors,
-    staging_path,
-)
-from llmq.io.checkpoint import (
-    file_stamps,
-    mapped_safetensors,
-    read_config,
-    read_safetensors_header,
-    torch_dtype,
-)
+from llmq.cpu import threads_per_worker
+from llmq.heap import reused_heap
+from llmq.io.atomic import check_output_dir, claim_output, publish, refuse_inputs, staging_path
+from llmq.io.checkpoint import file_stamps, read_config
+from llmq.io.readahead import ReadAhead
 from llmq.io.record import OutputRecord
 from llmq.io.space import check_free_space, folder_size
-from llmq.pack.format import PackFormat, compress, quantization_config, scheme_format
+from llmq.io.stream import StreamedSafetensors, header_room, streamed_safetensors
+from llmq.pack.format import quantization_config, scheme_format
 from llmq.pack.loaders import check_required_loaders
 from llmq.pipeline.job import JobInputs, JobRun
-from llmq.pipeline.linears import check_finite
 from llmq.pipeline.model_free_plan import ModelFreePlan, plan_model_free
+from llmq.pipeline.model_free_stream import ConversionStream
 from llmq.pipeline.output import ShardNames, finish_checkpoint, weights_size
-from llmq.pipeline.plan import (
-    LinearPlan,
-    Plan,
-    config_groups,
-    output_bytes,
-)
+from llmq.pipeline.plan import Plan, config_groups, output_bytes
 from llmq.pipeline.report import QuantizeResult
 from llmq.pipeline.state import RunState, keep_if_resumable, load_state
 from llmq.progress import NO_PROGRESS, Progress
-from llmq.quant.methods import Method, get_method
-from llmq.quant.primitives import ROW_STRATEGIES, QuantizedWeight
+from llmq.quant.methods import get_method
 
 log = logging.getLogger(__name__)
 
-# The float64 working copy of a chunk of rows quantized at once (per-row scales): L2-sized.
-CHUNK_BYTES = 2 << 20
+# The most tensors one quantized weight is written as (codes, scale, zero point, global scale,
+# shape, g_idx): for the header's room.
+_MAX_PACKED_TENSORS = 6
 
 
 def run_model_free(
@@ -166,112 +156,78 @@ def _convert(
     workers: int | None,
     progress: Progress,
 ) -> int:
-    """Write every output shard not already `done`: each shard's weights quantized by a pool of
-    threads, the shard written by another thread while the pool goes on with the next (at most
-    two shards held). Returns the pool's threads."""
+    """Write every output shard not already `done`, tensor by tensor as the stream hands them
+    out, while the kernel reads the next shard's source ahead. Returns the pool's threads."""
     todo = [i for i in range(len(work.shards)) if names.name(i) not in done]
     count = max(1, workers or min(os.cpu_count() or 1, 8))
-    planned = {f"{linear.name}.weight": linear for linear in work.plan.linears}
-    method, fmt = get_method(recipe), scheme_format(recipe.scheme)
+    stream = ConversionStream(work, todo, get_method(recipe), scheme_format(recipe.scheme))
     total = sum(len(work.shards[i]) for i in todo)
     with (
         progress.stage("converting model-free", total=total) as step,
+        threads_per_worker(count),
+        reused_heap(),  # every chunk of rows allocates the same few MB
         ThreadPoolExecutor(count) as pool,
-        ThreadPoolExecutor(1) as writer,
+        ReadAhead() as ahead,
+        _ShardFiles(stream, staging, names, state, step, ahead) as files,
     ):
-        writing: tuple[int, Future[None]] | None = None
-        for index in todo:
-            tensors = _shard_tensors(work, planned, index, pool, method, fmt)
-            if writing is not None:
-                _written(*writing, state, names)
-            path = staging / names.name(index)
-            writing = index, writer.submit(save_safetensors, path, tensors)
-            step(len(work.shards[index]))
-        if writing is not None:
-            _written(*writing, state, names)
+        for index, tensors in stream.results(pool):
+            files.add(index, tensors)
     return count
 
 
-def _written(index: int, saving: Future[None], state: RunState, names: ShardNames) -> None:
-    """Wait for shard `index` to be written, then list it as finished (for --resume)."""
-    saving.result()
-    state.record({"shard": names.name(index)}, None)
+class _ShardFiles:
+    """The output shard being written: opened at its first tensor (asking the kernel to read
+    the next shard's source ahead), renamed whole and recorded for --resume when the next
+    shard's first tensor comes or the block ends; removed when the block fails."""
 
+    def __init__(
+        self,
+        stream: ConversionStream,
+        staging: Path,
+        names: ShardNames,
+        state: RunState,
+        step: Callable[[int], None],
+        ahead: ReadAhead,
+    ) -> None:
+        self._stream, self._staging, self._names = stream, staging, names
+        self._state, self._step, self._ahead = state, step, ahead
+        self._open = ExitStack()
+        self._index: int | None = None
+        self._file: StreamedSafetensors | None = None
 
-def _shard_tensors(
-    work: ModelFreePlan,
-    planned: dict[str, LinearPlan],
-    index: int,
-    pool: ThreadPoolExecutor,
-    method: Method,
-    fmt: PackFormat,
-) -> dict[str, torch.Tensor]:
-    """Output shard `index`: its planned weights quantized on the pool (a fused set as one,
-    from its first member), every other tensor as stored (a view of its file's mapping, which
-    stays mapped until the shard is written)."""
-    tensors: dict[str, torch.Tensor] = {}
-    jobs: list[Future[dict[str, torch.Tensor]]] = []
-    by_file: dict[Path, list[str]] = {}
-    for name in work.shards[index]:
-        by_file.setdefault(work.tensors[name].shard, []).append(name)
-    for path, members in by_file.items():
-        entries = read_safetensors_header(path)
-        with mapped_safetensors(path) as read:
-            for name in members:
-                linear, fused = planned.get(name), work.fused.get(name)
-                if linear is None:
-                    tensors[name] = read(entries[name])
-                elif fused is None:
-                    jobs.append(pool.submit(_quantized, method, fmt, linear, read(entries[name])))
-                elif fused[0] == name:
-                    linears = [planned[member] for member in fused]
-                    jobs.append(pool.submit(_quantized_set, method, fmt, work, linears))
-            for job in jobs:  # before the mapping is released
-                tensors.update(job.result())
-            jobs.clear()
-    return tensors
+    def __enter__(self) -> _ShardFiles:
+        if self._stream.todo:
+            self._ahead.advise(self._stream.source_ranges(self._stream.todo[0]))
+        return self
 
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is not None:
+            self._open.__exit__(kind, *exc)  # type: ignore[arg-type]
+        else:
+            self._finish()
 
-def _quantized_set(
-    method: Method, fmt: PackFormat, work: ModelFreePlan, linears: list[LinearPlan]
-) -> dict[str, torch.Tensor]:
-    """A fused set's on-disk tensors (NVFP4: one global scale for the set), as the layer
-    pipeline computes them: the float32 weights stacked by rows, one method call, split."""
-    weights = []
-    for linear in linears:
-        path = work.tensors[f"{linear.name}.weight"].shard
-        with mapped_safetensors(path) as read:
-            stored = read(read_safetensors_header(path)[f"{linear.name}.weight"])
-            weights.append(stored.to(torch.float32, copy=True))  # a copy: the mapping closes
-        check_finite(weights[-1], f"the weights of {linear.name}")
-    assert linears[0].args is not None
-    stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
-    result = method.quantize_weight(stacked, linears[0].args, None, scale_dtype=torch_dtype(linears[0].dtype))  # fmt: skip
-    parts = [result] if len(weights) == 1 else result.split_rows([len(w) for w in weights])
-    return {
-        f"{linear.name}.{suffix}": tensor
-        for linear, part in zip(linears, parts, strict=True)
-        for suffix, tensor in compress(part.weight, fmt).items()
-    }
+    def add(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        if index != self._index:
+            self._finish()
+            self._start(index)
+        assert self._file is not None
+        for name, tensor in tensors.items():
+            self._file.add(name, tensor)
 
+    def _start(self, index: int) -> None:
+        todo = self._stream.todo
+        following = todo[todo.index(index) + 1 : todo.index(index) + 2]
+        self._ahead.advise([r for i in following for r in self._stream.source_ranges(i)])
+        shard = self._stream.work.shards[index]
+        room = header_room(shard, entries_per_name=_MAX_PACKED_TENSORS)
+        path = self._staging / self._names.name(index)
+        self._file = self._open.enter_context(streamed_safetensors(path, room))
+        self._index = index
 
-def _quantized(
-    method: Method, fmt: PackFormat, linear: LinearPlan, stored: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """One weight's on-disk tensors, as the layer pipeline computes them: made float32 as the
-    layer stream materializes it, then the same method call and packing. Weights with per-row
-    scales go through in chunks of rows whose float64 working copies stay in the CPU's cache
-    (2.5x faster than the whole weight at once here; rows are independent, so the bytes are
-    the same)."""
-    assert linear.args is not None
-    rows = len(stored)
-    if linear.args.strategy in ROW_STRATEGIES:
-        rows = max(1, CHUNK_BYTES // (8 * linear.in_features))
-    parts = []
-    for start in range(0, len(stored), rows):
-        weight = stored[start : start + rows].to(torch.float32)
-        check_finite(weight, f"the weights of {linear.name}")
-        result = method.quantize_weight(weight, linear.args, None, scale_dtype=torch_dtype(linear.dtype))  # fmt: skip
-        parts.append(result.weight)
-    joined = parts[0] if len(parts) == 1 else QuantizedWeight.joined_rows(parts)  # type: ignore[arg-type]
-    return {f"{linear.name}.{suffix}": tensor for suffix, tensor in compress(joined, fmt).items()}  # fmt: skip
+    def _finish(self) -> None:
+        if self._index is None:
+            return
+        self._open.close()
+        self._state.record({"shard": self._names.name(self._index)}, None)
+        self._step(len(self._stream.work.shards[self._index]))
+        self._index, self._file = None, None

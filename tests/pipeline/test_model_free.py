@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,8 @@ from typer.testing import CliRunner
 import llmq
 from llmq.cli.main import app
 from llmq.errors import OutputError
-from llmq.pipeline import model_free, model_free_plan
+from llmq.io.stream import StreamedSafetensors
+from llmq.pipeline import model_free, model_free_plan, model_free_stream
 from tests.conftest import assert_bad_input, make_tiny
 
 DATA_FREE_SCHEMES = [
@@ -51,7 +54,7 @@ def small_shards(monkeypatch: pytest.MonkeyPatch) -> None:
     """Output shards of ~0.2 MB: several per tiny model, so that threads and resume have work;
     weights quantized a few rows at a time (5 to 13 rows here), so that chunks are joined."""
     monkeypatch.setattr(model_free_plan, "SHARD_BYTES", 200_000)
-    monkeypatch.setattr(model_free, "CHUNK_BYTES", 20_000)
+    monkeypatch.setattr(model_free_stream, "CHUNK_BYTES", 20_000)
 
 
 @pytest.mark.parametrize("scheme", DATA_FREE_SCHEMES)
@@ -185,19 +188,21 @@ def test_a_model_free_run_resumes_with_the_shards_it_finished(
     """A full disk on the third shard: the finished shards are kept, --resume writes the rest
     without rewriting them, and the result equals an uninterrupted run's."""
     out = tmp_path / "out"
-    real_save = model_free.save_safetensors
+    real_stream = model_free.streamed_safetensors
     saved: list[Path] = []
 
-    def full_disk_on_third(path: Path, tensors: dict) -> None:
+    @contextmanager
+    def full_disk_on_third(path: Path, room: int) -> Iterator[StreamedSafetensors]:
         saved.append(path)
-        if len(saved) == 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(path, tensors)
+        with real_stream(path, room) as out:
+            yield out
+            if len(saved) == 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(model_free, "save_safetensors", full_disk_on_third)
+    monkeypatch.setattr(model_free, "streamed_safetensors", full_disk_on_third)
     with pytest.raises(OutputError):
         llmq.quantize(tiny_llama_sharded, out, scheme="w4a16", reference=False)
-    monkeypatch.setattr(model_free, "save_safetensors", real_save)
+    monkeypatch.setattr(model_free, "streamed_safetensors", real_stream)
     staging = out.parent / f".{out.name}.llmq-partial"
     kept = {path.name: path.stat().st_mtime_ns for path in staging.glob("model-*.safetensors")}
     assert len(kept) == 2

@@ -120,6 +120,35 @@ def test_fp8_saturates_and_matches_reference() -> None:
     assert torch.isfinite(over.codes.float()).all() and float(over.codes.float().max()) == FP8_MAX
 
 
+def test_torch_casts_float64_to_fp8_through_float32() -> None:
+    """The premise of E4M3 codes computed in float32: a float64 just above an E4M3 midpoint
+    rounds to the midpoint in float32, then to the even neighbour (1.0), not up to 1.125."""
+    above = torch.tensor([1.0625 * (1 + 2.0**-40)], dtype=torch.float64)
+    assert float(above.to(torch.float8_e4m3fn).float()) == 1.0
+    assert float(above.to(torch.float32).to(torch.float8_e4m3fn).float()) == 1.0
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_fp8_codes_equal_the_float64_path_at_every_midpoint(scale_dtype: torch.dtype) -> None:
+    """Weights at every E4M3 midpoint times the scale, one float32 step either side, and in
+    between: the codes (computed in float32) equal float64 division, clamp and cast."""
+    finite = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    grid = finite[finite.isfinite() & (finite > 0)].unique()
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    rows = []
+    for scale in (0.0123, 3.7e-5, 1.0, 211.0):
+        stored = torch.tensor(scale, dtype=torch.float64).to(scale_dtype).double()
+        near = (midpoints * stored).float()
+        values = torch.cat([near, near.nextafter(near + 1), near.nextafter(near - 1), -near])
+        extreme = torch.tensor([FP8_MAX * stored], dtype=torch.float32)  # the scale, exactly
+        rows.append(torch.cat([extreme, values]))
+    w = torch.stack(rows)
+    args = QuantArgs(num_bits=8, type="float", strategy="channel")
+    q = quantize_weight(w, args, scale_dtype=scale_dtype)
+    ref = (w.double() / q.scale.double()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    assert torch.equal(q.codes.view(torch.uint8), ref.view(torch.uint8))
+
+
 @pytest.mark.parametrize("kind", ["int", "float"])
 def test_fake_quantize_per_token_zero_rows_stay_zero(kind: str) -> None:
     args = QuantArgs(num_bits=8, type=kind, strategy="token", dynamic=True)

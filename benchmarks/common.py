@@ -130,7 +130,7 @@ def job_arguments(doc: str, out: str, *, samples: int = 128) -> argparse.Namespa
     parser.add_argument("--samples", type=int, default=samples, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out") / out)
-    parser.add_argument("--only", default=None, help="run only jobs whose label contains one of these ('|'-separated)")  # fmt: skip
+    parser.add_argument("--only", default=None, help="run only jobs whose tool and label ('llmq GPTQ ...') contain one of these ('|'-separated)")  # fmt: skip
     return parser.parse_args()
 
 
@@ -230,8 +230,8 @@ def run_jobs(
     commands: tuple[Command, Command] = (llmq_quantize_cmd, peer_quantize_cmd),
     texts: tuple[str, ...] = TEXTS,
 ) -> list[dict]:
-    """Run each job (those whose label contains one of the '|'-separated parts of `only`, when
-    given) in its own measured process, and score its checkpoint: one result row per job.
+    """Run each job (those whose tool and label, "llmq GPTQ W4A16 g64 ...", contain one of the
+    '|'-separated parts of `only`, when given) in its own measured process, and score its checkpoint: one result row per job.
     `commands`: llmq's and the peer's command lines (quantize by default)."""
     import llmq
 
@@ -240,7 +240,7 @@ def run_jobs(
     llmq.quantize(model, out / "warmup", scheme="w8a16", overwrite=True)
     rows = []
     for job in jobs:
-        if only is not None and not any(part in job.label for part in only.split("|")):
+        if only is not None and not any(part in f"{job.tool} {job.label}" for part in only.split("|")):  # fmt: skip
             continue
         folder = out / job.folder
         options = list(job.options)

@@ -9,7 +9,7 @@ the same packing), so every tensor written is byte-identical to the model path's
 config's `quantization_config` too. What differs is only how the work is cut: output shards of
 at most SHARD_BYTES, each written tensor by tensor (`llmq.io.stream`) as a pool of threads
 finishes quantizing them (torch releases the GIL in its kernels; each thread's ops use one
-share of the cores), while the kernel reads the next shard's source ahead
+share of the cores), while the kernel reads the source ahead of them
 (`llmq.io.readahead`): memory is a few tensors in flight and a float32 chunk a thread, whatever
 the model's size, and a cold read overlaps the arithmetic.
 
@@ -30,8 +30,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from llmq.calib.stream import resolve_device
 from llmq.config import Recipe
 from llmq.cpu import threads_per_worker
@@ -46,7 +44,7 @@ from llmq.pack.format import quantization_config, scheme_format
 from llmq.pack.loaders import check_required_loaders
 from llmq.pipeline.job import JobInputs, JobRun
 from llmq.pipeline.model_free_plan import ModelFreePlan, plan_model_free
-from llmq.pipeline.model_free_stream import ConversionStream
+from llmq.pipeline.model_free_stream import ConversionStream, Written
 from llmq.pipeline.output import ShardNames, finish_checkpoint, weights_size
 from llmq.pipeline.plan import Plan, config_groups, output_bytes
 from llmq.pipeline.report import QuantizeResult
@@ -157,7 +155,7 @@ def _convert(
     progress: Progress,
 ) -> int:
     """Write every output shard not already `done`, tensor by tensor as the stream hands them
-    out, while the kernel reads the next shard's source ahead. Returns the pool's threads."""
+    out (the kernel reading the source ahead). Returns the pool's threads."""
     todo = [i for i in range(len(work.shards)) if names.name(i) not in done]
     count = max(1, workers or min(os.cpu_count() or 1, 8))
     stream = ConversionStream(work, todo, get_method(recipe), scheme_format(recipe.scheme))
@@ -168,17 +166,17 @@ def _convert(
         reused_heap(),  # every chunk of rows allocates the same few MB
         ThreadPoolExecutor(count) as pool,
         ReadAhead() as ahead,
-        _ShardFiles(stream, staging, names, state, step, ahead) as files,
+        _ShardFiles(stream, staging, names, state, step) as files,
     ):
-        for index, tensors in stream.results(pool):
+        for index, tensors in stream.results(pool, ahead):
             files.add(index, tensors)
     return count
 
 
 class _ShardFiles:
-    """The output shard being written: opened at its first tensor (asking the kernel to read
-    the next shard's source ahead), renamed whole and recorded for --resume when the next
-    shard's first tensor comes or the block ends; removed when the block fails."""
+    """The output shard being written: opened at its first tensor, renamed whole and recorded
+    for --resume when the next shard's first tensor comes or the block ends; removed when the
+    block fails."""
 
     def __init__(
         self,
@@ -187,17 +185,14 @@ class _ShardFiles:
         names: ShardNames,
         state: RunState,
         step: Callable[[int], None],
-        ahead: ReadAhead,
     ) -> None:
         self._stream, self._staging, self._names = stream, staging, names
-        self._state, self._step, self._ahead = state, step, ahead
+        self._state, self._step = state, step
         self._open = ExitStack()
         self._index: int | None = None
         self._file: StreamedSafetensors | None = None
 
     def __enter__(self) -> _ShardFiles:
-        if self._stream.todo:
-            self._ahead.advise(self._stream.source_ranges(self._stream.todo[0]))
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
@@ -206,7 +201,7 @@ class _ShardFiles:
         else:
             self._finish()
 
-    def add(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+    def add(self, index: int, tensors: Written) -> None:
         if index != self._index:
             self._finish()
             self._start(index)
@@ -215,9 +210,6 @@ class _ShardFiles:
             self._file.add(name, tensor)
 
     def _start(self, index: int) -> None:
-        todo = self._stream.todo
-        following = todo[todo.index(index) + 1 : todo.index(index) + 2]
-        self._ahead.advise([r for i in following for r in self._stream.source_ranges(i)])
         shard = self._stream.work.shards[index]
         room = header_room(shard, entries_per_name=_MAX_PACKED_TENSORS)
         path = self._staging / self._names.name(index)

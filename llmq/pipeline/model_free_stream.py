@@ -17,12 +17,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 
 import torch
 
 from llmq.io.checkpoint import HeaderEntry, mapped_safetensors, read_safetensors_header, torch_dtype
-from llmq.io.readahead import FileRange
+from llmq.io.readahead import FileRange, ReadAhead
 from llmq.io.stream import FileBytes
 from llmq.pack.format import PackFormat, compress
 from llmq.pipeline.linears import check_finite
@@ -37,6 +38,8 @@ CHUNK_BYTES = 2 << 20
 # Source bytes of the weights quantized ahead of the one handed out: enough to keep the pool
 # busy while the caller copies a big stored tensor (an embedding: 1 GB), a few tensors' memory.
 AHEAD_BYTES = 1 << 30
+# Source bytes the kernel is asked to read beyond the weight being submitted (page cache).
+READ_AHEAD_BYTES = 2 << 30
 
 Tensors = dict[str, torch.Tensor]
 Written = dict[str, torch.Tensor | FileBytes]  # a stored tensor is copied from its file
@@ -55,34 +58,39 @@ class ConversionStream:
     def __post_init__(self) -> None:
         self.planned = {f"{linear.name}.weight": linear for linear in self.work.plan.linears}
 
-    def source_ranges(self, index: int) -> list[FileRange]:
-        """Where the stored tensors of output shard `index` lie in the source files."""
-        headers: dict[Path, dict[str, HeaderEntry]] = {}
-        ranges = []
-        for name in self.work.shards[index]:
-            path = self.work.tensors[name].shard
-            if path not in headers:
-                headers[path] = read_safetensors_header(path)
-            ranges.append((path, headers[path][name].start, headers[path][name].nbytes))
-        return ranges
-
-    def results(self, pool: ThreadPoolExecutor) -> Iterator[tuple[int, Written]]:
+    def results(self, pool: ThreadPoolExecutor, ahead: ReadAhead) -> Iterator[tuple[int, Written]]:  # fmt: skip
         """(output shard, tensors to write) for each stored tensor in order (a fused set's
         for its first member), quantizing ahead on the pool until the weights waiting to be
-        handed out hold AHEAD_BYTES of source."""
+        handed out hold AHEAD_BYTES of source, the kernel reading READ_AHEAD_BYTES beyond the
+        last one submitted."""
         items = [(index, names) for index in self.todo for names in self._items(index)]
+        advice = _Advice(ahead, self._ranges([names for _, names in items]))
         with _Reader(self.work, [name for _, names in items for name in names]) as read:
             pending: deque[tuple[int, list[str], Future[Tensors] | None]] = deque()
-            ahead = 0
-            for index, names in items:
+            quantizing = 0
+            for position, (index, names) in enumerate(items):
+                advice.through(position)
                 job = self._job(names, read, pool)
                 pending.append((index, names, job))
-                ahead += self._source_bytes(names, job)
-                while pending and (ahead >= AHEAD_BYTES or _ready(pending[0][2])):
-                    ahead -= self._source_bytes(pending[0][1], pending[0][2])
+                quantizing += self._source_bytes(names, job)
+                while pending and (quantizing >= AHEAD_BYTES or _ready(pending[0][2])):
+                    quantizing -= self._source_bytes(pending[0][1], pending[0][2])
                     yield _handed_out(pending.popleft(), read)
             while pending:
                 yield _handed_out(pending.popleft(), read)
+
+    def _ranges(self, items: list[list[str]]) -> list[list[FileRange]]:
+        """Where each item's stored tensors lie in the source files."""
+        headers: dict[Path, dict[str, HeaderEntry]] = {}
+        ranges = []
+        for names in items:
+            ranges.append([])
+            for name in names:
+                path = self.work.tensors[name].shard
+                if path not in headers:
+                    headers[path] = read_safetensors_header(path)
+                ranges[-1].append((path, headers[path][name].start, headers[path][name].nbytes))
+        return ranges
 
     def _source_bytes(self, names: list[str], job: Future[Tensors] | None) -> int:
         if job is None:
@@ -120,6 +128,25 @@ def _handed_out(
 
 def _ready(job: Future[Tensors] | None) -> bool:
     return job is None or job.done()
+
+
+class _Advice:
+    """Read-ahead advice for the items' ranges, issued up to READ_AHEAD_BYTES of source beyond
+    the item being submitted (the page cache, not the process, holds what is read)."""
+
+    def __init__(self, ahead: ReadAhead, ranges: list[list[FileRange]]) -> None:
+        self._ahead, self._ranges = ahead, ranges
+        sizes = [sum(length for _, _, length in item) for item in ranges]
+        self._starts = list(accumulate(sizes, initial=0))
+        self._next = 0  # the first item not yet advised
+
+    def through(self, position: int) -> None:
+        limit = self._starts[position] + READ_AHEAD_BYTES
+        batch: list[FileRange] = []
+        while self._next < len(self._ranges) and self._starts[self._next] < limit:
+            batch += self._ranges[self._next]
+            self._next += 1
+        self._ahead.advise(batch)
 
 
 class _Reader:

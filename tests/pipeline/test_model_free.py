@@ -52,9 +52,11 @@ def quantization_config(folder: Path) -> dict:
 @pytest.fixture
 def small_shards(monkeypatch: pytest.MonkeyPatch) -> None:
     """Output shards of ~0.2 MB: several per tiny model, so that threads and resume have work;
-    weights quantized a few rows at a time (5 to 13 rows here), so that chunks are joined."""
+    weights quantized a few rows at a time (5 to 13 rows here), so that chunks are joined; a
+    few weights quantized ahead of the one written, across shard boundaries."""
     monkeypatch.setattr(model_free_plan, "SHARD_BYTES", 200_000)
     monkeypatch.setattr(model_free_stream, "CHUNK_BYTES", 20_000)
+    monkeypatch.setattr(model_free_stream, "AHEAD_BYTES", 100_000)
 
 
 @pytest.mark.parametrize("scheme", DATA_FREE_SCHEMES)

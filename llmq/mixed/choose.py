@@ -120,16 +120,21 @@ def choose(
     *,
     progress: Progress = NO_PROGRESS,
     device: str | None = None,
+    measured: dict[str, list[float]] | None = None,
 ) -> tuple[dict[str, tuple[Candidate, Linear]], dict[str, Any]]:
     """Each linear's candidate: the least total damage (as the config's sensitivity measures
-    it) whose stored bits fit the budget; and llmq.json's record of the choice."""
+    it) whose stored bits fit the budget; and llmq.json's record of the choice. `measured`:
+    the damages, when an attempt at another budget of the same recipe measured them (filled
+    here when empty, for the next attempt)."""
     sensitivity = resolved_sensitivity(ckpt, budget.config.sensitivity, device)
     config = budget.config.model_copy(update={"sensitivity": sensitivity})
     names = [candidate.name for candidate in budget.candidates]
-    measured = measure_damages(
-        ckpt, budget.linears, budget.candidates, config, input_ids, stats, progress=progress,
-        device=device,
-    )  # fmt: skip
+    measured = {} if measured is None else measured
+    if not measured:
+        measured.update(measure_damages(
+            ckpt, budget.linears, budget.candidates, config, input_ids, stats, progress=progress,
+            device=device,
+        ))  # fmt: skip
     damages = [[sum(measured[one.name][c] for one in unit) for c in range(len(names))] for unit in budget.units]  # fmt: skip
     try:
         choice = solve(budget.costs(), damages, budget.spend)

@@ -1,6 +1,7 @@
 """Mixed precision under a perplexity gate: quantize at the target bits, score held-out text
 against the source, and while the increase exceeds the gate, raise the budget by a step and
-quantize again, until it passes or no budget buys more (exit 1, the last attempt kept)."""
+quantize again, until it passes or no budget buys more (exit 1, the last attempt kept). The
+damages are measured once: only the solve and the quantization depend on the budget."""
 
 from __future__ import annotations
 
@@ -43,10 +44,11 @@ def run_gated_job(
     )
     base = _perplexity(ckpt, windows, progress, run.device)
     attempts: list[dict[str, Any]] = []
+    damages: dict[str, list[float]] = {}  # measured once: they do not depend on the budget
     target = mixed.target_bits
     while True:
         attempt = recipe.model_copy(update={"mixed": mixed.model_copy(update={"target_bits": target})})  # fmt: skip
-        result = run_job(ckpt, out, attempt, source=source, inputs=inputs, run=run, progress=progress)  # fmt: skip
+        result = run_job(ckpt, out, attempt, source=source, inputs=inputs, run=run, progress=progress, damages=damages)  # fmt: skip
         increase = _perplexity(open_checkpoint(out), windows, progress, run.device) / base - 1
         attempts.append({"target_bits": target, "written_bits": result.mixed_precision["written_bits"], "ppl_increase": increase})  # type: ignore[index]  # fmt: skip
         gate = {"max_ppl_increase": mixed.max_ppl_increase, "text": mixed.eval_text, "windows": len(windows.input_ids), "attempts": attempts}  # fmt: skip

@@ -134,9 +134,11 @@ def run_job(
     inputs: JobInputs = JobInputs(),
     run: JobRun = JobRun(),
     progress: Progress = NO_PROGRESS,
+    damages: dict[str, list[float]] | None = None,
 ) -> QuantizeResult:
     """Quantize or prune `ckpt` into a checkpoint at OUT as `recipe` says. `source`: how the
-    user named the model (recorded). Everything is validated before any work."""
+    user named the model (recorded). Everything is validated before any work. `damages`: mixed
+    precision's measured damages, shared by the attempts of a perplexity gate."""
     from llmq.calib.stats import CalibStats
     from llmq.calib.windows import model_windows
     from llmq.io.atomic import (
@@ -205,7 +207,7 @@ def run_job(
         if fallback_record is not None:
             record.fallback = fallback_record
         if budget is not None:
-            chosen, record.mixed_precision = choose(ckpt, budget, ids, stats, progress=progress, device=run.device)  # fmt: skip
+            chosen, record.mixed_precision = choose(ckpt, budget, ids, stats, progress=progress, device=run.device, measured=damages)  # fmt: skip
             schemes = fitted_schemes(chosen)
             plan, record.loaders = with_schemes(plan, schemes), mix_loaders(loaders, recipe, schemes.values())  # fmt: skip
         sparsities = None

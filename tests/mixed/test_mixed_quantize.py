@@ -22,6 +22,7 @@ from llmq.cli.main import app
 from llmq.config import fit_group_size
 from llmq.config.mixed import candidate_args
 from llmq.io.checkpoint import open_checkpoint
+from llmq.mixed import choose as choose_module
 from llmq.mixed.sensitivity import resolved_sensitivity
 from llmq.pack.sizes import stored_bytes
 from tests.conftest import assert_bad_input, make_tiny
@@ -201,9 +202,15 @@ def test_bad_budgets_are_one_line_exit_2_and_write_nothing(
     assert not out.exists()
 
 
-def test_a_perplexity_gate_spends_more_bits_until_it_passes(tmp_path: Path, tiny_bf16: Path) -> None:  # fmt: skip
+def test_a_perplexity_gate_spends_more_bits_until_it_passes(
+    tmp_path: Path, tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A gate of no increase at all passes only when every linear is dense again (the same
-    bfloat16 weights): the budget rises by its step, attempt after attempt, up to that."""
+    bfloat16 weights): the budget rises by its step, attempt after attempt, up to that. The
+    damages are measured by the first attempt only, and are those an ungated run measures."""
+    measuring = []
+    real = choose_module.measure_damages
+    monkeypatch.setattr(choose_module, "measure_damages", lambda *a, **k: measuring.append(1) or real(*a, **k))  # fmt: skip
     out = tmp_path / "gated"
     result = llmq.quantize(
         tiny_bf16, out, method="rtn", target_bits=4.6, step_bits=6, max_ppl_increase=0.0,
@@ -214,6 +221,13 @@ def test_a_perplexity_gate_spends_more_bits_until_it_passes(tmp_path: Path, tiny
     assert all(a["written_bits"] <= a["target_bits"] for a in attempts)
     assert attempts[0]["ppl_increase"] > 0 and attempts[-1]["ppl_increase"] <= 0
     assert bits_per_weight(out, tiny_bf16) == pytest.approx(16.0, rel=1e-3)
+    assert len(measuring) == 1
+    ungated = llmq.quantize(
+        tiny_bf16, tmp_path / "ungated", method="rtn", target_bits=16.0,
+        candidates=("int4-g32", "int8", "dense"), **CALIBRATION,
+    )  # fmt: skip
+    damages = {n: e["damages"] for n, e in result.mixed_precision["linears"].items()}
+    assert damages == {n: e["damages"] for n, e in ungated.mixed_precision["linears"].items()}
 
 
 def test_a_gate_no_budget_can_pass_exits_1_and_keeps_the_last_attempt(

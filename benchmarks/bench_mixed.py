@@ -14,7 +14,10 @@ file would store scales in float32 and make every int4 group cost twice as many 
   to see which predicts perplexity better. "at g32" is the budget of uniform int4-g32's written
   bits (rounded up to 4 decimals);
 - mixed+fp: gradient at 4.25, at g32 and 5 bits with the float formats' weights added to the
-  candidates (fp8, nvfp4a16, mxfp4a16: MXFP4's E8M0 scale per 32 costs 4.25 bits a weight).
+  candidates (fp8, nvfp4a16, mxfp4a16: MXFP4's E8M0 scale per 32 costs 4.25 bits a weight);
+- gated: `--target-bits 4.25 --max-ppl-increase X` (GATES; held-out news, 40 windows), the
+  budget raised by 0.25 bits until news passes; its attempts from llmq.json, its final
+  checkpoint scored on pydoc / Hamlet like every row.
 
 Bits are counted from the written files (every tensor of every decoder linear: packed codes,
 scales, shape, dense weights), averaged over the decoder linears' weights. Calibration: pydoc,
@@ -51,6 +54,8 @@ FLOAT_CANDIDATES = (
     "nvfp4a16",
     "mxfp4a16",
 )
+# --max-ppl-increase gates on held-out news (40 windows, llmq's default), from 4.25 bits up
+GATES = (0.10,)
 DEFAULT = "output"  # the curve at every budget (works at any size; auto takes gradient here)
 UNIFORM = {
     "int4-g128": ["--scheme", "w4a16"],
@@ -82,7 +87,16 @@ def jobs(g32_bits: float | None) -> list[Job]:
         options += ["--candidates", ",".join(FLOAT_CANDIDATES)] if extra else []
         kind = "mixed+fp" if extra else "mixed"
         rows.append(Job(LLMQ, f"{kind} {measure} {label(budget)}", options, "main"))
+    for increase in GATES:
+        options = ["--method", "gptq", "--target-bits", "4.25", "--max-ppl-increase", f"{increase:g}"]  # fmt: skip
+        rows.append(Job(LLMQ, f"gated {increase:.0%} from 4.25", options, "main"))
     return rows
+
+
+def gate_record(folder: Path) -> dict | None:
+    """The attempts of a gated row, from its llmq.json."""
+    record = json.loads((folder / "llmq.json").read_text())
+    return (record.get("mixed_precision") or {}).get("gate")
 
 
 def label(budget: float | str) -> str:
@@ -127,6 +141,7 @@ def main() -> None:
                 continue
             (row,) = run_jobs([job], model, args.out, calib, windows=args.windows, only=None)
             row["bits"] = stored_bits(args.out / job.folder, model)
+            row["gate"] = gate_record(args.out / job.folder)
             rows.append(row)
             partial.write_text(json.dumps(rows, indent=1))
 
@@ -178,7 +193,21 @@ def markdown(report: dict) -> str:
         found = [by_label.get(f"mixed {s} {label(budget)}") for s in SENSITIVITIES]
         cells = ["-" if r is None else " / ".join(f"{r['ppl'][t]['ppl']:.3f}" for t in texts) for r in found]  # fmt: skip
         lines.append(f"| {label(budget)} | {' | '.join(cells)} |")
+    lines += gate_lines(rows)
     return "\n".join(lines)
+
+
+def gate_lines(rows: list[dict]) -> list[str]:
+    """Each gated row's attempts, against an ungated run at its last budget (same damages)."""
+    lines = ["", "| gate (news, +at most) | attempts: bits -> news increase | final pydoc / Hamlet | wall s | ungated run at the final budget: wall s |", "|---|---|---|---|---|"]  # fmt: skip
+    by_label = {r["label"]: r for r in rows}
+    for row in (r for r in rows if r.get("gate")):
+        attempts = row["gate"]["attempts"]
+        steps = ", ".join(f"{a['written_bits']:.3f} -> {a['ppl_increase']:+.2%}" for a in attempts)
+        ungated = by_label.get(f"mixed gradient {label(attempts[-1]['target_bits'])}")
+        plain = "-" if ungated is None else f"{ungated['wall_s']:.1f}"
+        lines.append(f"| {row['gate']['max_ppl_increase']:.0%} | {steps} | {ppl_cells(row)} | {row['wall_s']:.1f} | {plain} |")  # fmt: skip
+    return lines
 
 
 def plot(rows: list[dict], path: Path) -> None:

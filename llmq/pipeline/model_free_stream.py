@@ -112,9 +112,7 @@ class ConversionStream:
             return None
         linears = [self.planned[name] for name in names]
         stored = [read(name) for name in names]
-        if len(names) == 1:
-            return pool.submit(_quantized, self.method, self.fmt, linears[0], stored[0])
-        return pool.submit(_quantized_set, self.method, self.fmt, linears, stored)
+        return pool.submit(_quantized, self.method, self.fmt, linears, stored)
 
 
 def _handed_out(
@@ -191,43 +189,38 @@ class _Reader:
                     self._mapped.pop(path)[0].close()
 
 
-def _quantized_set(
+def _quantized(
     method: Method, fmt: PackFormat, linears: list[LinearPlan], stored: list[torch.Tensor]
 ) -> Tensors:
-    """A fused set's on-disk tensors (NVFP4: one global scale for the set), as the layer
-    pipeline computes them: the float32 weights stacked by rows, one method call, split."""
-    weights = []
-    for linear, weight in zip(linears, stored, strict=True):
-        weights.append(weight.to(torch.float32))
-        check_finite(weights[-1], f"the weights of {linear.name}")
-    assert linears[0].args is not None
-    stacked = torch.cat(weights)
-    result = method.quantize_weight(stacked, linears[0].args, None, scale_dtype=torch_dtype(linears[0].dtype))  # fmt: skip
-    parts = result.split_rows([len(w) for w in weights])
+    """The on-disk tensors of one weight, or of a fused set (NVFP4: one global scale for the
+    set), as the layer pipeline computes them: made float32 as the layer stream materializes
+    them, the same method call (a set's weights stacked by rows, then split) and packing.
+    Weights with per-row scales go through in chunks of rows whose float64 working copies stay
+    in the CPU's cache (2.5x faster than the whole weight at once here; rows are independent,
+    so the bytes are the same)."""
+    args, scale_dtype = linears[0].args, torch_dtype(linears[0].dtype)
+    assert args is not None
+    if args.strategy in ROW_STRATEGIES:
+        weights = []
+        for linear, weight in zip(linears, stored, strict=True):
+            step = max(1, CHUNK_BYTES // (8 * linear.in_features))
+            chunks = [_float32(linear, weight[i : i + step]) for i in range(0, len(weight), step)]
+            parts = [method.quantize_weight(c, args, None, scale_dtype=scale_dtype).weight for c in chunks]  # fmt: skip
+            weights.append(parts[0] if len(parts) == 1 else QuantizedWeight.joined_rows(parts))  # type: ignore[arg-type]
+    else:  # a scale spans rows (the tensor's, a block's, a set's global scale): all at once
+        floats = [_float32(linear, weight) for linear, weight in zip(linears, stored, strict=True)]
+        stacked = floats[0] if len(floats) == 1 else torch.cat(floats)
+        result = method.quantize_weight(stacked, args, None, scale_dtype=scale_dtype)
+        parts = [result] if len(floats) == 1 else result.split_rows([len(w) for w in floats])
+        weights = [part.weight for part in parts]
     return {
         f"{linear.name}.{suffix}": tensor
-        for linear, part in zip(linears, parts, strict=True)
-        for suffix, tensor in compress(part.weight, fmt).items()
+        for linear, weight in zip(linears, weights, strict=True)
+        for suffix, tensor in compress(weight, fmt).items()
     }
 
 
-def _quantized(
-    method: Method, fmt: PackFormat, linear: LinearPlan, stored: torch.Tensor
-) -> Tensors:
-    """One weight's on-disk tensors, as the layer pipeline computes them: made float32 as the
-    layer stream materializes it, then the same method call and packing. Weights with per-row
-    scales go through in chunks of rows whose float64 working copies stay in the CPU's cache
-    (2.5x faster than the whole weight at once here; rows are independent, so the bytes are
-    the same)."""
-    assert linear.args is not None
-    rows = len(stored)
-    if linear.args.strategy in ROW_STRATEGIES:
-        rows = max(1, CHUNK_BYTES // (8 * linear.in_features))
-    parts = []
-    for start in range(0, len(stored), rows):
-        weight = stored[start : start + rows].to(torch.float32)
-        check_finite(weight, f"the weights of {linear.name}")
-        result = method.quantize_weight(weight, linear.args, None, scale_dtype=torch_dtype(linear.dtype))  # fmt: skip
-        parts.append(result.weight)
-    joined = parts[0] if len(parts) == 1 else QuantizedWeight.joined_rows(parts)  # type: ignore[arg-type]
-    return {f"{linear.name}.{suffix}": tensor for suffix, tensor in compress(joined, fmt).items()}  # fmt: skip
+def _float32(linear: LinearPlan, rows: torch.Tensor) -> torch.Tensor:
+    weight = rows.to(torch.float32)
+    check_finite(weight, f"the weights of {linear.name}")
+    return weight

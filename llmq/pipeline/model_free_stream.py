@@ -73,7 +73,7 @@ class ConversionStream:
                 job = self._job(names, read, pool)
                 pending.append((index, names, job))
                 quantizing += self._source_bytes(names, job)
-                while pending and (quantizing >= AHEAD_BYTES or _ready(pending[0][2])):
+                while pending and (quantizing >= AHEAD_BYTES or _finished(pending[0][2])):
                     quantizing -= self._source_bytes(pending[0][1], pending[0][2])
                     yield _handed_out(pending.popleft(), read)
             while pending:
@@ -124,8 +124,10 @@ def _handed_out(
     return index, tensors
 
 
-def _ready(job: Future[Tensors] | None) -> bool:
-    return job is None or job.done()
+def _finished(job: Future[Tensors] | None) -> bool:
+    """A quantized weight ready to write. A stored tensor waits until the pool has its fill of
+    work, so that the caller copies it (an embedding: 1 GB) while the pool computes."""
+    return job is not None and job.done()
 
 
 class _Advice:

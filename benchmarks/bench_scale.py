@@ -8,7 +8,7 @@ output check) and with GPTQ W4A16 g128, each run its own process.
 
 A full model's time extrapolates as wall(2 layers) + (L - 2) x (seconds of the second layer);
 model-free, as start-up + the full bf16 checkpoint at the measured GB/s. Its peak memory is the
-2-layer peak (flat in depth: one layer, or one output shard per thread, at a time). Qwen3-235B's GPTQ gives
+2-layer peak (flat in depth: one layer, or a few tensors in flight, at a time). Qwen3-235B's GPTQ gives
 each expert its routed tokens (`--moe-calibration routed`): every token through all 128 experts
 is 16x the MLP's work, beyond 2 CPU cores.
 """

@@ -30,7 +30,7 @@ def quantize_gguf(
     `method` gptq, the calibration's Hessians for GPTQ's error feedback, computed layer by layer
     as the file is written. Returns a `llmq.gguf.export.GGUFResult`. Everything is checked
     before the calibration pass."""
-    from llmq.gguf.budget import plan_type_budget, written_bits
+    from llmq.gguf.budget import plan_type_budget, written_sizes
     from llmq.gguf.export import check_gguf_output, export_gguf, plan_tensors
     from llmq.gguf.imatrix import imatrix_from_calibration, read_imatrix
     from llmq.gguf.mix import get_gguf_scheme, parse_tensor_types
@@ -90,7 +90,7 @@ def quantize_gguf(
             statistics.close()
     if budget is not None:
         assert record is not None
-        result.mixed_precision = {**record, "written_bits": written_bits(out, budget)}
+        result.mixed_precision = {**record, **written_sizes(out, budget)}
     result.seconds = time.perf_counter() - started  # the calibration pass included
     return result
 

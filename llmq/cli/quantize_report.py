@@ -124,9 +124,10 @@ def _print_mixed(mixed: dict[str, Any] | None) -> None:
         f"{mixed['target_bits']:g} bits a weight" if "target_bits" in mixed
         else f"{mixed['max_size']} bytes written"
     )  # fmt: skip
+    tensors = f"; {mixed['written_bytes']} bytes of tensors" if "written_bytes" in mixed else ""
     out_console.print(
         f"budget {budget}: the decoder's linears store {mixed['written_bits']:.4f} bits a weight "
-        f"as written (predicted {mixed['predicted_bits']:.4f}); predicted damage "
+        f"as written (predicted {mixed['predicted_bits']:.4f}){tensors}; predicted damage "
         f"{mixed['predicted_damage']:.4g}"
     )
 

@@ -242,7 +242,7 @@ MIXED_OPTIONS = (
 GGUF_OPTIONS = {
     "format", "scheme", "method", *GGUF_ONLY, "skip_layer_check",
     *CalibrationOptions.model_fields,
-    "target_bits", "candidates", "sensitivity", "fisher_windows",  # per-tensor types to a budget
+    "target_bits", "max_size", "candidates", "sensitivity", "fisher_windows",  # per-tensor types
 }  # fmt: skip
 
 

@@ -305,8 +305,6 @@ class GGUFRecipe(BaseModel):
         mixed = self.mixed
         if mixed is None:
             return self
-        if mixed.max_size is not None:
-            raise ValueError("max_size: a GGUF export's budget is --target-bits (bits a weight of the decoder's linears)")  # fmt: skip
         if mixed.max_ppl_increase is not None:
             raise ValueError("max_ppl_increase: gates compressed-tensors checkpoints, not GGUF files")  # fmt: skip
         if mixed.sensitivity != "weight" and self.calibration is None:

@@ -1,6 +1,7 @@
-"""GGUF types to a budget (`quantize --format gguf --target-bits B`): each decoder tensor's type
-chosen from `--candidates` (default q4_k, q5_k, q6_k, q8_0) for the least measured damage whose
-bytes fit B bits a weight, by mixed precision's own solver (`llmq.mixed`).
+"""GGUF types to a budget (`quantize --format gguf --target-bits B` or `--max-size SIZE`): each
+decoder tensor's type chosen from `--candidates` (default q4_k, q5_k, q6_k, q8_0) for the least
+measured damage whose bytes fit B bits a weight (or whose file's tensors fit SIZE bytes), by
+mixed precision's own solver (`llmq.mixed`).
 
 llama.cpp reads a type per tensor, so every decoder linear is its own unit (a mixture's experts
 of one role are one stacked tensor: one unit). The budget covers the decoder's quantized
@@ -92,9 +93,9 @@ def plan_type_budget(
     pinned: tuple[tuple[str, Any], ...],
 ) -> TypeBudget:
     """The budget over `plan`'s quantized decoder tensors: each plain linear's (or stacked
-    experts') type to choose, unless a `pinned` (--tensor-type) pattern names it. InputError
-    when the cheapest candidates do not fit."""
-    assert config.target_bits is not None  # GGUFRecipe refuses --max-size
+    experts') type to choose, unless a `pinned` (--tensor-type) pattern names it; `--max-size`
+    counts every tensor the file holds, the others at their planned types. InputError when the
+    cheapest candidates do not fit."""
     names = config.candidates or DEFAULT_GGUF_CANDIDATES
     config = config.model_copy(update={"candidates": names})
     candidates = type_candidates(names)
@@ -114,7 +115,12 @@ def plan_type_budget(
             continue
         units.append([_linear(ckpt, source) for source in tensor.sources])
         tensors.append(tensor.name)
-    spend = math.floor(config.target_bits * weights) - kept_bits
+    if config.target_bits is not None:
+        spend = math.floor(config.target_bits * weights) - kept_bits
+    else:
+        assert config.max_size is not None
+        fixed = sum(tensor.nbytes for tensor in plan if tensor.name not in tensors)
+        spend = 8 * (config.max_size - fixed)
     budget = Budget(config, units, list(candidates), spend, weights, kept_bits)
     return TypeBudget(checked_budget(budget), candidates, tensors, counted)
 
@@ -136,8 +142,10 @@ def chosen_types(
     return tuple(rules)
 
 
-def written_bits(path: Path, plan: TypeBudget) -> float:
-    """The bits a weight the budget's tensors take in the GGUF file at `path`."""
+def written_sizes(path: Path, plan: TypeBudget) -> dict[str, float]:
+    """The bits a weight the budget's tensors take in the GGUF file at `path`, and the bytes of
+    every tensor it holds (what --max-size bounds: the file less its header and alignment)."""
     covered = {tensor.name for tensor in plan.counted}
-    stored = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.name in covered)
-    return 8 * stored / plan.budget.weights
+    tensors = gguf.GGUFReader(path).tensors
+    stored = sum(int(t.n_bytes) for t in tensors if t.name in covered)
+    return {"written_bits": 8 * stored / plan.budget.weights, "written_bytes": sum(int(t.n_bytes) for t in tensors)}  # fmt: skip

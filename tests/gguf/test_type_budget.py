@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -75,6 +76,29 @@ def test_the_budget_holds_in_the_file_and_each_damage_is_what_it_reads_back(
         reference = float(np.square(values.astype(np.float64) - weight).sum())
         assert entry["damage"] == pytest.approx(reference, rel=1e-4)
     assert len(types) > 1  # a mix, not one type everywhere
+
+
+def test_max_size_bounds_the_files_tensors(tmp_path: Path, tiny_llama: Path) -> None:
+    """--max-size counts every tensor of the file (embedding and output at the scheme's types):
+    the least size the refusal names is enough, and exactly what the cheapest choice writes;
+    a byte less is refused; between that and the dearest, the file's tensors fit."""
+    from tests.cli.test_cli import run
+
+    flags = ["--format", "gguf", "--imatrix", "none", "--sensitivity", "weight"]
+    refused = run("quantize", str(tiny_llama), "--out", str(tmp_path / "x.gguf"), *flags, "--max-size", "1000")  # fmt: skip
+    assert_bad_input(refused, "the cheapest candidates write")
+    least = int(re.search(r"write (\d+) bytes", refused.output).group(1))  # type: ignore[union-attr]
+    for size in (least, least + 40_000):
+        out = tmp_path / f"m{size}.gguf"
+        result = llmq.quantize(tiny_llama, out, format="gguf", max_size=size, **DATA_FREE)
+        written = sum(int(t.n_bytes) for t in gguf.GGUFReader(out).tensors)
+        assert written == result.mixed_precision["written_bytes"] <= size
+        if size == least:
+            assert written == least
+            assert {e["candidate"] for e in result.mixed_precision["linears"].values()} == {"q4_k"}
+    assert result.mixed_precision["written_bits"] > 4.5  # the larger size bought bits
+    over = run("quantize", str(tiny_llama), "--out", str(tmp_path / "y.gguf"), *flags, "--max-size", str(least - 1))  # fmt: skip
+    assert_bad_input(over, f"the cheapest candidates write {least} bytes")
 
 
 def test_the_choice_is_the_brute_force_optimum(tmp_path: Path, tiny_llama: Path) -> None:

@@ -64,8 +64,11 @@ class ConversionStream:
         handed out hold AHEAD_BYTES of source, the kernel reading READ_AHEAD_BYTES beyond the
         last one submitted."""
         items = [(index, names) for index in self.todo for names in self._items(index)]
-        advice = _Advice(ahead, self._ranges([names for _, names in items]))
-        with _Reader(self.work, [name for _, names in items for name in names]) as read:
+        names = [name for _, item in items for name in item]
+        files = {self.work.tensors[name].shard for name in names}
+        headers = {path: read_safetensors_header(path) for path in sorted(files)}
+        advice = _Advice(ahead, [self._ranges(item, headers) for _, item in items])
+        with _Reader(self.work, names, headers) as read:
             pending: deque[tuple[int, list[str], Future[Tensors] | None]] = deque()
             quantizing = 0
             for position, (index, names) in enumerate(items):
@@ -79,18 +82,10 @@ class ConversionStream:
             while pending:
                 yield _handed_out(pending.popleft(), read)
 
-    def _ranges(self, items: list[list[str]]) -> list[list[FileRange]]:
-        """Where each item's stored tensors lie in the source files."""
-        headers: dict[Path, dict[str, HeaderEntry]] = {}
-        ranges = []
-        for names in items:
-            ranges.append([])
-            for name in names:
-                path = self.work.tensors[name].shard
-                if path not in headers:
-                    headers[path] = read_safetensors_header(path)
-                ranges[-1].append((path, headers[path][name].start, headers[path][name].nbytes))
-        return ranges
+    def _ranges(self, names: list[str], headers: dict[Path, dict[str, HeaderEntry]]) -> list[FileRange]:  # fmt: skip
+        """Where the stored tensors `names` lie in the source files."""
+        entries = [(self.work.tensors[name].shard, name) for name in names]
+        return [(path, headers[path][name].start, headers[path][name].nbytes) for path, name in entries]  # fmt: skip
 
     def _source_bytes(self, names: list[str], job: Future[Tensors] | None) -> int:
         if job is None:
@@ -154,10 +149,11 @@ class _Reader:
     such view and released once its last tensor among `names` has been handed out), or where
     they lie in their files, to be copied as they are."""
 
-    def __init__(self, work: ModelFreePlan, names: list[str]) -> None:
-        self._work = work
+    def __init__(
+        self, work: ModelFreePlan, names: list[str], headers: dict[Path, dict[str, HeaderEntry]]
+    ) -> None:
+        self._work, self._headers = work, headers
         self._left = Counter(work.tensors[name].shard for name in names)
-        self._headers: dict[Path, dict[str, HeaderEntry]] = {}
         self._mapped: dict[Path, tuple[ExitStack, Callable[[HeaderEntry], torch.Tensor]]] = {}
 
     def __enter__(self) -> _Reader:
@@ -177,18 +173,14 @@ class _Reader:
 
     def stored(self, name: str) -> FileBytes:
         path = self._work.tensors[name].shard
-        if path not in self._headers:
-            self._headers[path] = read_safetensors_header(path)
         return FileBytes(path, self._headers[path][name])
 
     def done_with(self, names: list[str]) -> None:
         for name in names:
             path = self._work.tensors[name].shard
             self._left[path] -= 1
-            if not self._left[path]:
-                self._headers.pop(path, None)
-                if path in self._mapped:
-                    self._mapped.pop(path)[0].close()
+            if not self._left[path] and path in self._mapped:
+                self._mapped.pop(path)[0].close()
 
 
 def _quantized(

@@ -156,16 +156,18 @@ class DecoderLayout:
         routed`): an expert's gate and up share an input, no two experts do."""
         if self.experts is None:
             return self
-        prefix = f"{self.experts.module}."
-
-        def owner(name: str) -> str:  # the expert's index; "" for the linears of no expert
-            return name[len(prefix) :].split(".")[0] if name.startswith(prefix) else ""
-
         split: list[tuple[str, ...]] = []
         for group in self.sequential:
-            owners = dict.fromkeys(owner(name) for name in group)
-            split.extend(tuple(n for n in group if owner(n) == o) for o in owners)
+            owners = dict.fromkeys(self.expert_of(name) for name in group)
+            split.extend(tuple(n for n in group if self.expert_of(n) == o) for o in owners)
         return replace(self, sequential=tuple(split))
+
+    def expert_of(self, name: str) -> str | None:
+        """The expert a layer-local module name belongs to (`mlp.experts.3.up_proj` -> "3"), None
+        for a module of no expert."""
+        if self.experts is None or not name.startswith(f"{self.experts.module}."):
+            return None
+        return name[len(self.experts.module) + 1 :].split(".")[0]
 
     def float_readers(self, producer: str) -> tuple[str, ...]:
         """Modules that read `producer`'s output and stay in float (a mixture of experts' router

@@ -93,12 +93,9 @@ def choice_units(layout: DecoderLayout, prefix: str, linears: list[Linear]) -> l
     for index, group in enumerate(layout.sequential):
         for name in group:
             unit_of[name] = index
-    experts = layout.experts
     units: dict[object, list[Linear]] = {}
     for linear in linears:
         local = linear.name[len(prefix) :]
-        key: object = unit_of[local]
-        if experts is not None and local.startswith(f"{experts.module}."):
-            key = "experts"
+        key = "experts" if layout.expert_of(local) is not None else unit_of[local]
         units.setdefault(key, []).append(linear)
     return list(units.values())

@@ -21,6 +21,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "progress": (),
     "packaged": BASE,
     "heap": BASE,
+    "cpu": BASE,
     # torchrun's processes: data-parallel calibration and training
     "processes": BASE,
     "texts": (*BASE, "llmq.packaged"),
@@ -46,7 +47,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "llmq.quant",
     ),
     # data-free by design: no calibration
-    "fallback": (*BASE, "llmq.heap", "llmq.config", "llmq.io", "llmq.quant"),
+    "fallback": (*BASE, "llmq.heap", "llmq.cpu", "llmq.config", "llmq.io", "llmq.quant"),
     "pruning": (*BASE, "llmq.heap", "llmq.config", "llmq.io", "llmq.quant", "llmq.calib"),
     "runtime": (
         *BASE,
@@ -78,6 +79,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "llmq",
         "llmq.texts",
         "llmq.heap",
+        "llmq.cpu",
         "llmq.config",
         "llmq.io",
         "llmq.quant",

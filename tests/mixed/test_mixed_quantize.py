@@ -179,7 +179,6 @@ def test_other_sensitivities_choose_within_the_budget(
         (["--target-bits", "5", "--group-size", "64"], "each candidate names its own"),
         (["--target-bits", "5", "--method", "wanda", "--sparsity", "0.5"], "prunes"),
         (["--target-bits", "5", "--fallback", "auto"], "--fallback"),
-        (["--max-size", "1GiB", "--format", "gguf"], "--max-size: not an option of --format gguf"),
         (["--target-bits", "5", "--sensitivity", "guess"], "sensitivity"),
         (["--max-size", "1GiB", "--max-ppl-increase", "1%"], "--max-size is a limit"),
         (["--max-ppl-increase", "1%"], "chooses schemes under a budget"),

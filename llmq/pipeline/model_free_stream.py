@@ -198,8 +198,10 @@ def _quantized(
         weights = []
         for linear, weight in zip(linears, stored, strict=True):
             step = max(1, CHUNK_BYTES // (8 * linear.in_features))
-            chunks = [_float32(linear, weight[i : i + step]) for i in range(0, len(weight), step)]
-            parts = [method.quantize_weight(c, args, None, scale_dtype=scale_dtype).weight for c in chunks]  # fmt: skip
+            parts = []
+            for start in range(0, len(weight), step):  # float32 just before it is quantized
+                chunk = _float32(linear, weight[start : start + step])
+                parts.append(method.quantize_weight(chunk, args, None, scale_dtype=scale_dtype).weight)  # fmt: skip
             weights.append(parts[0] if len(parts) == 1 else QuantizedWeight.joined_rows(parts))  # type: ignore[arg-type]
     else:  # a scale spans rows (the tensor's, a block's, a set's global scale): all at once
         floats = [_float32(linear, weight) for linear, weight in zip(linears, stored, strict=True)]

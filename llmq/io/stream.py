@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmq.io.atomic import file_mode, partial_file
+from llmq.io.atomic import PARTIAL_SUFFIX, file_mode, partial_file
 from llmq.io.checkpoint import HeaderEntry, safetensors_dtype, torch_dtype
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class StreamedSafetensors:
     def _move_data(self, room: int) -> None:
         """Copy the data behind a room of `room` bytes (the estimate fell short): into a new
         file that replaces this one."""
-        moved = self._path.with_name(self._path.name + ".grown")
+        moved = grown_name(self._path)
         fd = os.open(moved, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             _copy(self._fd, 8 + self._room, fd, 8 + room, self._end)
@@ -134,6 +134,12 @@ def streamed_safetensors(
         finally:
             writer.close()
         os.chmod(partial, file_mode())
+
+
+def grown_name(partial: Path) -> Path:
+    """Where a partial file's data moves behind a larger header: another partial file's name,
+    so that an interrupted run's leftover is removed before its folder is published."""
+    return partial.with_name(partial.name.removesuffix(PARTIAL_SUFFIX) + "0" + PARTIAL_SUFFIX)
 
 
 def _nbytes(tensor: torch.Tensor | FileBytes) -> int:

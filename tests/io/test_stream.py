@@ -80,6 +80,18 @@ def test_safetensors_reads_back_every_tensor_in_any_order(tmp_path: Path, room: 
     assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]
 
 
+def test_a_grown_files_leftover_is_a_partial_file(tmp_path: Path) -> None:
+    """Where a run dies while moving the data behind a larger header, what it leaves is named
+    as a partial file, which publishing removes."""
+    from llmq.io.atomic import remove_partial_leftovers
+
+    with streamed_safetensors(tmp_path / "out.safetensors", 8) as out:
+        out.add("w", torch.zeros(4))
+        stream.grown_name(out._path).write_bytes(b"left over")
+    remove_partial_leftovers(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]
+
+
 @pytest.mark.parametrize("kernel_copy", [True, False])
 def test_stored_tensors_are_copied_from_their_file(
     tmp_path: Path, kernel_copy: bool, monkeypatch: pytest.MonkeyPatch

@@ -87,7 +87,9 @@ def test_a_grown_files_leftover_is_a_partial_file(tmp_path: Path) -> None:
 
     with streamed_safetensors(tmp_path / "out.safetensors", 8) as out:
         out.add("w", torch.zeros(4))
-        stream.grown_name(out._path).write_bytes(b"left over")
+        partial = out._path
+    stream.grown_name(partial).write_bytes(b"left over")  # as a killed run leaves it
+    assert len(list(tmp_path.iterdir())) == 2
     remove_partial_leftovers(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]
 

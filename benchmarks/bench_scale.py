@@ -43,7 +43,7 @@ def make_model(shape: str, folder: Path) -> Path:
     if (folder / "config.json").is_file():
         return folder
     if shape == "qwen3-235b":
-        bench_moe_memory.write_model(folder, 2, tokenizer)
+        bench_moe_memory.write_model(folder, 2, tokenizer, "qwen3_moe")
     else:
         subprocess.run(
             [sys.executable, str(HERE / "random_model.py"), str(folder), "--arch", shape,

@@ -6,11 +6,13 @@ damages are measured once: only the solve and the quantization depend on the bud
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmq.config import Recipe
 from llmq.errors import GateFailed
+from llmq.io.atomic import add_to_record
 from llmq.io.checkpoint import Checkpoint, open_checkpoint
 from llmq.pipeline.job import JobInputs, JobRun, mixed_budget, run_job
 from llmq.pipeline.plan import plan_quantization
@@ -53,6 +55,7 @@ def run_gated_job(
         attempts.append({"target_bits": target, "written_bits": result.mixed_precision["written_bits"], "ppl_increase": increase})  # type: ignore[index]  # fmt: skip
         gate = {"max_ppl_increase": mixed.max_ppl_increase, "text": mixed.eval_text, "windows": len(windows.input_ids), "attempts": attempts}  # fmt: skip
         result.mixed_precision["gate"] = gate  # type: ignore[index]
+        run.processes.on_main(partial(add_to_record, out, mixed_precision=result.mixed_precision))
         if increase <= mixed.max_ppl_increase:
             return result
         if target >= most:

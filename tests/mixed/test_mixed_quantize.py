@@ -217,6 +217,8 @@ def test_a_perplexity_gate_spends_more_bits_until_it_passes(
     )  # fmt: skip
     attempts = result.mixed_precision["gate"]["attempts"]
     assert [a["target_bits"] for a in attempts] == pytest.approx([4.6, 10.6, 16.0])
+    recorded = json.loads((out / "llmq.json").read_text())["mixed_precision"]["gate"]
+    assert recorded["attempts"] == attempts
     assert all(a["written_bits"] <= a["target_bits"] for a in attempts)
     assert attempts[0]["ppl_increase"] > 0 and attempts[-1]["ppl_increase"] <= 0
     assert bits_per_weight(out, tiny_bf16) == pytest.approx(16.0, rel=1e-3)

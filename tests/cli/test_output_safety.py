@@ -163,22 +163,33 @@ def test_a_full_disk_is_one_line_and_the_run_resumes(
     assert checkpoint_bytes(out) == checkpoint_bytes(reference)
 
 
+@pytest.mark.parametrize("path", ["model-free", "layer pipeline"])
 def test_a_full_disk_without_a_resume_point_leaves_nothing(
-    tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     """ENOSPC before the first resume point (simulated where no small file system can be
-    mounted): one line, exit 2, and no staging folder left to clutter OUT's parent."""
+    mounted), in either writer (model-free's streamed shards, safetensors' save_file): one
+    line, exit 2, and no staging folder left to clutter OUT's parent."""
     import errno
 
     import safetensors.torch
     from safetensors import SafetensorError
 
+    from llmq.io.stream import StreamedSafetensors
+
     def full(*args: object, **kwargs: object) -> None:
         raise SafetensorError(f"I/O error: No space left on device (os error {errno.ENOSPC})")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    def full_stream(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if path == "model-free":
+        monkeypatch.setattr(StreamedSafetensors, "_write", full_stream)
+    else:
+        monkeypatch.setattr(safetensors.torch, "save_file", full)
     out = tmp_path / "out"
-    result = runner.invoke(app, ["quantize", str(tiny_llama), "--out", str(out), "--scheme", "w8a16", "--skip-layer-check"])  # fmt: skip
+    choice = "--model-free" if path == "model-free" else "--no-model-free"
+    result = runner.invoke(app, ["quantize", str(tiny_llama), "--out", str(out), "--scheme", "w8a16", "--skip-layer-check", choice])  # fmt: skip
     assert result.exit_code == 2
     assert "No space left on device" in one_error_line(result.output)
     assert list(tmp_path.iterdir()) == []

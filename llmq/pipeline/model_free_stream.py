@@ -30,7 +30,7 @@ from llmq.pipeline.linears import check_finite
 from llmq.pipeline.model_free_plan import ModelFreePlan
 from llmq.pipeline.plan import LinearPlan
 from llmq.quant.methods import Method
-from llmq.quant.primitives import ROW_STRATEGIES, QuantizedWeight
+from llmq.quant.primitives import FLOAT32_EXACT, ROW_STRATEGIES, QuantizedWeight
 
 # The float64 working copy of a chunk of rows quantized at once (per-row scales): L2-sized.
 CHUNK_BYTES = 2 << 20
@@ -187,8 +187,8 @@ def _quantized(
     method: Method, fmt: PackFormat, linears: list[LinearPlan], stored: list[torch.Tensor]
 ) -> Tensors:
     """The on-disk tensors of one weight, or of a fused set (NVFP4: one global scale for the
-    set), as the layer pipeline computes them: made float32 as the layer stream materializes
-    them, the same method call (a set's weights stacked by rows, then split) and packing.
+    set), as the layer pipeline computes them: the same values as the layer stream's float32
+    weights, the same method call (a set's weights stacked by rows, then split) and packing.
     Weights with per-row scales go through in chunks of rows whose float64 working copies stay
     in the CPU's cache (2.5x faster than the whole weight at once here; rows are independent,
     so the bytes are the same)."""
@@ -199,12 +199,12 @@ def _quantized(
         for linear, weight in zip(linears, stored, strict=True):
             step = max(1, CHUNK_BYTES // (8 * linear.in_features))
             parts = []
-            for start in range(0, len(weight), step):  # float32 just before it is quantized
-                chunk = _float32(linear, weight[start : start + step])
+            for start in range(0, len(weight), step):  # each chunk read just before it is quantized
+                chunk = _method_input(linear, weight[start : start + step])
                 parts.append(method.quantize_weight(chunk, args, None, scale_dtype=scale_dtype).weight)  # fmt: skip
             weights.append(parts[0] if len(parts) == 1 else QuantizedWeight.joined_rows(parts))  # type: ignore[arg-type]
     else:  # a scale spans rows (the tensor's, a block's, a set's global scale): all at once
-        floats = [_float32(linear, weight) for linear, weight in zip(linears, stored, strict=True)]
+        floats = [_method_input(*pair) for pair in zip(linears, stored, strict=True)]
         stacked = floats[0] if len(floats) == 1 else torch.cat(floats)
         result = method.quantize_weight(stacked, args, None, scale_dtype=scale_dtype)
         parts = [result] if len(floats) == 1 else result.split_rows([len(w) for w in floats])
@@ -216,7 +216,11 @@ def _quantized(
     }
 
 
-def _float32(linear: LinearPlan, rows: torch.Tensor) -> torch.Tensor:
-    weight = rows.to(torch.float32)
+def _method_input(linear: LinearPlan, rows: torch.Tensor) -> torch.Tensor:
+    """`rows` as the method should see them: a bfloat16 or float16 chunk as it is (ranges and
+    quotients are computed in float32 or wider, so its float32 copy would change no byte and
+    cost a third of the quantization's time), any other dtype made float32 as the layer
+    stream makes it."""
+    weight = rows if rows.dtype in FLOAT32_EXACT else rows.to(torch.float32)
     check_finite(weight, f"the weights of {linear.name}")
     return weight

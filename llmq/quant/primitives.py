@@ -199,25 +199,27 @@ def quantize_grouped(groups: Tensor, scale: Tensor, zero: Tensor | None, args: Q
     three times faster than a new tensor per step on million-value chunks (the scan and RTN
     spend most of their time here).
 
-    E4M3 codes of float32 values under a scale float32 holds exactly are computed in float32,
-    the same bytes at half the work: a division is correctly rounded, so the float64 quotient
-    rounded to float32 is the float32 quotient (53 >= 2 x 24 + 2 bits), the clamp at ±448
-    commutes with that rounding, and torch casts float64 to float8_e4m3fn through float32."""
+    E4M3 codes of values and scales float32 holds exactly (a bfloat16 weight as it is stored,
+    or its float32 copy: the same codes) are computed in float32, the same bytes at half the
+    work: a division is correctly rounded, so the float64 quotient rounded to float32 is the
+    float32 quotient (53 >= 2 x 24 + 2 bits), the clamp at ±448 commutes with that rounding,
+    and torch casts float64 to float8_e4m3fn through float32."""
     work = torch.float32 if _e4m3_in_float32(groups, scale, args) else torch.float64
     scaled = groups.to(work, copy=True).div_(scale.to(work).unsqueeze(-1))
     shift = None if zero is None else zero.to(torch.float64).unsqueeze(-1)
     return to_code_grid_(scaled, shift, args).to(FP8_DTYPE if args.type == "float" else torch.int8)
 
 
-_FLOAT32_EXACT = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu)
+# dtypes whose every value float32 holds exactly
+FLOAT32_EXACT = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu)
 
 
 def _e4m3_in_float32(groups: Tensor, scale: Tensor, args: QuantArgs) -> bool:
     return (
         args.type == "float"
         and args.num_bits == 8
-        and groups.dtype == torch.float32
-        and scale.dtype in _FLOAT32_EXACT
+        and groups.dtype in FLOAT32_EXACT
+        and scale.dtype in FLOAT32_EXACT
     )
 
 

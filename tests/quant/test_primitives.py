@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmq.config import QuantArgs
+from llmq.config import QuantArgs, get_scheme
 from llmq.quant.primitives import (
     FP8_MAX,
     fake_quantize,
@@ -147,6 +147,26 @@ def test_fp8_codes_equal_the_float64_path_at_every_midpoint(scale_dtype: torch.d
     q = quantize_weight(w, args, scale_dtype=scale_dtype)
     ref = (w.double() / q.scale.double()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     assert torch.equal(q.codes.view(torch.uint8), ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "scheme", ["fp8", "fp8-block", "mxfp8", "w8a16", "w4a16", "w4a16-asym", "mxfp4a16", "nvfp4a16"]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_weight_quantizes_as_its_float32_copy(scheme: str, dtype: torch.dtype) -> None:
+    """Model-free conversion hands weights to the method as they are stored (no float32 copy):
+    codes, scales and zero points equal those of the float32 copy the layer pipeline
+    quantizes, every value of the 16-bit dtype being a float32 one."""
+    args = get_scheme(scheme).weights
+    generator = torch.Generator().manual_seed(1)
+    weight = (torch.randn(64, 512, generator=generator) * 0.02).to(dtype)
+    weight[0, :8] = torch.tensor([0.0, -0.0, 1e-7, -1e-7, 3.0, -3.0, 1e-30, 65504.0]).to(dtype)
+    stored = quantize_weight(weight, args, scale_dtype=torch.bfloat16)
+    copied = quantize_weight(weight.float(), args, scale_dtype=torch.bfloat16)
+    for name in ("codes", "scale", "zero_point", "global_scale"):
+        got, want = getattr(stored, name), getattr(copied, name)
+        assert (got is None) == (want is None), name
+        assert got is None or torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
 
 
 @pytest.mark.parametrize("kind", ["int", "float"])

@@ -57,11 +57,13 @@ def blocked_causal_applies(
 ) -> bool:
     """Whether `causal_attention` can stand in for SDPA in a transformers attention call: plain
     causal self-attention over windows of BLOCKED_SEQ_LENGTHS tokens on the CPU (the layer
-    passes call layers with no mask), nothing SDPA would do differently asked for."""
+    passes call layers with no mask), nothing SDPA would do differently asked for, and no
+    gradient wanted (its backward would run block by block: SDPA's is one kernel)."""
     seq = query.shape[2]
     window = kwargs.get("sliding_window")
     return (
         query.device.type == "cpu"
+        and not torch.is_grad_enabled()
         and mask is None
         and seq in BLOCKED_SEQ_LENGTHS
         and key.shape[2] == seq

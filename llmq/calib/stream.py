@@ -210,7 +210,7 @@ class LayerStream:
     def _read_weight(self, module: str) -> Tensor:
         return self._read_state(f"{module}.")["weight"]
 
-    def _position_embeddings(self, layer: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    def position_embeddings(self, layer: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin of the rotary embedding for `layer` (its attention type's, where the
         family keeps one table per type)."""
         positions = torch.arange(hidden.shape[1], device=self.device).unsqueeze(0)
@@ -288,7 +288,7 @@ class LayerStream:
     ) -> Iterator[tuple[slice, Any]]:
         """(rows, the layer's output on them) per micro-batch; batches from sample `after` on
         stop before module `stop` and give None."""
-        position_embeddings = self._position_embeddings(layer, hidden[:1])
+        position_embeddings = self.position_embeddings(layer, hidden[:1])
         stop_module = layer.get_submodule(stop)
         for rows in self.batches(hidden):
             stopping = rows.start >= after
@@ -327,7 +327,7 @@ class LayerStream:
             for module in modules:
                 del module.forward
 
-    def _head(self) -> tuple[nn.Module, Tensor]:
+    def head(self) -> tuple[nn.Module, Tensor]:
         """The final norm and the output projection's weight (the embedding's when tied)."""
         norm = self._materialize(self.layout.final_norm, f"{self.layout.final_norm}.")
         head_name = self.layout.embed if self.ckpt.tied_embeddings else self.layout.lm_head
@@ -337,12 +337,12 @@ class LayerStream:
     def log_probs(self, hidden: Tensor) -> Tensor:
         """Next-token log-probabilities [samples, seq, vocab] in float32 from the last layer's
         output, one sample at a time (logits are vocab-wide)."""
-        norm, head = self._head()
+        norm, head = self.head()
         return torch.stack(
-            [torch.log_softmax(self._logits(norm, head, row).float(), dim=-1) for row in hidden]
+            [torch.log_softmax(self.logits(norm, head, row).float(), dim=-1) for row in hidden]
         )
 
-    def _logits(self, norm: nn.Module, head: Tensor, hidden: Tensor) -> Tensor:
+    def logits(self, norm: nn.Module, head: Tensor, hidden: Tensor) -> Tensor:
         """The LM head's logits, capped where the family caps them (Gemma 2: c · tanh(x / c))."""
         logits = norm(hidden) @ head.T
         if self._logit_softcap is None:
@@ -352,10 +352,10 @@ class LayerStream:
     @torch.inference_mode()
     def token_nll(self, hidden: Tensor, input_ids: Tensor) -> tuple[float, int]:
         """Sum of next-token negative log-likelihoods (float64) and the number of tokens scored."""
-        norm, head = self._head()
+        norm, head = self.head()
         total, count = 0.0, 0
         for row in range(hidden.shape[0]):  # one window at a time: logits are vocab-wide
-            logits = self._logits(norm, head, hidden[row, :-1])
+            logits = self.logits(norm, head, hidden[row, :-1])
             targets = input_ids[row, 1:].to(self.device)
             nll = nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
             total += float(nll.double())

@@ -35,12 +35,11 @@ CANDIDATE_RULE = (
     "int4-gN or int8-gN (N a power of two >= 16), int4 or int8 (per channel), fp8, nvfp4a16, "
     "mxfp4a16, mxfp8a16, dense"
 )
-# auto: gradient where the whole model fits in memory (a dense model, four times its float32
-# weights within half the free memory), output elsewhere;
+# auto: gradient for a dense model, output for a mixture of experts;
 # output: each linear's output error on the calibration activations (its inputs' Hessian);
 # residual: that error over the mean square of the residual stream entering its layer;
 # gradient: the output error weighted per output channel by the loss's squared gradients there;
-# fisher: the language-model loss's diagonal Fisher on a few windows (the whole model in memory);
+# fisher: the language-model loss's diagonal Fisher on a few windows;
 # weight: the weights' own squared error (data-free)
 Sensitivity = Literal["auto", "output", "residual", "gradient", "fisher", "weight"]
 

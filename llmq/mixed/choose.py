@@ -126,7 +126,7 @@ def choose(
     it) whose stored bits fit the budget; and llmq.json's record of the choice. `measured`:
     the damages, when an attempt at another budget of the same recipe measured them (filled
     here when empty, for the next attempt)."""
-    sensitivity = resolved_sensitivity(ckpt, budget.config.sensitivity, device)
+    sensitivity = resolved_sensitivity(ckpt, budget.config.sensitivity)
     config = budget.config.model_copy(update={"sensitivity": sensitivity})
     names = [candidate.name for candidate in budget.candidates]
     measured = {} if measured is None else measured

@@ -10,22 +10,23 @@ the inputs' mean squares), ΔW = Q(W) - W, scored these ways.
   rank the last layers' linears first for that alone).
 - fisher: Σ F ⊙ ΔW², F the diagonal (empirical) Fisher of the language-model loss on a few
   calibration windows: the loss's second-order change, which weighs each linear by how much the
-  model's output depends on it. Needs the whole model and its gradients in memory.
+  model's output depends on it.
 - gradient: Σ_j G_j (ΔW H ΔWᵀ)_jj, the output error of each output channel j weighted by
   G_j, the mean squared gradient of the language-model loss at that output, per token (the
   Fisher in K-FAC's factored form: output gradients by input covariance, H from the same
   windows). It keeps what `output` sees of the inputs and adds what `fisher` sees of the loss,
-  with per-token statistics instead of one gradient a window. Whole model in memory.
+  with per-token statistics instead of one gradient a window.
 - weight: Σ ΔW², data-free.
+
+fisher and gradient run the loss backward one decoder layer at a time (`llmq.mixed.backward`).
 
 benchmarks/bench_mixed.py measures which of them predicts perplexity better.
 """
 
 from __future__ import annotations
 
-import math
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -33,37 +34,21 @@ from torch import Tensor, nn
 from llmq.calib.collect import observed_layers
 from llmq.calib.stats import ACCUM_DTYPE, CalibStats
 from llmq.config import MixedConfig
-from llmq.errors import InputError
 from llmq.io.checkpoint import Checkpoint
+from llmq.mixed.backward import backward_by_layer
 from llmq.mixed.units import Candidate, Linear
 from llmq.progress import NO_PROGRESS, Progress
 from llmq.quant.awq import output_error
 
 Measure = Callable[[Tensor], float]  # ΔW [out, in] -> damage
-# `gradient` and `fisher` hold the float32 model, its gradients and one window's activations:
-# about this many times the float32 weights
-WHOLE_MODEL_FACTOR = 4
 
 
-def resolved_sensitivity(ckpt: Checkpoint, sensitivity: str, device: str | None) -> str:
-    """`auto`: gradient (the better predictor: benchmarks/RESULTS.md) where the whole model fits
-    in half the free memory of the device, is dense and is stored as transformers reads it (not
-    an FP8 release read as bfloat16); output (one layer at a time) elsewhere."""
+def resolved_sensitivity(ckpt: Checkpoint, sensitivity: str) -> str:
+    """`auto`: gradient (the better predictor: benchmarks/RESULTS.md) for a dense model;
+    output for a mixture of experts (gradient's lead is measured on dense models only)."""
     if sensitivity != "auto":
         return sensitivity
-    if ckpt.layout.experts is not None or ckpt.views:
-        return "output"
-    weights = sum(math.prod(info.shape) for info in ckpt.tensors.values())
-    return "gradient" if WHOLE_MODEL_FACTOR * 4 * weights <= _free_memory(device) / 2 else "output"
-
-
-def _free_memory(device: str | None) -> int:
-    from llmq.calib.stream import resolve_device
-
-    where = resolve_device(device)
-    if where.type == "cuda":
-        return int(torch.cuda.mem_get_info(where)[0])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return "output" if ckpt.layout.experts is not None else "gradient"
 
 
 def candidate_damages(
@@ -100,9 +85,8 @@ def measure_damages(
     if config.sensitivity in ("fisher", "gradient"):
         assert input_ids is not None
         windows = input_ids[: config.fisher_windows]
-        if config.sensitivity == "gradient":
-            return _gradient_damages(ckpt, linears, candidates, windows, device)
-        return _fisher_damages(ckpt, linears, candidates, windows, device)
+        damages = _gradient_damages if config.sensitivity == "gradient" else _fisher_damages
+        return damages(ckpt, linears, candidates, windows, device, progress)
     hessians = stats is not None and all(
         name in stats.inputs and stats.inputs[name].hessian is not None
         for name in (linear.name for linear in linears)
@@ -145,24 +129,31 @@ def _fisher_damages(
     candidates: list[Candidate],
     input_ids: Tensor,
     device: str | None,
+    progress: Progress,
 ) -> dict[str, list[float]]:
-    """The diagonal Fisher of the whole model's loss on `input_ids`, one window at a time (each
-    window's squared gradient, averaged), weighing each candidate's squared rounding error."""
-    model = _whole_model(ckpt, device)
-    weights = {linear.name: model.get_submodule(linear.name).weight for linear in linears}
-    fisher = {name: torch.zeros_like(weight) for name, weight in weights.items()}
+    """The diagonal Fisher of the loss on `input_ids` (each window's squared gradient of its
+    mean loss, averaged), gathered one layer at a time, weighing each candidate's squared
+    rounding error."""
+    by_layer = _by_layer(ckpt, linears)
+    predicted = input_ids.shape[1] - 1  # the summed loss's gradient over this: the mean's
+    fisher: dict[str, Tensor] = {}
+    damages: dict[str, list[float]] = {}
 
-    def accumulate() -> None:
-        for name, weight in weights.items():
-            fisher[name] += weight.grad.square() / len(input_ids)  # type: ignore[union-attr]
+    def after_window(layer: nn.Module, prefix: str) -> None:
+        for linear in by_layer.get(prefix, []):
+            grad = _module(layer, prefix, linear).weight.grad
+            _add_to(fisher, linear.name, (grad / predicted).square() / len(input_ids))  # type: ignore[operator]
 
-    _backward_each_window(model, input_ids, accumulate, summed=False)
-    damages = {}
-    for linear in linears:
-        weight, diagonal = weights[linear.name].detach(), fisher.pop(linear.name)
-        damages[linear.name] = candidate_damages(
-            weight, linear, candidates, lambda delta, f=diagonal: float((f * delta.square()).sum())
-        )
+    @contextmanager
+    def watch(layer: nn.Module, prefix: str) -> Iterator[None]:
+        yield
+        for linear in by_layer.get(prefix, []):
+            weight, diagonal = _module(layer, prefix, linear).weight.detach(), fisher.pop(linear.name)  # fmt: skip
+            damages[linear.name] = candidate_damages(
+                weight, linear, candidates, lambda d, f=diagonal: float((f * d.square()).sum())
+            )
+
+    backward_by_layer(ckpt, input_ids, watch, after_window=after_window, device=device, progress=progress)  # fmt: skip
     return damages
 
 
@@ -172,75 +163,68 @@ def _gradient_damages(
     candidates: list[Candidate],
     input_ids: Tensor,
     device: str | None,
+    progress: Progress,
 ) -> dict[str, list[float]]:
     """Each linear's input covariance H and per-output squared loss gradients G, gathered by
-    hooks over `input_ids` (the loss summed over tokens, so each token's gradient is its own),
-    weighing each candidate's output error channel by channel."""
-    model = _whole_model(ckpt, device)
-    gram = {linear.name: torch.zeros(linear.columns, linear.columns) for linear in linears}
-    grad2 = {linear.name: torch.zeros(linear.rows) for linear in linears}
+    hooks while the loss goes backward one layer at a time (the loss summed over tokens, so
+    each token's gradient is its own), weighing each candidate's output error channel by
+    channel."""
+    by_layer = _by_layer(ckpt, linears)
     tokens = input_ids.numel()
+    damages: dict[str, list[float]] = {}
 
-    def observe(name: str) -> Callable[..., None]:
-        def hook(_module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(ACCUM_DTYPE)
-            gram[name] += (x.T @ x).cpu() / tokens
-            output.register_hook(lambda g: _add(grad2[name], g.reshape(-1, g.shape[-1]).square().sum(0) / tokens))  # fmt: skip
+    @contextmanager
+    def watch(layer: nn.Module, prefix: str) -> Iterator[None]:
+        mine = {linear.name: (linear, _module(layer, prefix, linear)) for linear in by_layer.get(prefix, [])}  # fmt: skip
+        gram = {name: _zeros(module, linear.columns, linear.columns) for name, (linear, module) in mine.items()}  # fmt: skip
+        grad2 = {name: _zeros(module, linear.rows) for name, (linear, module) in mine.items()}
 
-        return hook
+        def observe(name: str) -> Callable[..., None]:
+            def hook(_module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).to(ACCUM_DTYPE)
+                gram[name] += x.T @ x / tokens
+                output.register_hook(lambda g: _add(grad2[name], g.reshape(-1, g.shape[-1]).square().sum(0) / tokens))  # fmt: skip
 
-    handles = [model.get_submodule(one.name).register_forward_hook(observe(one.name)) for one in linears]  # fmt: skip
-    try:
-        _backward_each_window(model, input_ids, lambda: None, summed=True)
-    finally:
-        for handle in handles:
-            handle.remove()
-    damages = {}
-    for linear in linears:
-        weight = model.get_submodule(linear.name).weight.detach()
-        h, g = gram.pop(linear.name).to(weight.device), grad2.pop(linear.name).to(weight.device)
-        damages[linear.name] = candidate_damages(
-            weight, linear, candidates, lambda d, h=h, g=g: float((g[:, None] * (d @ h) * d).sum()),
-            h.diagonal(),
-        )  # fmt: skip
+            return hook
+
+        handles = [module.register_forward_hook(observe(name)) for name, (_, module) in mine.items()]  # fmt: skip
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        for name, (linear, module) in mine.items():
+            h, g = gram.pop(name), grad2.pop(name)
+            damages[name] = candidate_damages(
+                module.weight.detach(), linear, candidates,
+                lambda d, h=h, g=g: float((g[:, None] * (d @ h) * d).sum()), h.diagonal(),
+            )  # fmt: skip
+
+    backward_by_layer(ckpt, input_ids, watch, device=device, progress=progress)
     return damages
 
 
-def _backward_each_window(
-    model: nn.Module, input_ids: Tensor, after: Callable[[], None], *, summed: bool
-) -> None:
-    """The loss of each window backward in turn, `after` reading the gradients before they are
-    cleared. `summed`: the loss summed over the predicted tokens (each token's gradient its
-    own), else their mean (the window's gradient)."""
-    for window in input_ids.to(next(model.parameters()).device):
-        loss = model(input_ids=window[None], labels=window[None]).loss
-        (loss * (len(window) - 1) if summed else loss).backward()
-        after()
-        model.zero_grad(set_to_none=True)
+def _by_layer(ckpt: Checkpoint, linears: list[Linear]) -> dict[str, list[Linear]]:
+    """The linears by their decoder layer's prefix ("model.layers.3.")."""
+    prefixes = [ckpt.layout.layer_prefix(index) for index in range(ckpt.num_layers)]
+    grouped: dict[str, list[Linear]] = {}
+    for linear in linears:
+        prefix = next(prefix for prefix in prefixes if linear.name.startswith(prefix))
+        grouped.setdefault(prefix, []).append(linear)
+    return grouped
+
+
+def _module(layer: nn.Module, prefix: str, linear: Linear) -> nn.Module:
+    return layer.get_submodule(linear.name.removeprefix(prefix))
+
+
+def _zeros(module: nn.Module, *shape: int) -> Tensor:
+    return torch.zeros(*shape, dtype=ACCUM_DTYPE, device=module.weight.device)
+
+
+def _add_to(totals: dict[str, Tensor], name: str, value: Tensor) -> None:
+    totals[name] = value if name not in totals else totals[name] + value
 
 
 def _add(total: Tensor, value: Tensor) -> None:
     total += value.to(total)
-
-
-def _whole_model(ckpt: Checkpoint, device: str | None) -> nn.Module:
-    """The float32 model with gradients for its weights (the calibration pass's device); a
-    mixture of experts is refused: transformers holds its experts fused, not as the checkpoint's
-    linears."""
-    from transformers import AutoModelForCausalLM
-
-    from llmq.calib.stream import resolve_device
-
-    hint = "use --sensitivity output (measured one layer at a time)"
-    if ckpt.layout.experts is not None:
-        raise InputError(
-            "--sensitivity fisher and gradient: transformers holds a mixture's experts fused, "
-            "not as the checkpoint's linears",
-            hint=hint,
-        )
-    if ckpt.views:
-        raise InputError("--sensitivity fisher and gradient: transformers would load this FP8 release's codes, not the bfloat16 weights llmq reads", hint=hint)  # fmt: skip
-
-    model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
-    model.to(resolve_device(device)).eval()
-    return model

@@ -114,6 +114,7 @@ class _Attention(nn.Module):
         ({"sliding_window": 4096}, True),
         ({"is_causal": False}, False),
         ({"softcap": 30.0}, False),
+        ({"gradients": True}, False),  # a backward pass: SDPA's backward is one kernel
     ],
 )
 def test_dispatch_only_for_plain_causal_cpu_windows(change: dict, expected: bool) -> None:
@@ -122,8 +123,11 @@ def test_dispatch_only_for_plain_causal_cpu_windows(change: dict, expected: bool
     query = torch.empty(1, 2, seq, 8, device=device)
     key = torch.empty(1, 2, change.get("keys", seq), 8, device=device)
     kwargs = {"scaling": 0.3, "dropout": 0.0}
-    kwargs.update({k: v for k, v in change.items() if k not in ("seq", "device", "keys", "mask")})
-    assert blocked_causal_applies(_Attention(), query, key, change.get("mask"), kwargs) is expected
+    own = ("seq", "device", "keys", "mask", "gradients")
+    kwargs.update({k: v for k, v in change.items() if k not in own})
+    with torch.set_grad_enabled(change.get("gradients", False)):
+        applies = blocked_causal_applies(_Attention(), query, key, change.get("mask"), kwargs)
+    assert applies is expected
 
 
 @pytest.mark.parametrize("kv_heads", [2, 8], ids=["gqa", "mha"])

@@ -268,8 +268,8 @@ def test_auto_sensitivity_is_gradient_where_the_model_fits_and_dense(
         json.loads((out / "llmq.json").read_text())["mixed_precision"]["sensitivity"] == "gradient"
     )
     moe = open_checkpoint(make_tiny(tmp_path / "moe", default_model, model_type="qwen3_moe"))
-    assert resolved_sensitivity(moe, "auto", "cpu") == "output"
-    assert resolved_sensitivity(open_checkpoint(tiny_bf16), "weight", "cpu") == "weight"
+    assert resolved_sensitivity(moe, "auto") == "output"
+    assert resolved_sensitivity(open_checkpoint(tiny_bf16), "weight") == "weight"
 
 
 def test_fp8_candidates_mix_with_integers_in_a_checkpoint_transformers_reads(

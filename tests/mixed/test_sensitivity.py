@@ -5,6 +5,7 @@ dense costs no damage; a mixture's experts form one unit."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,39 @@ def test_gradient_damage_weighs_each_output_channels_error_by_its_squared_loss_g
         delta = rtn_quantize_weight(weight, args).dequantize(torch.float64) - weight.double()
         reference = float((g2[:, None] * (delta @ h) * delta).sum())
         assert damage == pytest.approx(reference, rel=1e-4)
+
+
+def test_gradient_damage_through_a_mixture_of_experts(tmp_path: Path, default_model: Path) -> None:
+    """The loss goes backward through a mixture's routed experts one layer at a time: layer 0's
+    attention sees the gradient that flowed through layer 1's experts, as in transformers'
+    whole model (a float64 reference as above); each expert's damages are finite and ordered."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_moe = make_tiny(tmp_path / "moe", default_model, model_type="qwen3_moe")
+    ckpt = open_checkpoint(tiny_moe)
+    names = ["model.layers.0.self_attn.o_proj", "model.layers.1.mlp.experts.2.down_proj"]
+    linears = [linear_of(ckpt, name) for name in names]
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(4))
+    config = MixedConfig(target_bits=5, sensitivity="gradient", fisher_windows=2)
+    damages = measure_damages(ckpt, linears, CANDIDATES, config, ids)
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32)
+    module = model.get_submodule(names[0])
+    seen: dict[str, torch.Tensor] = {}
+    module.register_forward_hook(lambda _m, a, o: seen.update(x=a[0], y=o) or o.retain_grad())
+    linear = linears[0]
+    g2 = torch.zeros(linear.rows, dtype=torch.float64)
+    h = torch.zeros(linear.columns, linear.columns, dtype=torch.float64)
+    for window in ids:
+        loss = model(input_ids=window[None], labels=window[None]).loss * (len(window) - 1)
+        loss.backward()
+        g2 += seen["y"].grad.double().reshape(-1, linear.rows).square().sum(0) / ids.numel()
+        x = seen["x"].detach().double().reshape(-1, linear.columns)
+        h += x.T @ x / ids.numel()
+    weight = module.weight.detach()
+    for candidate, damage in zip(CANDIDATES, damages[names[0]], strict=True):
+        args = candidate.fitted(linear)
+        if args is not None:
+            delta = rtn_quantize_weight(weight, args).dequantize(torch.float64) - weight.double()
+            assert damage == pytest.approx(float((g2[:, None] * (delta @ h) * delta).sum()), rel=1e-4)  # fmt: skip
+    expert = damages[names[1]]
+    assert all(math.isfinite(d) for d in expert) and expert[0] > expert[1] > expert[2] > expert[3] == 0.0  # fmt: skip

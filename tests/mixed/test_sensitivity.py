@@ -120,22 +120,14 @@ def test_residual_damage_is_output_damage_over_the_streams_mean_square(tiny: Pat
             assert ratios[0] == pytest.approx(energy, rel=1e-5)
 
 
-def test_gradient_damage_weighs_each_output_channels_error_by_its_squared_loss_gradient(
-    tiny: Path,
-) -> None:
+def whole_model_gradient_damages(folder: Path, linear: Linear, ids: torch.Tensor) -> list[float]:
     """Σ_j G_j (ΔW H ΔWᵀ)_jj with G the per-token squared gradient of the summed loss at the
-    linear's output and H its inputs' covariance, both taken here from one retained forward
-    and backward pass per window, in float64."""
+    linear's output and H its inputs' covariance, both from one retained forward and backward
+    pass of transformers' whole model per window, in float64 (0 for dense)."""
     from transformers import AutoModelForCausalLM
 
-    ckpt = open_checkpoint(tiny)
-    name = "model.layers.1.mlp.down_proj"
-    linear = linear_of(ckpt, name)
-    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(3))
-    config = MixedConfig(target_bits=5, sensitivity="gradient", fisher_windows=2)
-    damages = measure_damages(ckpt, [linear], CANDIDATES, config, ids)[name]
-    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
-    module = model.get_submodule(name)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    module = model.get_submodule(linear.name)
     seen: dict[str, torch.Tensor] = {}
     module.register_forward_hook(lambda _m, a, o: seen.update(x=a[0], y=o) or o.retain_grad())
     g2 = torch.zeros(linear.rows, dtype=torch.float64)
@@ -147,22 +139,33 @@ def test_gradient_damage_weighs_each_output_channels_error_by_its_squared_loss_g
         x = seen["x"].detach().double().reshape(-1, linear.columns)
         h += x.T @ x / ids.numel()
     weight = module.weight.detach()
-    for candidate, damage in zip(CANDIDATES, damages, strict=True):
+    damages = []
+    for candidate in CANDIDATES:
         args = candidate.fitted(linear)
         if args is None:
-            assert damage == 0.0
+            damages.append(0.0)
             continue
         delta = rtn_quantize_weight(weight, args).dequantize(torch.float64) - weight.double()
-        reference = float((g2[:, None] * (delta @ h) * delta).sum())
-        assert damage == pytest.approx(reference, rel=1e-4)
+        damages.append(float((g2[:, None] * (delta @ h) * delta).sum()))
+    return damages
+
+
+def test_gradient_damage_weighs_each_output_channels_error_by_its_squared_loss_gradient(
+    tiny: Path,
+) -> None:
+    """The layer-by-layer gradient damages equal the whole model's (above)."""
+    ckpt = open_checkpoint(tiny)
+    linear = linear_of(ckpt, "model.layers.1.mlp.down_proj")
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(3))
+    config = MixedConfig(target_bits=5, sensitivity="gradient", fisher_windows=2)
+    damages = measure_damages(ckpt, [linear], CANDIDATES, config, ids)[linear.name]
+    assert damages == pytest.approx(whole_model_gradient_damages(tiny, linear, ids), rel=1e-4)
 
 
 def test_gradient_damage_through_a_mixture_of_experts(tmp_path: Path, default_model: Path) -> None:
     """The loss goes backward through a mixture's routed experts one layer at a time: layer 0's
     attention sees the gradient that flowed through layer 1's experts, as in transformers'
-    whole model (a float64 reference as above); each expert's damages are finite and ordered."""
-    from transformers import AutoModelForCausalLM
-
+    whole model; each expert's damages are finite and ordered."""
     tiny_moe = make_tiny(tmp_path / "moe", default_model, model_type="qwen3_moe")
     ckpt = open_checkpoint(tiny_moe)
     names = ["model.layers.0.self_attn.o_proj", "model.layers.1.mlp.experts.2.down_proj"]
@@ -170,24 +173,7 @@ def test_gradient_damage_through_a_mixture_of_experts(tmp_path: Path, default_mo
     ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(4))
     config = MixedConfig(target_bits=5, sensitivity="gradient", fisher_windows=2)
     damages = measure_damages(ckpt, linears, CANDIDATES, config, ids)
-    model = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32)
-    module = model.get_submodule(names[0])
-    seen: dict[str, torch.Tensor] = {}
-    module.register_forward_hook(lambda _m, a, o: seen.update(x=a[0], y=o) or o.retain_grad())
-    linear = linears[0]
-    g2 = torch.zeros(linear.rows, dtype=torch.float64)
-    h = torch.zeros(linear.columns, linear.columns, dtype=torch.float64)
-    for window in ids:
-        loss = model(input_ids=window[None], labels=window[None]).loss * (len(window) - 1)
-        loss.backward()
-        g2 += seen["y"].grad.double().reshape(-1, linear.rows).square().sum(0) / ids.numel()
-        x = seen["x"].detach().double().reshape(-1, linear.columns)
-        h += x.T @ x / ids.numel()
-    weight = module.weight.detach()
-    for candidate, damage in zip(CANDIDATES, damages[names[0]], strict=True):
-        args = candidate.fitted(linear)
-        if args is not None:
-            delta = rtn_quantize_weight(weight, args).dequantize(torch.float64) - weight.double()
-            assert damage == pytest.approx(float((g2[:, None] * (delta @ h) * delta).sum()), rel=1e-4)  # fmt: skip
+    reference = whole_model_gradient_damages(tiny_moe, linears[0], ids)
+    assert damages[names[0]] == pytest.approx(reference, rel=1e-4)
     expert = damages[names[1]]
     assert all(math.isfinite(d) for d in expert) and expert[0] > expert[1] > expert[2] > expert[3] == 0.0  # fmt: skip

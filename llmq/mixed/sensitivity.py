@@ -142,10 +142,12 @@ def _fisher_damages(
     def after_window(layer: nn.Module, prefix: str) -> None:
         for linear in by_layer.get(prefix, []):
             grad = _module(layer, prefix, linear).weight.grad
-            _add_to(fisher, linear.name, (grad / predicted).square() / len(input_ids))  # type: ignore[operator]
+            _add(fisher[linear.name], (grad / predicted).square() / len(input_ids))  # type: ignore[operator]
 
     @contextmanager
     def watch(layer: nn.Module, prefix: str) -> Iterator[None]:
+        for linear in by_layer.get(prefix, []):
+            fisher[linear.name] = _zeros(_module(layer, prefix, linear), linear.rows, linear.columns)  # fmt: skip
         yield
         for linear in by_layer.get(prefix, []):
             weight, diagonal = _module(layer, prefix, linear).weight.detach(), fisher.pop(linear.name)  # fmt: skip
@@ -220,10 +222,6 @@ def _module(layer: nn.Module, prefix: str, linear: Linear) -> nn.Module:
 
 def _zeros(module: nn.Module, *shape: int) -> Tensor:
     return torch.zeros(*shape, dtype=ACCUM_DTYPE, device=module.weight.device)
-
-
-def _add_to(totals: dict[str, Tensor], name: str, value: Tensor) -> None:
-    totals[name] = value if name not in totals else totals[name] + value
 
 
 def _add(total: Tensor, value: Tensor) -> None:
